@@ -1,7 +1,7 @@
 """FastPersist checkpoints: torch.save/safetensors-compatible files at the storage's speed."""
 
 from .async_save import AsyncCheckpointer, AsyncSaveHandle, async_save
-from .atomic import clean_temp_files
+from .atomic import clean_temp_files, wait_for_releases
 from .distributed import DistributedSaveError, save_distributed
 from .format import CheckpointFormatError
 from .load import load
@@ -20,4 +20,5 @@ __all__ = [
     "save",
     "save_distributed",
     "save_safetensors",
+    "wait_for_releases",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
@@ -13,6 +14,7 @@ from ..config import IOConfig, resolve_config
 from ..errors import DeepNVMeIOError
 from ..handle import AioHandle
 from ..io.posix import POSIX, Posix
+from . import atomic
 
 __all__ = ["CHECKPOINT_DEFAULTS", "checkpoint_config", "storage_bytes", "aligned_empty",
            "write_at", "read_at"]
@@ -108,7 +110,13 @@ def reserve(path: str, size: int, *, posix: Posix = POSIX) -> None:
         return
     fd = posix.open(path, write=True, direct=False)
     try:
-        posix.fallocate(fd, 0, size)
+        try:
+            posix.fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            atomic.wait_for_releases()  # replaced checkpoints still being freed: wait, retry once
+            posix.fallocate(fd, 0, size)
     except OSError as exc:
         raise DeepNVMeIOError.from_oserror(exc, op="fallocate", path=path, offset=0,
                                            size=size) from None

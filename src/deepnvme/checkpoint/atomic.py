@@ -3,6 +3,12 @@
 Temporary files are named ``.<final name>.deepnvme-tmp-<pid>-<random>``. They are removed after
 success and after any exception; only a crash (SIGKILL, power loss) can leave one behind.
 :func:`clean_temp_files` removes those whose writing process no longer exists.
+
+Replacing a file frees the old file's blocks, which is slow on filesystems mounted with
+``discard`` (0.25-0.3 s for 1 GiB on the development machine's ext4). :func:`commit` keeps the
+old file open across the rename and closes it on a background thread, so the blocks are freed
+after the new file is already durable and the caller has moved on; :func:`wait_for_releases`
+waits for that clean-up (benchmarks use it so one save's clean-up is not timed in the next).
 """
 
 from __future__ import annotations
@@ -11,14 +17,17 @@ import contextlib
 import errno
 import logging
 import os
+import queue
 import re
 import secrets
+import stat
+import threading
 from collections.abc import Iterator
 
 from ..errors import DeepNVMeIOError
 
 __all__ = ["atomic_target", "commit", "fsync_dir", "temp_name", "clean_temp_files",
-           "check_target_dir"]
+           "check_target_dir", "wait_for_releases"]
 
 log = logging.getLogger(__name__)
 _TMP_RE = re.compile(r"^\.(?P<final>.+)\.deepnvme-tmp-(?P<pid>\d+)-[0-9a-f]+$")
@@ -59,11 +68,73 @@ def fsync_path(path: str) -> None:
 
 
 def commit(tmp: str, path: str, *, fsync_file: bool = True) -> None:
-    """Make ``tmp`` durable and atomically visible as ``path`` (fsync file, rename, fsync dir)."""
+    """Make ``tmp`` durable and atomically visible as ``path`` (fsync file, rename, fsync dir).
+
+    A regular file replaced at ``path`` is freed in the background (see the module docstring).
+    """
     if fsync_file:
         fsync_path(tmp)
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    old = _hold_regular_file(path)
+    try:
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+    finally:
+        if old is not None:
+            _releaser.release(old)
+
+
+def _hold_regular_file(path: str) -> int | None:
+    """A read-only descriptor of the regular file at ``path`` (None if there is none to hold)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None  # no file, a symlink, or unreadable: the rename frees nothing we can defer
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    return None
+
+
+class _Releaser:
+    """Closes descriptors of replaced files on one daemon thread (started on first use)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[int] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def release(self, fd: int) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="deepnvme-release",
+                                                daemon=True)
+                self._thread.start()
+        self._queue.put(fd)
+
+    def _run(self) -> None:
+        while True:
+            fd = self._queue.get()
+            try:
+                _close_released(fd)
+            except OSError as exc:
+                log.error("deepnvme: closing a replaced checkpoint file failed: %s", exc)
+            finally:
+                self._queue.task_done()
+
+    def wait(self) -> None:
+        self._queue.join()
+
+
+def _close_released(fd: int) -> None:
+    os.close(fd)  # the last reference: the kernel frees the replaced file's blocks here
+
+
+_releaser = _Releaser()
+
+
+def wait_for_releases() -> None:
+    """Block until every file replaced by a commit so far has been freed."""
+    _releaser.wait()
 
 
 def remove_quietly(path: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -37,7 +37,8 @@ class _CapturingPickleModule(types.SimpleNamespace):
     it returns is seen together with the storage object it was made from.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_storage: Callable[[str, torch.UntypedStorage], None] | None = None
+                 ) -> None:
         storages: dict[str, torch.UntypedStorage] = {}
 
         class Pickler(pickle.Pickler):
@@ -49,7 +50,10 @@ class _CapturingPickleModule(types.SimpleNamespace):
                     pid = original(self, obj)
                     if isinstance(pid, tuple) and pid and pid[0] == "storage":
                         st = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
-                        storages.setdefault(pid[2], st)
+                        if pid[2] not in storages:
+                            storages[pid[2]] = st
+                            if on_storage is not None:
+                                on_storage(pid[2], st)
                     return pid
 
                 cls.persistent_id = persistent_id  # type: ignore[method-assign]
@@ -71,27 +75,33 @@ class StorageLayout:
         return sum(span.size for _, span in self.items.values())
 
 
-def pickle_skeleton(obj: Any, path: str) -> dict[str, torch.UntypedStorage]:
+def pickle_skeleton(obj: Any, path: str,
+                    on_storage: Callable[[str, torch.UntypedStorage], None] | None = None
+                    ) -> dict[str, torch.UntypedStorage]:
     """torch.save ``obj`` to ``path`` without storage bytes; return each record key's storage.
 
     Records are aligned to :data:`STORAGE_ALIGNMENT`. ``path`` may be ``os.devnull`` to learn
-    the keys only. Blocks.
+    the keys only. ``on_storage(key, storage)`` is called as each new storage is pickled
+    (asynchronous saves start copying it then). Blocks.
     """
     from torch.utils.serialization import config as ser_config
 
-    capture = _CapturingPickleModule()
+    capture = _CapturingPickleModule(on_storage)
     with ser_config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}):
         with torch.serialization.skip_data():
             torch.save(obj, path, pickle_module=capture)
     return capture.storages
 
 
-def write_skeleton(obj: Any, path: str) -> StorageLayout:
+def write_skeleton(obj: Any, path: str,
+                   on_storage: Callable[[str, torch.UntypedStorage], None] | None = None
+                   ) -> StorageLayout:
     """Let torch.save write ``path`` without storage bytes; return where each storage belongs.
 
     Blocks. The records are aligned to :data:`STORAGE_ALIGNMENT`; the holes are filled later.
+    ``on_storage`` is passed to :func:`pickle_skeleton`.
     """
-    storages = pickle_skeleton(obj, path)
+    storages = pickle_skeleton(obj, path, on_storage)
     with open(path, "rb") as f:
         spans = storage_spans(read_record_spans(f, path=path, file_size=os.fstat(f.fileno()).st_size))
     check_sizes(spans, {k: s.nbytes() for k, s in storages.items()}, path=path)

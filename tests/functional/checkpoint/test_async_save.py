@@ -130,10 +130,10 @@ def test_close_during_a_snapshot_fails_that_save_cleanly(tmp_path, monkeypatch):
     real = module.write_skeleton
     entered, release = threading.Event(), threading.Event()
 
-    def slow_skeleton(obj, tmp):
+    def slow_skeleton(obj, tmp, on_storage=None):
         entered.set()
         assert release.wait(10)
-        return real(obj, tmp)
+        return real(obj, tmp, on_storage)
 
     monkeypatch.setattr(module, "write_skeleton", slow_skeleton)
     ck = deepnvme.AsyncCheckpointer()
@@ -153,3 +153,62 @@ def test_close_during_a_snapshot_fails_that_save_cleanly(tmp_path, monkeypatch):
     t.join(10)
     assert isinstance(out.get("error"), RuntimeError), out
     assert os.listdir(tmp_path) == []
+
+
+def _state(n_big: int, fill: float) -> dict:
+    return {f"w{i}": torch.full((n_big + 1000 * i,), fill + i) for i in range(4)} | {
+        "tiny": torch.tensor([fill]), "empty": torch.empty(0), "step": int(fill)}
+
+
+def _check(path, expected: dict) -> None:
+    back = torch.load(path, weights_only=True)
+    assert back.keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v
+
+
+def test_snapshot_copies_while_pickling_and_grows_the_arena(tmp_path, monkeypatch):
+    """Saves that fit the reused arena copy storages as the pickler finds them; a larger one
+    (the arena overflows half-way) starts over in a bigger arena; all files hold the values."""
+    from deepnvme.memory import copy as copy_mod
+    monkeypatch.setattr(copy_mod, "_PIECE", 4096)  # many pieces, shared among threads
+    module = __import__("sys").modules["deepnvme.checkpoint.async_save"]
+    early = []
+    real_on_storage = module._Snapshot.on_storage
+
+    def spy(self, key, storage):
+        real_on_storage(self, key, storage)
+        early.append(key in self._slots)
+
+    monkeypatch.setattr(module._Snapshot, "on_storage", spy)
+    with deepnvme.AsyncCheckpointer() as ck:
+        plan = [(100_000, 1.0), (100_000, 2.0), (300_000, 3.0), (50_000, 4.0)]
+        for i, (n, fill) in enumerate(plan):
+            early.clear()
+            state = _state(n, fill)
+            h = ck.save(state, tmp_path / f"c{i}.pt")
+            expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                        for k, v in state.items()}
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    v.fill_(-7)  # training mutates right after the call
+            h.wait()
+            _check(tmp_path / f"c{i}.pt", expected)
+            if i == 0:
+                assert not any(early)  # no arena yet: everything is copied after pickling
+            elif i in (1, 3):
+                assert all(early)  # fits the reused arena: copied while pickling
+            else:
+                assert any(early) and not all(early)  # overflowed half-way: started over
+
+
+def test_failed_pickling_after_early_copies_keeps_the_checkpointer_usable(tmp_path):
+    with deepnvme.AsyncCheckpointer() as ck:
+        ck.save(_state(100_000, 1.0), tmp_path / "first.pt").wait()
+        bad = {"a": torch.ones(100_000), "fn": lambda: None}  # pickling fails after "a"
+        with pytest.raises(Exception):
+            ck.save(bad, tmp_path / "bad.pt")
+        good = _state(100_000, 2.0)
+        ck.save(good, tmp_path / "good.pt").wait()
+        _check(tmp_path / "good.pt", good)
+    assert sorted(os.listdir(tmp_path)) == ["first.pt", "good.pt"]

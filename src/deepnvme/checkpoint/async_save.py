@@ -90,8 +90,13 @@ class AsyncCheckpointer:
         self._pending: list[_SaveFuture] = []
         self._closed = False
 
-    def save(self, obj: Any, path: str | os.PathLike[str]) -> AsyncSaveHandle:
-        """Snapshot ``obj`` now and write it to ``path`` in the background."""
+    def save(self, obj: Any, path: str | os.PathLike[str], *, recycle: bool = False
+             ) -> AsyncSaveHandle:
+        """Snapshot ``obj`` now and write it to ``path`` in the background.
+
+        ``recycle``: as for :func:`deepnvme.save` (overwrite ``path``'s spare file, keep the
+        replaced file as the next spare).
+        """
         path = os.fspath(path)
         with self._lock:
             if self._closed:
@@ -99,7 +104,7 @@ class AsyncCheckpointer:
             self._start()
         atomic.check_target_dir(path)
         arena = self._arenas.get()  # waits while max_in_flight saves are pending
-        tmp = atomic.temp_name(path)
+        tmp = (atomic.take_spare(path) if recycle else None) or atomic.temp_name(path)
         snapshot = _Snapshot(arena)
         try:
             layout = write_skeleton(obj, tmp, snapshot.on_storage)
@@ -119,7 +124,7 @@ class AsyncCheckpointer:
                 raise RuntimeError("AsyncCheckpointer was closed while this save was starting")
             # keep failed saves until a wait raised their error (wait_all/close report them)
             self._pending = [f for f in self._pending if not _settled(f)] + [future]
-            self._jobs.put((tmp, path, arena, items, future))
+            self._jobs.put((tmp, path, recycle, arena, items, future))
         return AsyncSaveHandle(path, future)
 
     def _start(self) -> None:
@@ -134,11 +139,11 @@ class AsyncCheckpointer:
             job = self._jobs.get()
             if job is None:
                 return
-            tmp, path, arena, items, future = job
+            tmp, path, recycle, arena, items, future = job
             try:
                 _io.reserve(tmp, os.path.getsize(tmp))
                 _io.write_at(handle, tmp, items, fsync=True)
-                atomic.commit(tmp, path, fsync_file=False)
+                atomic.commit(tmp, path, fsync_file=False, keep_spare=recycle)
             except BaseException as exc:  # delivered to wait()
                 atomic.remove_quietly(tmp)
                 future.set_exception(exc)
@@ -256,17 +261,19 @@ def _close_default() -> None:
 
 
 def async_save(obj: Any, path: str | os.PathLike[str], *,
-               config: IOConfig | Mapping[str, Any] | None = None) -> AsyncSaveHandle:
+               config: IOConfig | Mapping[str, Any] | None = None, recycle: bool = False
+               ) -> AsyncSaveHandle:
     """Start saving ``obj`` to ``path`` (torch.save format) and return at once with a handle.
 
     Blocks only to snapshot the tensors into a reused staging arena (one save in flight: a
     second call first waits for the previous save). ``handle.wait()`` re-raises any error.
     The process waits for pending saves at exit. ``config`` is used when the shared background
     checkpointer is first created; make an :class:`AsyncCheckpointer` for other settings.
+    ``recycle`` is as for :func:`deepnvme.save`.
     """
     global _default
     with _default_lock:
         if _default is None or _default._closed:
             _default = AsyncCheckpointer(config=config)
             atexit.register(_close_default)
-    return _default.save(obj, path)
+    return _default.save(obj, path, recycle=recycle)

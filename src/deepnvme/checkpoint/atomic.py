@@ -9,6 +9,11 @@ Replacing a file frees the old file's blocks, which is slow on filesystems mount
 old file open across the rename and closes it on a background thread, so the blocks are freed
 after the new file is already durable and the caller has moved on; :func:`wait_for_releases`
 waits for that clean-up (benchmarks use it so one save's clean-up is not timed in the next).
+
+Recycling (opt-in, ``recycle=True`` on the save functions): the replaced file is kept as
+``.<final name>.deepnvme-spare`` and becomes the next save's temporary file, so that save
+overwrites allocated, written blocks instead of filling new ones, and nothing is freed. It
+costs a second copy of the checkpoint on disk; delete the spare at any time to get it back.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from collections.abc import Iterator
 from ..errors import DeepNVMeIOError
 
 __all__ = ["atomic_target", "commit", "fsync_dir", "temp_name", "clean_temp_files",
-           "check_target_dir", "wait_for_releases"]
+           "check_target_dir", "wait_for_releases", "spare_name", "take_spare"]
 
 log = logging.getLogger(__name__)
 _TMP_RE = re.compile(r"^\.(?P<final>.+)\.deepnvme-tmp-(?P<pid>\d+)-[0-9a-f]+$")
@@ -67,13 +72,61 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def commit(tmp: str, path: str, *, fsync_file: bool = True) -> None:
+def spare_name(path: str) -> str:
+    """Where ``commit(..., keep_spare=True)`` keeps the file it replaced: ``.<name>.deepnvme-spare``."""
+    directory, base = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{base}.deepnvme-spare")
+
+
+def take_spare(path: str) -> str | None:
+    """Rename ``path``'s spare file, if there is one, to a fresh temporary name and return that.
+
+    The next save then overwrites blocks that are already allocated and written, which is
+    faster than filling a new file (see BENCHMARKS.md). None when there is no spare (or a
+    concurrent save took it first).
+    """
+    tmp = temp_name(path)
+    try:
+        os.rename(spare_name(path), tmp)
+    except FileNotFoundError:
+        return None
+    return tmp
+
+
+def _keep_as_spare(path: str) -> None:
+    """Give the regular file at ``path`` a second name, its spare, replacing an older spare."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return
+    except FileNotFoundError:
+        return
+    link = temp_name(path)
+    try:
+        os.link(path, link)
+    except OSError as exc:  # e.g. a filesystem without hard links: save without recycling
+        log.warning("deepnvme: cannot keep %s as a spare (%s); it is freed instead", path, exc)
+        return
+    older = _hold_regular_file(spare_name(path))
+    try:
+        os.replace(link, spare_name(path))
+    except BaseException:
+        remove_quietly(link)
+        raise
+    finally:
+        if older is not None:
+            _releaser.release(older)
+
+
+def commit(tmp: str, path: str, *, fsync_file: bool = True, keep_spare: bool = False) -> None:
     """Make ``tmp`` durable and atomically visible as ``path`` (fsync file, rename, fsync dir).
 
-    A regular file replaced at ``path`` is freed in the background (see the module docstring).
+    A regular file replaced at ``path`` is freed in the background (see the module docstring),
+    or, with ``keep_spare``, kept under :func:`spare_name` for the next save to overwrite.
     """
     if fsync_file:
         fsync_path(tmp)
+    if keep_spare:
+        _keep_as_spare(path)
     old = _hold_regular_file(path)
     try:
         os.replace(tmp, path)
@@ -148,16 +201,19 @@ def remove_quietly(path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_target(path: str) -> Iterator[str]:
+def atomic_target(path: str, *, recycle: bool = False) -> Iterator[str]:
     """Yield a temporary path; on normal exit commit it to ``path``, on an exception remove it.
 
-    The previous file at ``path`` (if any) is untouched until the final rename.
+    The previous file at ``path`` (if any) is untouched until the final rename. With
+    ``recycle``, the temporary file is ``path``'s spare when there is one (its old bytes are
+    still there: the writer must overwrite or truncate them) and the replaced file becomes the
+    next spare.
     """
     check_target_dir(path)
-    tmp = temp_name(path)
+    tmp = (take_spare(path) if recycle else None) or temp_name(path)
     try:
         yield tmp
-        commit(tmp, path)
+        commit(tmp, path, keep_spare=recycle)
     except BaseException:
         remove_quietly(tmp)
         raise

@@ -87,9 +87,14 @@ def pickle_skeleton(obj: Any, path: str,
     from torch.utils.serialization import config as ser_config
 
     capture = _CapturingPickleModule(on_storage)
-    with ser_config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}):
-        with torch.serialization.skip_data():
-            torch.save(obj, path, pickle_module=capture)
+    # Opened without O_TRUNC: a recycled file keeps its blocks. PyTorch seeks over the storage
+    # bytes of a file object (nothing is written there), and the file is cut to its new end.
+    with open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666), "r+b") as f:
+        with ser_config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}):
+            with torch.serialization.skip_data():
+                torch.save(obj, f, pickle_module=capture)
+        if os.path.isfile(path):
+            f.truncate(f.tell())
     return capture.storages
 
 
@@ -135,18 +140,21 @@ def write_storages(handle: AioHandle, path: str, layout: StorageLayout, keys: li
 
 
 def save(obj: Any, path: str | os.PathLike[str], *,
-         config: IOConfig | Mapping[str, Any] | None = None, _posix: Posix = POSIX) -> None:
+         config: IOConfig | Mapping[str, Any] | None = None, recycle: bool = False,
+         _posix: Posix = POSIX) -> None:
     """Save ``obj`` to ``path`` like ``torch.save``; blocks until the file is durable.
 
     The result loads with plain ``torch.load(path, weights_only=True)`` (and ``mmap=True``).
     The previous file at ``path`` stays intact until the new one is complete and fsynced;
     on any error the temporary file is removed and the error (an ``OSError`` for I/O
     failures, naming file/offset/size) is raised. Tensors must not be modified until it
-    returns (use :func:`deepnvme.async_save` to overlap with training).
+    returns (use :func:`deepnvme.async_save` to overlap with training). ``recycle=True``
+    keeps the replaced file as a spare that the next save to ``path`` overwrites (faster
+    than a new file; costs a second copy on disk; see :mod:`deepnvme.checkpoint.atomic`).
     """
     path = os.fspath(path)
     cfg = _io.checkpoint_config(config)
-    with atomic.atomic_target(path) as tmp:
+    with atomic.atomic_target(path, recycle=recycle) as tmp:
         layout = write_skeleton(obj, tmp)
         _io.reserve(tmp, os.path.getsize(tmp), posix=_posix)
         with AioHandle(config=cfg, posix=_posix) as handle:

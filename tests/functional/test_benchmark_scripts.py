@@ -49,6 +49,15 @@ def test_inference_offload(tmp_path):
 
 @pytest.mark.slow
 def test_bench_checkpoint(tmp_path):
-    out = run("bench_checkpoint.py", "--dir", str(tmp_path), "--layers", "1", "--reps", "1", cwd=tmp_path)
+    out = run("bench_checkpoint.py", "--dir", str(tmp_path), "--layers", "1", "--reps", "1",
+              "--pair-rounds", "1", cwd=tmp_path)
     assert "deepnvme.save vs torch.save" in out and "async_save" in out
+    assert "recycle=True" in out and "alone, 1 rounds" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_save_parts(tmp_path):
+    out = run("bench_save_parts.py", "--dir", str(tmp_path), "--size", "16M", "--reps", "1",
+              cwd=tmp_path)
+    assert "copy_bytes, 1 thread" in out and "deepnvme commit" in out and "new torch.empty" in out
     assert list(tmp_path.iterdir()) == []

@@ -1,11 +1,12 @@
 """Host memory copies at memory speed: large CPU-to-CPU byte copies shared among threads.
 
-``Tensor.copy_`` of uint8 tensors moved 6.3 GB/s on one core of the development machine;
-libc's ``memmove`` (called through ctypes, which releases the GIL) moved 12.4 GB/s on one
-thread for copies above glibc's non-temporal threshold (about 20 MB there) and 21-24 GB/s on
-two. Snapshots for asynchronous saves are such copies, and the caller is blocked while they
-run, so they go through :class:`ParallelCopy`, which can start copying while the caller is
-still finding out what else to copy.
+On the 2-vCPU development machine (``benchmarks/bench_save_parts.py``), ``Tensor.copy_`` of
+a 1 GiB uint8 tensor moved 12.2 GB/s on torch's 2 threads; libc's ``memmove`` (through
+ctypes, which releases the GIL) moved 11.2 GB/s on one thread and 22.1 GB/s on two, since
+copies above glibc's non-temporal threshold (about 20 MB there) skip the cache. Smaller
+copies run at about 6.4 GB/s per thread either way. An asynchronous save's caller is blocked
+while its snapshot is copied, so snapshots go through :class:`ParallelCopy`, which also
+starts copying while the caller is still finding out what else to copy.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """torch.distributed.checkpoint storage with the deepnvme engine underneath.
 
 :class:`NVMeStorageWriter` and :class:`NVMeStorageReader` are PyTorch's own
-``FileSystemWriter``/``FileSystemReader`` (same planners, same files, same ``.metadata``), so
-checkpoints stay readable by stock DCP; only the byte movement changes:
+``FileSystemWriter``/``FileSystemReader`` (same planners, same file format, same
+``.metadata``), so checkpoints stay readable by stock DCP; the byte movement changes, and each
+save names its data files afresh so that saving over a checkpoint is all-or-nothing:
 
 * writes: each data file is assembled in memory by DCP's serializer, then written with
   parallel O_DIRECT I/O to a temporary name, fsynced and atomically renamed (the directory
@@ -16,8 +17,10 @@ Use with ``dcp.save(state, storage_writer=NVMeStorageWriter(path))`` and
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
+import secrets
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
@@ -25,7 +28,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (DEFAULT_SUFFIX, FileSystem, FileSystemReader,
+                                                     FileSystemWriter, _StoragePrefix)
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -47,7 +51,9 @@ class _DurableWriteStream(io.BytesIO):
         self._finished = False  # committed, failed or aborted: close() never writes again
 
     def abort(self) -> None:
-        """Discard what was written: nothing reaches the disk."""
+        """Discard what was written: nothing reaches the disk (a no-op after close())."""
+        if self._finished:  # a failed close() is unwinding: its error must reach the caller
+            return
         self._finished = True
         super().close()
 
@@ -219,10 +225,11 @@ class NVMeStorageWriter(FileSystemWriter):
 
     Each file is fsynced, then atomically renamed into place; ``.metadata`` comes last and
     replaces the previous one in one rename, so a failed save into a new directory leaves no
-    ``.metadata``. Saving over an existing checkpoint is NOT all-or-nothing: its data files are
-    replaced one by one before ``.metadata``, so a failure in between can leave the old
-    ``.metadata`` beside new data files. Save each checkpoint to a fresh directory to keep the
-    previous one intact.
+    ``.metadata``. Saving over an existing checkpoint is all-or-nothing too: every save names
+    its data files with a fresh token (``__<rank>_<token>_<n>.distcp``), so the previous
+    save's files stay untouched until the new ``.metadata`` replaces the old one; then the
+    coordinator removes the ``__*.distcp`` files the new ``.metadata`` does not name (the
+    previous save's, and those of a save that failed). A directory holds one checkpoint.
 
     ``config`` tunes the I/O (see :mod:`deepnvme.config`); other keyword arguments are
     ``FileSystemWriter``'s. ``sync_files`` is always on: every file is fsynced before rename.
@@ -234,6 +241,12 @@ class NVMeStorageWriter(FileSystemWriter):
         super().__init__(path, **kwargs)
         self.fs = _EngineFileSystem(_io.checkpoint_config(config))
         self.path = self.fs.init_path(path)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Name this save's files apart from the previous save's (one token for all ranks)."""
+        token = secrets.token_hex(4)
+        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{token}_"))
+                if plan.storage_data is None else plan for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut = super().write_data(plan, planner)
@@ -247,6 +260,17 @@ class NVMeStorageWriter(FileSystemWriter):
         finally:
             self.fs.replacing = False
             self.fs.close()
+        if self.use_collectives:  # this .metadata names every rank's files
+            self._remove_unnamed_data_files(metadata)
+
+    def _remove_unnamed_data_files(self, metadata: Metadata) -> None:
+        """Delete the data files the committed ``.metadata`` does not name (older saves')."""
+        named = {os.path.basename(os.fspath(info.relative_path))
+                 for info in metadata.storage_data.values()}
+        directory = os.fspath(self.path)
+        for name in os.listdir(directory):
+            if name.startswith("__") and name.endswith(DEFAULT_SUFFIX) and name not in named:
+                atomic.remove_quietly(os.path.join(directory, name))
 
 
 class NVMeStorageReader(FileSystemReader):

@@ -161,4 +161,41 @@ def test_failed_metadata_commit_keeps_the_previous_metadata(tmp_path, monkeypatc
     assert not [f for f in files if "deepnvme-tmp" in f]
     assert (ckpt / ".metadata").read_bytes() == before
     target = {"w": torch.zeros(1000)}
-    dcp.load(target, storage_reader=NVMeStorageReader(ckpt), no_dist=True)  # still loadable
+    dcp.load(target, storage_reader=NVMeStorageReader(ckpt), no_dist=True)
+    assert torch.equal(target["w"], torch.full((1000,), 1.0))  # the previous save, whole
+
+
+def _data_files(ckpt) -> list[str]:
+    return sorted(f for f in os.listdir(ckpt) if f.endswith(".distcp"))
+
+
+def test_overwrite_keeps_the_previous_checkpoint_until_the_new_one_is_complete(tmp_path):
+    ckpt = tmp_path / "ck"
+    one = {"w": torch.full((50_000,), 1.0), "b": torch.arange(7)}
+    dcp.save(one, storage_writer=NVMeStorageWriter(ckpt), no_dist=True)
+    first_files = _data_files(ckpt)
+    writer = NVMeStorageWriter(ckpt)
+    writer.fs._handle = AioHandle(config=writer.fs.config, posix=_FullOnce())
+    with pytest.raises(CheckpointException, match="No space left"):
+        dcp.save({"w": torch.full((50_000,), 2.0), "b": torch.arange(7) * 2},
+                 storage_writer=writer, no_dist=True)
+    assert _data_files(ckpt) == first_files  # the failed save wrote nothing under its names
+    for reader in (NVMeStorageReader(ckpt), dcp.FileSystemReader(ckpt)):
+        target = {"w": torch.zeros(50_000), "b": torch.zeros(7, dtype=torch.int64)}
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        assert torch.equal(target["w"], one["w"]) and torch.equal(target["b"], one["b"])
+
+
+def test_overwrite_replaces_the_data_files_and_removes_the_old_ones(tmp_path):
+    ckpt = tmp_path / "ck"
+    dcp.save({"w": torch.full((1000,), 1.0)}, storage_writer=NVMeStorageWriter(ckpt), no_dist=True)
+    old = _data_files(ckpt)
+    (ckpt / "__0_0.distcp").write_bytes(b"left by a stock FileSystemWriter save")
+    (ckpt / "notes.txt").write_text("not DCP's")
+    dcp.save({"w": torch.full((1000,), 2.0)}, storage_writer=NVMeStorageWriter(ckpt), no_dist=True)
+    new = _data_files(ckpt)
+    assert len(new) == len(old) and not set(new) & set(old) and "__0_0.distcp" not in new
+    assert (ckpt / "notes.txt").exists()
+    target = {"w": torch.zeros(1000)}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
+    assert torch.equal(target["w"], torch.full((1000,), 2.0))

@@ -4,6 +4,11 @@ A swapper never writes into the user's directory itself: it creates
 ``<directory>/deepnvme-swap-<pid>-<token>`` holding an ``owner.json`` (host, pid, process start
 time). A directory whose owner process no longer exists on this host (or whose pid was reused by
 a later process) is left over from a crashed run: it is *stale*. Pure helpers plus small file ops.
+
+The directory is built as ``.deepnvme-swap-creating-<pid>-<token>`` and renamed once its owner
+file is inside, so another process looking for stale directories never sees a swap directory
+without its owner. A ``creating`` directory older than :data:`CREATING_GRACE_S` was left by a
+crash during creation and is stale too.
 """
 
 from __future__ import annotations
@@ -14,12 +19,16 @@ import os
 import secrets
 import shutil
 import socket
+import time
 from dataclasses import dataclass
 
-__all__ = ["PREFIX", "OWNER_FILE", "Owner", "create_private_dir", "find_stale_dirs", "remove_dir"]
+__all__ = ["PREFIX", "CREATING_PREFIX", "OWNER_FILE", "Owner", "create_private_dir", "find_stale_dirs", "remove_dir"]
 
 log = logging.getLogger(__name__)
 PREFIX = "deepnvme-swap-"
+CREATING_PREFIX = ".deepnvme-swap-creating-"
+CREATING_GRACE_S = 60.0
+"""Seconds after which a directory still being created counts as abandoned (creation takes ms)."""
 OWNER_FILE = "owner.json"
 
 
@@ -86,7 +95,15 @@ def find_stale_dirs(directory: str) -> list[str]:
     stale = []
     for name in sorted(names):
         path = os.path.join(directory, name)
-        if not name.startswith(PREFIX) or not os.path.isdir(path):
+        if not name.startswith((PREFIX, CREATING_PREFIX)) or not os.path.isdir(path):
+            continue
+        if name.startswith(CREATING_PREFIX):
+            try:
+                age = time.time() - os.stat(path).st_mtime
+            except FileNotFoundError:
+                continue  # renamed into place (or removed) meanwhile
+            if age > CREATING_GRACE_S:
+                stale.append(path)
             continue
         owner = read_owner(path)
         if owner is None or not owner_alive(owner):
@@ -98,12 +115,17 @@ def create_private_dir(directory: str) -> str:
     """Create and return a fresh swap subdirectory of ``directory`` (which is created if missing)."""
     os.makedirs(directory, exist_ok=True)
     owner = current_owner()
-    path = os.path.join(directory, f"{PREFIX}{owner.pid}-{secrets.token_hex(4)}")
-    os.mkdir(path, 0o700)
-    tmp = os.path.join(path, OWNER_FILE + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"host": owner.host, "pid": owner.pid, "start_ticks": owner.start_ticks}, f)
-    os.replace(tmp, os.path.join(path, OWNER_FILE))
+    name = f"{owner.pid}-{secrets.token_hex(4)}"
+    creating = os.path.join(directory, CREATING_PREFIX + name)
+    os.mkdir(creating, 0o700)
+    try:
+        with open(os.path.join(creating, OWNER_FILE), "w", encoding="utf-8") as f:
+            json.dump({"host": owner.host, "pid": owner.pid, "start_ticks": owner.start_ticks}, f)
+        path = os.path.join(directory, PREFIX + name)
+        os.rename(creating, path)  # appears with its owner file inside
+    except BaseException:
+        remove_dir(creating)
+        raise
     return path
 
 

@@ -218,7 +218,7 @@ def test_unknown_key_and_bad_tensor(swapper):
         swapper.swap_out("t", torch.zeros(10, 10).t())
 
 
-def test_many_keys_concurrently(tmp_path):
+def test_many_keys_through_a_small_pool(tmp_path):
     with TensorSwapper(tmp_path, buffer_bytes=1 << 16, buffer_count=2, min_swap_bytes=0) as s:
         ts = {k: rand(2000, seed=k) for k in range(20)}
         for k, t in ts.items():
@@ -229,3 +229,35 @@ def test_many_keys_concurrently(tmp_path):
             s.release(k)
         s.discard(3)
         assert 3 not in s and not os.path.exists(os.path.join(s.directory, "3.swp"))
+
+
+def test_threads_share_one_swapper(tmp_path):
+    """Four threads swap their own keys out and in at once through two buffers: each waits
+    for the others' releases (acquire_timeout) and every tensor comes back intact."""
+    threads, keys_each, rounds = 4, 6, 3
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads)
+    with TensorSwapper(tmp_path, buffer_bytes=1 << 16, buffer_count=2, min_swap_bytes=0,
+                       acquire_timeout=30) as s:
+        def work(tid: int) -> None:
+            try:
+                mine = {f"t{tid}-{k}": rand(3000 + k, seed=100 * tid + k) for k in range(keys_each)}
+                start.wait()
+                for k, t in mine.items():
+                    s.swap_out(k, t).result()
+                for r in range(rounds):
+                    for k, t in mine.items():
+                        back = s.swap_in(k).result()
+                        assert torch.equal(back, t), (k, r)
+                        s.release(k)
+            except BaseException as exc:  # reported below, with the thread's traceback
+                errors.append(exc)
+
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join(120)
+        assert not any(t.is_alive() for t in pool), "a thread is stuck"
+        assert errors == []
+        assert all(f"t{i}-{k}" in s for i in range(threads) for k in range(keys_each))

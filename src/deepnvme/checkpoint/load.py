@@ -9,8 +9,10 @@ that record only), so unpickling overlaps the reads and no byte is copied twice.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import sys
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -26,6 +28,8 @@ from .format import (CheckpointFormatError, RecordSpan, batch_small_records, rea
                      storage_spans)
 
 __all__ = ["load"]
+
+log = logging.getLogger(__name__)
 
 
 class _PrefetchedReader:
@@ -95,6 +99,8 @@ def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only
     """
     path = os.fspath(path)
     cfg = _io.checkpoint_config(config)
+    if not _torch_internals_available():
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -114,6 +120,27 @@ def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only
             _io.wait_all(set(futures.values()))  # no read may target a buffer after this
 
 
+_INTERNALS = (("torch._C", "PyTorchFileReader"), ("torch.serialization", "_load"),
+              ("torch.serialization", "_weights_only_unpickler"))
+_warned_internals = False
+
+
+def _torch_internals_available() -> bool:
+    """Whether this torch still has the private loader pieces the parallel path plugs into.
+
+    They are private; a torch without them gets plain ``torch.load`` (correct, not parallel),
+    with one warning, rather than an AttributeError.
+    """
+    global _warned_internals
+    missing = [f"{mod}.{name}" for mod, name in _INTERNALS
+               if not hasattr(sys.modules.get(mod) or torch, name)]
+    if missing and not _warned_internals:
+        _warned_internals = True
+        log.warning("deepnvme.load: torch %s lacks %s; falling back to torch.load",
+                    torch.__version__, ", ".join(missing))
+    return not missing
+
+
 def _rebuild(path: str, buffers: dict[str, torch.Tensor], futures: dict[str, Future[int]],
              map_location: Any, weights_only: bool) -> Any:
     ser = torch.serialization
@@ -128,5 +155,5 @@ def _rebuild(path: str, buffers: dict[str, torch.Tensor], futures: dict[str, Fut
         except pickle.UnpicklingError as exc:
             raise pickle.UnpicklingError(
                 f"deepnvme.load refused {path!r} with weights_only=True: {exc}. "
-                f"{ser.UNSAFE_MESSAGE} Only pass weights_only=False for a file you trust.") from None
+                f"{getattr(ser, 'UNSAFE_MESSAGE', '')} Only pass weights_only=False for a file you trust.") from None
     return ser._load(wrapped, map_location, pickle, encoding="utf-8")

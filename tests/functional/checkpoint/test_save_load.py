@@ -215,3 +215,22 @@ def test_clean_temp_files(tmp_path):
         p.write_bytes(b"x")
     assert deepnvme.clean_temp_files(str(tmp_path)) == [str(dead)]
     assert sorted(os.listdir(tmp_path)) == sorted([alive.name, other.name])
+
+
+def test_load_falls_back_to_torch_load_without_torch_internals(tmp_path, monkeypatch, caplog):
+    import sys
+    load_mod = sys.modules["deepnvme.checkpoint.load"]  # the package attribute is the function
+    state = {"w": torch.randn(100, 10), "n": 3}
+    deepnvme.save(state, tmp_path / "ck.pt")
+    assert load_mod._torch_internals_available()  # this torch has them all
+    # a future torch without one of the private pieces (removing a real one breaks torch.load)
+    monkeypatch.setattr(load_mod, "_INTERNALS",
+                        load_mod._INTERNALS + (("torch.serialization", "_gone_in_a_future_torch"),))
+    monkeypatch.setattr(load_mod, "_warned_internals", False)
+    called = []
+    real_torch_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: called.append(k) or real_torch_load(*a, **k))
+    back = deepnvme.load(tmp_path / "ck.pt")
+    assert torch.equal(back["w"], state["w"]) and back["n"] == 3
+    assert called and called[0]["weights_only"] is True
+    assert "torch.serialization._gone_in_a_future_torch" in caplog.text

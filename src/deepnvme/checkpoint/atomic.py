@@ -14,6 +14,8 @@ Recycling (opt-in, ``recycle=True`` on the save functions): the replaced file is
 ``.<final name>.deepnvme-spare`` and becomes the next save's temporary file, so that save
 overwrites allocated, written blocks instead of filling new ones, and nothing is freed. It
 costs a second copy of the checkpoint on disk; delete the spare at any time to get it back.
+Whatever still reads or maps the replaced file (a ``torch.load(mmap=True)`` result) sees its
+bytes change when the next save overwrites the spare, so recycling is for paths nobody maps.
 """
 
 from __future__ import annotations

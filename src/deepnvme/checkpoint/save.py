@@ -151,6 +151,8 @@ def save(obj: Any, path: str | os.PathLike[str], *,
     returns (use :func:`deepnvme.async_save` to overlap with training). ``recycle=True``
     keeps the replaced file as a spare that the next save to ``path`` overwrites (faster
     than a new file; costs a second copy on disk; see :mod:`deepnvme.checkpoint.atomic`).
+    Do not recycle while anything still reads or maps an older version of ``path``
+    (``torch.load(mmap=True)`` results): the save after next overwrites its blocks in place.
     """
     path = os.fspath(path)
     cfg = _io.checkpoint_config(config)

@@ -99,3 +99,14 @@ def test_no_hard_links_means_no_spare_but_the_save_succeeds(tmp_path, monkeypatc
     assert "cannot keep" in caplog.text
     atomic.wait_for_releases()
     assert sorted(os.listdir(tmp_path)) == ["ck.pt"]
+
+
+def test_without_recycle_an_mmapped_older_version_never_changes(tmp_path):
+    path = tmp_path / "ck.pt"
+    first = _state(50_000, 1.0)
+    deepnvme.save(first, path)
+    mapped = torch.load(path, weights_only=True, mmap=True)
+    for i in range(2, 5):
+        deepnvme.save(_state(50_000, float(i)), path)
+    atomic.wait_for_releases()
+    assert _same(mapped, first)  # the replaced inode lives on, untouched, while mapped

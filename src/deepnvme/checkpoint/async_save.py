@@ -2,7 +2,7 @@
 
 The caller's thread only takes a snapshot: PyTorch writes the small zip skeleton to the
 temporary file, and every storage is copied (by parallel ``memmove``,
-:func:`deepnvme.memory.copy.copy_bytes`) into a locked, 4096-aligned staging arena (so the
+:class:`deepnvme.memory.copy.ParallelCopy`) into a locked, 4096-aligned staging arena (so the
 file holds the values of the call's moment, whatever training does next). A background thread
 then writes the arena with O_DIRECT, fsyncs and atomically renames, as :func:`deepnvme.save`.
 
@@ -105,16 +105,19 @@ class AsyncCheckpointer:
         atomic.check_target_dir(path)
         arena = self._arenas.get()  # waits while max_in_flight saves are pending
         tmp = (atomic.take_spare(path) if recycle else None) or atomic.temp_name(path)
-        snapshot = _Snapshot(arena)
         try:
-            layout = write_skeleton(obj, tmp, snapshot.on_storage)
-            items = snapshot.finish(layout)
+            layout = write_skeleton(obj, tmp)
+            need = sum(_round_up(span.size) for _, span in layout.items.values())
+            if arena is None or arena.numel() < need:  # outgrown: a new, larger arena
+                old, arena = arena, None  # never hand back a freed arena if allocation fails
+                if old is not None:
+                    free_cpu_locked_tensor(old)
+                arena = new_cpu_locked_tensor(max(need, 1), torch.uint8)
+            items = _snapshot(arena, layout)
         except BaseException:
-            snapshot.copy.finish()  # no copy may still be landing in the arena
             atomic.remove_quietly(tmp)
-            self._arenas.put(snapshot.arena)
+            self._arenas.put(arena)
             raise
-        arena = snapshot.arena
         future = _SaveFuture()
         with self._lock:
             if self._closed:  # close() ran during the snapshot: the writer thread is gone
@@ -199,51 +202,22 @@ def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-class _Snapshot:
-    """Copies a save's storages into its staging arena, starting while the pickler still runs.
+def _snapshot(arena: torch.Tensor, layout: Any) -> list[tuple[torch.Tensor, int]]:
+    """Copy every storage into ``arena`` (4096-aligned slots); each one's (slice, file offset).
 
-    Each storage the pickler meets is copied at once into the next 4096-aligned slot of the
-    arena, if it fits; :meth:`finish` copies the rest, growing the arena (a fresh, larger one)
-    when the checkpoint outgrew it.
+    Copying while PyTorch was still pickling was tried and measured no faster on 2 vCPUs
+    (72 vs 75 ms median for 1.08 GB), so the copy starts after the skeleton is written.
     """
-
-    def __init__(self, arena: torch.Tensor | None) -> None:
-        self.arena = arena
-        self.copy = ParallelCopy()
-        self._slots: dict[str, int] = {}
-        self._pos = 0
-        self._early = arena is not None
-
-    def on_storage(self, key: str, storage: torch.UntypedStorage) -> None:
-        n = storage.nbytes()
-        if not self._early or self.arena is None or self._pos + n > self.arena.numel():
-            self._early = False  # the rest waits for finish(), which may need a bigger arena
-            return
-        self._place(key, storage, n)
-
-    def _place(self, key: str, storage: torch.UntypedStorage, n: int) -> None:
-        assert self.arena is not None
-        self._slots[key] = self._pos
-        if n:
-            self.copy.add(self.arena[self._pos:self._pos + n], _io.storage_bytes(storage))
-        self._pos += _round_up(n)
-
-    def finish(self, layout: Any) -> list[tuple[torch.Tensor, int]]:
-        """Copy what is not copied yet; wait; return each storage's (arena slice, file offset)."""
-        need = sum(_round_up(span.size) for _, span in layout.items.values())
-        if self.arena is None or self.arena.numel() < need:
-            self.copy.finish()  # early copies must land before their arena is freed
-            if self.arena is not None:
-                free_cpu_locked_tensor(self.arena)
-                self.arena = None
-            self.arena = new_cpu_locked_tensor(max(need, 1), torch.uint8)
-            self._slots, self._pos = {}, 0
-        for key, (storage, span) in layout.items.items():
-            if key not in self._slots:
-                self._place(key, storage, span.size)
-        self.copy.finish()
-        return [(self.arena[self._slots[key]:self._slots[key] + span.size], span.offset)
-                for key, (_, span) in layout.items.items()]
+    copy = ParallelCopy()
+    items, pos = [], 0
+    for storage, span in layout.items.values():
+        dst = arena[pos:pos + span.size]
+        if span.size:
+            copy.add(dst, _io.storage_bytes(storage))
+        items.append((dst, span.offset))
+        pos += _round_up(span.size)
+    copy.finish()
+    return items
 
 
 def _settled(fut: Future[None]) -> bool:

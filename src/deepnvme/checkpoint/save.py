@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -37,8 +37,7 @@ class _CapturingPickleModule(types.SimpleNamespace):
     it returns is seen together with the storage object it was made from.
     """
 
-    def __init__(self, on_storage: Callable[[str, torch.UntypedStorage], None] | None = None
-                 ) -> None:
+    def __init__(self) -> None:
         storages: dict[str, torch.UntypedStorage] = {}
 
         class Pickler(pickle.Pickler):
@@ -50,10 +49,7 @@ class _CapturingPickleModule(types.SimpleNamespace):
                     pid = original(self, obj)
                     if isinstance(pid, tuple) and pid and pid[0] == "storage":
                         st = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
-                        if pid[2] not in storages:
-                            storages[pid[2]] = st
-                            if on_storage is not None:
-                                on_storage(pid[2], st)
+                        storages.setdefault(pid[2], st)
                     return pid
 
                 cls.persistent_id = persistent_id  # type: ignore[method-assign]
@@ -75,18 +71,15 @@ class StorageLayout:
         return sum(span.size for _, span in self.items.values())
 
 
-def pickle_skeleton(obj: Any, path: str,
-                    on_storage: Callable[[str, torch.UntypedStorage], None] | None = None
-                    ) -> dict[str, torch.UntypedStorage]:
+def pickle_skeleton(obj: Any, path: str) -> dict[str, torch.UntypedStorage]:
     """torch.save ``obj`` to ``path`` without storage bytes; return each record key's storage.
 
     Records are aligned to :data:`STORAGE_ALIGNMENT`. ``path`` may be ``os.devnull`` to learn
-    the keys only. ``on_storage(key, storage)`` is called as each new storage is pickled
-    (asynchronous saves start copying it then). Blocks.
+    the keys only. Blocks.
     """
     from torch.utils.serialization import config as ser_config
 
-    capture = _CapturingPickleModule(on_storage)
+    capture = _CapturingPickleModule()
     # Opened without O_TRUNC: a recycled file keeps its blocks. PyTorch seeks over the storage
     # bytes of a file object (nothing is written there), and the file is cut to its new end.
     with open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666), "r+b") as f:
@@ -98,15 +91,12 @@ def pickle_skeleton(obj: Any, path: str,
     return capture.storages
 
 
-def write_skeleton(obj: Any, path: str,
-                   on_storage: Callable[[str, torch.UntypedStorage], None] | None = None
-                   ) -> StorageLayout:
+def write_skeleton(obj: Any, path: str) -> StorageLayout:
     """Let torch.save write ``path`` without storage bytes; return where each storage belongs.
 
     Blocks. The records are aligned to :data:`STORAGE_ALIGNMENT`; the holes are filled later.
-    ``on_storage`` is passed to :func:`pickle_skeleton`.
     """
-    storages = pickle_skeleton(obj, path, on_storage)
+    storages = pickle_skeleton(obj, path)
     with open(path, "rb") as f:
         spans = storage_spans(read_record_spans(f, path=path, file_size=os.fstat(f.fileno()).st_size))
     check_sizes(spans, {k: s.nbytes() for k, s in storages.items()}, path=path)

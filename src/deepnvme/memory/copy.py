@@ -5,8 +5,7 @@ a 1 GiB uint8 tensor moved 12.2 GB/s on torch's 2 threads; libc's ``memmove`` (t
 ctypes, which releases the GIL) moved 11.2 GB/s on one thread and 22.1 GB/s on two, since
 copies above glibc's non-temporal threshold (about 20 MB there) skip the cache. Smaller
 copies run at about 6.4 GB/s per thread either way. An asynchronous save's caller is blocked
-while its snapshot is copied, so snapshots go through :class:`ParallelCopy`, which also
-starts copying while the caller is still finding out what else to copy.
+while its snapshot is copied, so snapshots go through :class:`ParallelCopy`.
 """
 
 from __future__ import annotations

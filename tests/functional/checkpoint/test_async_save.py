@@ -130,10 +130,10 @@ def test_close_during_a_snapshot_fails_that_save_cleanly(tmp_path, monkeypatch):
     real = module.write_skeleton
     entered, release = threading.Event(), threading.Event()
 
-    def slow_skeleton(obj, tmp, on_storage=None):
+    def slow_skeleton(obj, tmp):
         entered.set()
         assert release.wait(10)
-        return real(obj, tmp, on_storage)
+        return real(obj, tmp)
 
     monkeypatch.setattr(module, "write_skeleton", slow_skeleton)
     ck = deepnvme.AsyncCheckpointer()
@@ -167,24 +167,15 @@ def _check(path, expected: dict) -> None:
         assert torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v
 
 
-def test_snapshot_copies_while_pickling_and_grows_the_arena(tmp_path, monkeypatch):
-    """Saves that fit the reused arena copy storages as the pickler finds them; a larger one
-    (the arena overflows half-way) starts over in a bigger arena; all files hold the values."""
+def test_snapshot_reuses_the_arena_and_grows_it(tmp_path, monkeypatch):
+    """Saves that fit reuse the arena; a larger one gets a new arena; every file holds the
+    values of its call, however the tensors change afterwards."""
     from deepnvme.memory import copy as copy_mod
     monkeypatch.setattr(copy_mod, "_PIECE", 4096)  # many pieces, shared among threads
-    module = __import__("sys").modules["deepnvme.checkpoint.async_save"]
-    early = []
-    real_on_storage = module._Snapshot.on_storage
-
-    def spy(self, key, storage):
-        real_on_storage(self, key, storage)
-        early.append(key in self._slots)
-
-    monkeypatch.setattr(module._Snapshot, "on_storage", spy)
     with deepnvme.AsyncCheckpointer() as ck:
-        plan = [(100_000, 1.0), (100_000, 2.0), (300_000, 3.0), (50_000, 4.0)]
-        for i, (n, fill) in enumerate(plan):
-            early.clear()
+        arenas = []
+        for i, (n, fill) in enumerate([(100_000, 1.0), (100_000, 2.0), (300_000, 3.0),
+                                       (50_000, 4.0)]):
             state = _state(n, fill)
             h = ck.save(state, tmp_path / f"c{i}.pt")
             expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
@@ -194,15 +185,33 @@ def test_snapshot_copies_while_pickling_and_grows_the_arena(tmp_path, monkeypatc
                     v.fill_(-7)  # training mutates right after the call
             h.wait()
             _check(tmp_path / f"c{i}.pt", expected)
-            if i == 0:
-                assert not any(early)  # no arena yet: everything is copied after pickling
-            elif i in (1, 3):
-                assert all(early)  # fits the reused arena: copied while pickling
-            else:
-                assert any(early) and not all(early)  # overflowed half-way: started over
+            arena = ck._arenas.queue[0]
+            arenas.append((arena.data_ptr(), arena.numel()))
+        assert arenas[1] == arenas[0] and arenas[3] == arenas[2]  # reused
+        assert arenas[2][1] > arenas[1][1]  # grown for the larger checkpoint
 
 
-def test_failed_pickling_after_early_copies_keeps_the_checkpointer_usable(tmp_path):
+def test_failed_arena_growth_gives_back_no_freed_arena(tmp_path, monkeypatch):
+    module = __import__("sys").modules["deepnvme.checkpoint.async_save"]
+    with deepnvme.AsyncCheckpointer() as ck:
+        ck.save(_state(1000, 1.0), tmp_path / "small.pt").wait()
+        real_new = module.new_cpu_locked_tensor
+
+        def no_memory(*args, **kwargs):
+            raise MemoryError("injected: cannot lock that much")
+
+        monkeypatch.setattr(module, "new_cpu_locked_tensor", no_memory)
+        with pytest.raises(MemoryError, match="injected"):
+            ck.save(_state(200_000, 2.0), tmp_path / "big.pt")
+        assert list(ck._arenas.queue) == [None]  # the freed arena is not handed out again
+        monkeypatch.setattr(module, "new_cpu_locked_tensor", real_new)
+        big = _state(200_000, 3.0)
+        ck.save(big, tmp_path / "big.pt").wait()
+        _check(tmp_path / "big.pt", big)
+    assert sorted(os.listdir(tmp_path)) == ["big.pt", "small.pt"]
+
+
+def test_failed_pickling_keeps_the_checkpointer_usable(tmp_path):
     with deepnvme.AsyncCheckpointer() as ck:
         ck.save(_state(100_000, 1.0), tmp_path / "first.pt").wait()
         bad = {"a": torch.ones(100_000), "fn": lambda: None}  # pickling fails after "a"

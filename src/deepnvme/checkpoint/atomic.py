@@ -187,6 +187,16 @@ def _close_released(fd: int) -> None:
 _releaser = _Releaser()
 
 
+def _fresh_releaser_after_fork() -> None:
+    # a forked child has the parent's queue but not its thread: start over (the inherited
+    # descriptors close at the child's exit)
+    global _releaser
+    _releaser = _Releaser()
+
+
+os.register_at_fork(after_in_child=_fresh_releaser_after_fork)
+
+
 def wait_for_releases() -> None:
     """Block until every file replaced by a commit so far has been freed."""
     _releaser.wait()

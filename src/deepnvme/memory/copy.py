@@ -46,6 +46,15 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool_after_fork() -> None:
+    # a forked child inherits the executor but not its threads: tasks would never run
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
 def _check_pair(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.numel() != src.numel() or dst.dtype != torch.uint8 or src.dtype != torch.uint8:
         raise ValueError(f"copies need uint8 tensors of equal size, got {dst.dtype} "

@@ -120,3 +120,40 @@ def test_reserve_still_full_after_releases_names_the_file(tmp_path, monkeypatch)
         _io.reserve(str(path), 1 << 20, posix=_FullUntilReleased(failures=2))
     assert info.value.errno == errno.ENOSPC
     assert str(path) in str(info.value) and str(1 << 20) in str(info.value)
+
+
+def test_commit_in_a_forked_child_after_the_parent_released(tmp_path):
+    final = tmp_path / "ck.pt"
+    for data in (b"one", b"two"):  # the parent's release thread is running now
+        tmp = tmp_path / "new.tmp"
+        _write(tmp, data)
+        atomic.commit(str(tmp), str(final))
+    atomic.wait_for_releases()
+    pid = os.fork()
+    if pid == 0:  # child: its own release thread, so waiting cannot hang
+        ok = False
+        try:
+            tmp = tmp_path / "child.tmp"
+            _write(tmp, b"three")
+            atomic.commit(str(tmp), str(final))
+            atomic.wait_for_releases()
+            ok = final.read_bytes() == b"three"
+        finally:
+            os._exit(0 if ok else 1)
+    assert _child_exit_code(pid) == 0
+
+
+def _child_exit_code(pid: int, timeout: float = 60.0) -> int:
+    """Wait for a forked child; kill it and fail if it hangs (the bug these tests guard)."""
+    import os
+    import signal
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"forked child {pid} hung for {timeout} s")

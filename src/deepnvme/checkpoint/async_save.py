@@ -26,6 +26,7 @@ import torch
 
 from ..config import IOConfig
 from ..handle import AioHandle
+from ..io.plan import align_up
 from ..memory.copy import ParallelCopy
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 from . import _io, atomic
@@ -107,7 +108,7 @@ class AsyncCheckpointer:
         tmp = (atomic.take_spare(path) if recycle else None) or atomic.temp_name(path)
         try:
             layout = write_skeleton(obj, tmp)
-            need = sum(_round_up(span.size) for _, span in layout.items.values())
+            need = sum(align_up(span.size, _ALIGN) for _, span in layout.items.values())
             if arena is None or arena.numel() < need:  # outgrown: a new, larger arena
                 old, arena = arena, None  # never hand back a freed arena if allocation fails
                 if old is not None:
@@ -198,10 +199,6 @@ class AsyncCheckpointer:
         self.close()
 
 
-def _round_up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
 def _snapshot(arena: torch.Tensor, layout: Any) -> list[tuple[torch.Tensor, int]]:
     """Copy every storage into ``arena`` (4096-aligned slots); each one's (slice, file offset).
 
@@ -215,7 +212,7 @@ def _snapshot(arena: torch.Tensor, layout: Any) -> list[tuple[torch.Tensor, int]
         if span.size:
             copy.add(dst, _io.storage_bytes(storage))
         items.append((dst, span.offset))
-        pos += _round_up(span.size)
+        pos += align_up(span.size, _ALIGN)
     copy.finish()
     return items
 

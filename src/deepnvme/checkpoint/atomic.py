@@ -95,19 +95,22 @@ def take_spare(path: str) -> str | None:
     return tmp
 
 
-def _keep_as_spare(path: str) -> None:
-    """Give the regular file at ``path`` a second name, its spare, replacing an older spare."""
+def _keep_as_spare(path: str) -> bool:
+    """Give the regular file at ``path`` a second name, its spare, replacing an older spare.
+
+    False when there is no regular file there, or it cannot be linked (it is freed instead).
+    """
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
-            return
+            return False
     except FileNotFoundError:
-        return
+        return False
     link = temp_name(path)
     try:
         os.link(path, link)
     except OSError as exc:  # e.g. a filesystem without hard links: save without recycling
         log.warning("deepnvme: cannot keep %s as a spare (%s); it is freed instead", path, exc)
-        return
+        return False
     older = _hold_regular_file(spare_name(path))
     try:
         os.replace(link, spare_name(path))
@@ -117,6 +120,7 @@ def _keep_as_spare(path: str) -> None:
     finally:
         if older is not None:
             _releaser.release(older)
+    return True
 
 
 def commit(tmp: str, path: str, *, fsync_file: bool = True, keep_spare: bool = False) -> None:
@@ -127,9 +131,8 @@ def commit(tmp: str, path: str, *, fsync_file: bool = True, keep_spare: bool = F
     """
     if fsync_file:
         fsync_path(tmp)
-    if keep_spare:
-        _keep_as_spare(path)
-    old = _hold_regular_file(path)
+    kept = keep_spare and _keep_as_spare(path)
+    old = None if kept else _hold_regular_file(path)  # a kept file has its spare name: no free
     try:
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -18,6 +18,7 @@ import torch
 
 from ..config import IOConfig
 from ..handle import AioHandle
+from ..io.plan import align_up
 from ..io.posix import POSIX, Posix
 from . import _io, atomic
 from .format import CheckpointFormatError
@@ -66,7 +67,7 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | N
         placed.append((name, t, pos))
         pos += nbytes
     raw = json.dumps(entries, separators=(",", ":")).encode()
-    padded = -(-(8 + len(raw)) // _ALIGN) * _ALIGN - 8
+    padded = align_up(8 + len(raw), _ALIGN) - 8
     raw += b" " * (padded - len(raw))
     start = 8 + len(raw)
     items = [(_io.storage_bytes(t.untyped_storage())[t.storage_offset() * t.element_size():]

@@ -14,20 +14,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from ..io.plan import align_down, align_up
+
 __all__ = ["TensorRecord", "Span", "BlockPlan", "plan_block_reads", "plan_packed_block",
            "align_up", "align_down", "TENSOR_ALIGN", "FILE_ALIGN"]
 
 FILE_ALIGN = 4096   # block starts and read spans: the O_DIRECT offset/size granularity
 TENSOR_ALIGN = 64   # tensors inside a packed block: enough for any dtype view and for SIMD loads
 _MAX_GAP_OVERHEAD = 0.25  # merge a file's tensors into one span unless gaps add >25% bytes
-
-
-def align_up(value: int, align: int) -> int:
-    return -(-value // align) * align
-
-
-def align_down(value: int, align: int) -> int:
-    return value // align * align
 
 
 @dataclasses.dataclass(frozen=True)

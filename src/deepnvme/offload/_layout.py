@@ -7,13 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..io.plan import align_up
+
 __all__ = ["StateEntry", "StateLayout", "partition", "plan_layout", "ALIGN"]
 
 ALIGN = 64  # bytes between packed state tensors: keeps every view aligned for any dtype/SIMD
 
 
 def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+    return align_up(n, ALIGN)
 
 
 def partition(sizes: Sequence[int], sub_group_bytes: int) -> list[range]:

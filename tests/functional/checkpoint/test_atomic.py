@@ -12,6 +12,8 @@ from deepnvme.checkpoint import _io, atomic
 from deepnvme.errors import DeepNVMeIOError
 from deepnvme.io.posix import Posix
 
+from ...concurrency import run_in_fork
+
 
 @pytest.fixture
 def gated_close(monkeypatch):
@@ -129,31 +131,13 @@ def test_commit_in_a_forked_child_after_the_parent_released(tmp_path):
         _write(tmp, data)
         atomic.commit(str(tmp), str(final))
     atomic.wait_for_releases()
-    pid = os.fork()
-    if pid == 0:  # child: its own release thread, so waiting cannot hang
-        ok = False
-        try:
-            tmp = tmp_path / "child.tmp"
-            _write(tmp, b"three")
-            atomic.commit(str(tmp), str(final))
-            atomic.wait_for_releases()
-            ok = final.read_bytes() == b"three"
-        finally:
-            os._exit(0 if ok else 1)
-    assert _child_exit_code(pid) == 0
 
+    def child() -> bool:  # its own release thread, so waiting cannot hang
+        tmp = tmp_path / "child.tmp"
+        _write(tmp, b"three")
+        atomic.commit(str(tmp), str(final))
+        atomic.wait_for_releases()
+        return final.read_bytes() == b"three"
 
-def _child_exit_code(pid: int, timeout: float = 60.0) -> int:
-    """Wait for a forked child; kill it and fail if it hangs (the bug these tests guard)."""
-    import os
-    import signal
-    import time
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise AssertionError(f"forked child {pid} hung for {timeout} s")
+    assert run_in_fork(child) == 0
+

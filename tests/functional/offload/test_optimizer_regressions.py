@@ -2,7 +2,6 @@
 
 import errno
 import os
-import threading
 import time
 
 import pytest
@@ -12,6 +11,8 @@ import deepnvme
 from deepnvme.io.posix import Posix
 from deepnvme.offload import NVMeOptimizer
 from deepnvme.swap import SwapError
+
+from ...concurrency import call_in_thread
 
 
 class SlowFullDisk(Posix):
@@ -37,21 +38,9 @@ def test_step_raises_the_write_failure_instead_of_hanging(tmp_path, buffer_count
     model(torch.randn(2, 32)).sum().backward()
     opt.step()                      # the state goes to disk
     disk.fail = True
-    out = []
-
-    def run():
-        try:
-            opt.step()
-            out.append("ok")
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            out.append(exc)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(8)
-    assert not t.is_alive(), "step() hangs after a failed state write"
-    assert isinstance(out[0], SwapError) and out[0].errno == errno.ENOSPC, out
-    assert "No space left" in str(out[0])
+    out = call_in_thread(opt.step, 8, "step() hangs after a failed state write")
+    assert isinstance(out, SwapError) and out.errno == errno.ENOSPC, out
+    assert "No space left" in str(out)
     disk.fail = False               # the disk has room again: the next step goes through
     opt.step()
     assert all(len(opt.state[p]) > 0 for p in model.parameters())

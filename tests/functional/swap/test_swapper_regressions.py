@@ -11,6 +11,8 @@ import deepnvme
 from deepnvme.io.posix import Posix
 from deepnvme.swap import SwapBufferError, TensorSwapper
 
+from ...concurrency import call_in_thread
+
 
 class SlowDisk(Posix):
     """Writes sleep ``delay`` s first (GIL released); with ``fail`` set they then raise ENOSPC."""
@@ -39,20 +41,10 @@ def test_waiter_wakes_when_the_pending_release_turns_into_a_kept_buffer(tmp_path
     disk.delay, disk.fail = 0.3, True
     fut = s.swap_out("a", buf)                 # zero-copy write from the buffer; will fail
     s.release("a")                             # deferred behind the write
-    got = []
-
-    def want_b():
-        try:
-            got.append(s.swap_in("b"))
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            got.append(exc)
-
-    t = threading.Thread(target=want_b, daemon=True)
-    t.start()
-    t.join(5)
-    assert not t.is_alive(), "swap_in('b') hangs after the write it waited for failed"
+    got = call_in_thread(lambda: s.swap_in("b"), 5,
+                         "swap_in('b') hangs after the write it waited for failed")
     assert isinstance(fut.exception(), OSError)
-    assert isinstance(got[0], SwapBufferError)
+    assert isinstance(got, SwapBufferError)
     assert torch.equal(s.swap_in("a").result(), torch.ones(1000))   # the kept data
     disk.delay, disk.fail = 0.0, False
     s.release("a", force=True)

@@ -9,6 +9,8 @@ import torch
 from deepnvme.memory import copy as copy_mod
 from deepnvme.memory.copy import copy_bytes
 
+from ...concurrency import run_in_fork
+
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_copies_every_byte_of_every_pair(monkeypatch, threads):
@@ -48,31 +50,16 @@ def test_copy_threads_is_bounded():
 
 
 def test_copies_in_a_forked_child_after_the_parent_used_the_pool(monkeypatch):
-    import os
     monkeypatch.setattr(copy_mod, "_PIECE", 4096)
     src = torch.arange(100_000, dtype=torch.int32).view(torch.uint8)
     dst = torch.zeros_like(src)
     copy_bytes([(dst, src)])  # the parent's pool exists now
-    pid = os.fork()
-    if pid == 0:  # child: must not wait for the parent's pool threads, which it does not have
+
+    def child() -> bool:  # must not wait for the parent's pool threads, which it does not have
         # numpy only around the copy: torch's OpenMP pool is not usable in a forked child
         out = torch.from_numpy(np.zeros(src.numel(), dtype=np.uint8))
         copy_bytes([(out, src)])
-        os._exit(0 if np.array_equal(out.numpy(), src.numpy()) else 1)
-    assert _child_exit_code(pid) == 0
+        return np.array_equal(out.numpy(), src.numpy())
 
+    assert run_in_fork(child) == 0
 
-def _child_exit_code(pid: int, timeout: float = 60.0) -> int:
-    """Wait for a forked child; kill it and fail if it hangs (the bug these tests guard)."""
-    import os
-    import signal
-    import time
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise AssertionError(f"forked child {pid} hung for {timeout} s")

@@ -1,10 +1,10 @@
 """Host memory copies at memory speed: large CPU-to-CPU byte copies shared among threads.
 
-On the 2-vCPU development machine (``benchmarks/bench_save_parts.py``), ``Tensor.copy_`` of
-a 1 GiB uint8 tensor moved 12.2 GB/s on torch's 2 threads; libc's ``memmove`` (through
-ctypes, which releases the GIL) moved 11.2 GB/s on one thread and 22.1 GB/s on two, since
-copies above glibc's non-temporal threshold (about 20 MB there) skip the cache. Smaller
-copies run at about 6.4 GB/s per thread either way. An asynchronous save's caller is blocked
+On the 2-vCPU development machine (``benchmarks/bench_save_parts.py``, the run recorded in
+BENCHMARKS.md), ``Tensor.copy_`` of a 1 GiB uint8 tensor moved 12.1 GB/s on torch's 2
+threads; libc's ``memmove`` (through ctypes, which releases the GIL) moved 10.9 GB/s on one
+thread and 20.8 GB/s on two, since copies above glibc's non-temporal threshold (about 20 MB
+there) skip the cache. 8 MiB copies ran at 6.1 GB/s per thread. An asynchronous save's caller is blocked
 while its snapshot is copied, so snapshots go through :class:`ParallelCopy`.
 """
 

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from .errors import ConfigError
 
-__all__ = ["IOConfig", "Setting", "SETTINGS", "resolve_config", "override", "parse_size",
-           "settings_markdown"]
+__all__ = ["IOConfig", "Setting", "SETTINGS", "ENGINE_NAMES", "resolve_config", "override",
+           "parse_size", "settings_markdown"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,20 @@ def _parse_int(value: str | int) -> int:
     return parse_size(value)
 
 
+#: the I/O engines, fastest first; ``auto`` picks the first one this system can run
+ENGINE_NAMES: tuple[str, ...] = ("io_uring", "aio", "threads")
+
+
+def _parse_engine(value: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"expected an engine name, got {value!r}")
+    name = value.strip().lower()
+    if name not in ("auto",) + ENGINE_NAMES:
+        raise ConfigError(f"unknown engine {value!r}; choose one of: auto, "
+                          + ", ".join(ENGINE_NAMES))
+    return name
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One row of the settings table."""
@@ -71,22 +85,28 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
+    Setting("engine", "DEEPNVME_ENGINE", _parse_engine, "auto",
+            "How chunks reach the kernel: `io_uring` or `aio` (Linux AIO) keep `queue_depth` "
+            "chunks in flight per worker thread; `threads` issues one blocking syscall per "
+            "worker. `auto` picks the first of io_uring, aio, threads that this system runs "
+            "(logging once why it fell back)."),
     Setting("block_size", "DEEPNVME_BLOCK_SIZE", _parse_int, 1 << 20,
             "Bytes per chunk: a request is cut into chunks of this size (rounded down to the "
             "file's O_DIRECT alignment), each one syscall.", minimum=1),
     Setting("queue_depth", "DEEPNVME_QUEUE_DEPTH", _parse_int, 128,
-            "Most chunks handed to the worker threads at once per handle (the submission "
-            "window); further chunks wait in their request until a slot frees.", minimum=1),
+            "Chunks in flight per worker thread with io_uring/aio (as DeepSpeed's); with "
+            "`threads`, the most chunks handed to all workers at once. Further chunks wait in "
+            "their request until a slot frees.", minimum=1),
     Setting("intra_op_parallelism", "DEEPNVME_INTRA_OP_PARALLELISM", _parse_int, 1,
-            "Worker threads per handle; one request's chunks are spread across all of them, "
-            "so this is also the number of syscalls in flight.", minimum=1),
+            "Worker threads per handle; one request's chunks are spread across all of them.",
+            minimum=1),
     Setting("single_submit", "DEEPNVME_SINGLE_SUBMIT", _parse_bool, False,
-            "Accepted for DeepSpeed compatibility. The thread engine has no batched submit "
-            "phase, so it does not change behaviour (a non-default value is logged once)."),
+            "As DeepSpeed's: with io_uring/aio, submit chunks to the kernel one per call "
+            "instead of in batches (slower; for devices that dislike deep batches). No effect "
+            "with `threads`."),
     Setting("overlap_events", "DEEPNVME_OVERLAP_EVENTS", _parse_bool, False,
-            "Accepted for DeepSpeed compatibility. Worker threads always overlap issuing and "
-            "completing chunks, so it does not change behaviour (a non-default value is logged "
-            "once)."),
+            "Accepted for DeepSpeed compatibility. Every engine already overlaps submitting "
+            "new chunks with completing earlier ones, so it changes nothing (logged once)."),
     Setting("o_direct", "DEEPNVME_O_DIRECT", _parse_bool, True,
             "Open files with O_DIRECT (bypassing the page cache) where the filesystem accepts "
             "it; unaligned edges always go through a buffered descriptor."),
@@ -110,6 +130,7 @@ _ALIASES = {"thread_count": "intra_op_parallelism"}
 class IOConfig:
     """A resolved, immutable snapshot of all settings (see :data:`SETTINGS` for each one's meaning)."""
 
+    engine: str = "auto"
     block_size: int = 1 << 20
     queue_depth: int = 128
     intra_op_parallelism: int = 1
@@ -130,6 +151,8 @@ class IOConfig:
                     raise ConfigError(f"setting {s.name!r} must be an int, got {value!r}")
                 if s.minimum is not None and value < s.minimum:
                     raise ConfigError(f"setting {s.name!r} must be >= {s.minimum}, got {value}")
+        if self.engine not in ("auto",) + ENGINE_NAMES:
+            _parse_engine(self.engine)  # raises with the list of names
         if self.alignment & (self.alignment - 1):
             raise ConfigError(f"setting 'alignment' must be a power of two, got {self.alignment}")
 
@@ -140,7 +163,7 @@ class IOConfig:
     def to_deepspeed(self) -> dict[str, dict[str, Any]]:
         """The DeepSpeed ``{"aio": {...}}`` section for these settings, with real key names."""
         keys = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit",
-                "overlap_events", "use_gds")
+                "overlap_events", "use_gds", "engine")
         return {"aio": {k: getattr(self, k) for k in keys}}
 
     @classmethod
@@ -214,9 +237,8 @@ def resolve_config(explicit: Mapping[str, Any] | IOConfig | None = None, *,
         except ConfigError as exc:
             raise ConfigError(f"setting {s.name!r} from {where}: {exc}") from None
     cfg = IOConfig(**values)
-    for name in ("single_submit", "overlap_events"):
-        if getattr(cfg, name):
-            _note_no_effect(name)
+    if cfg.overlap_events:
+        _note_no_effect("overlap_events")
     return cfg
 
 
@@ -227,7 +249,7 @@ def _note_no_effect(name: str) -> None:
     if name not in _noted:
         _noted.add(name)
         log.info("deepnvme: %s=True is accepted for DeepSpeed compatibility but has no effect "
-                 "in the thread engine", name)
+                 "(every engine overlaps submission and completion)", name)
 
 
 def settings_markdown() -> str:

@@ -25,7 +25,7 @@ def test_tune_writes_a_config_that_aiohandle_consumes(run_cli, leftovers, tmp_pa
     raw = out_file.read_text()
     assert '"single_submit": false' in raw and '"overlap_events": false' in raw  # JSON booleans
     cfg = json.loads(raw)
-    assert set(cfg["aio"]) == {"block_size", "queue_depth", "intra_op_parallelism",
+    assert set(cfg["aio"]) == {"engine", "block_size", "queue_depth", "intra_op_parallelism",
                                "single_submit", "overlap_events", "use_gds"}
     best = data["best"]["combined"]
     with deepnvme.AioHandle.from_config(cfg) as h:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._buffers import byte_view, check_io_tensor
+from ._buffers import check_io_tensor
 from .config import IOConfig, resolve_config
 from .errors import DeepNVMeIOError, UnsupportedBufferError
 from .io.engine import Engine, Transfer
@@ -142,17 +142,19 @@ class AioHandle:
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         transfers = []
         for i, item in enumerate(items):
-            if not (isinstance(item, tuple) and len(item) == 2):
-                raise TypeError(f"items[{i}] must be a (tensor, file_offset) tuple, got "
-                                f"{type(item).__name__}")
-            buffer, offset = item
-            if self._check_buffer(buffer):
-                raise UnsupportedBufferError(
-                    f"items[{i}]: read_many/write_many take CPU tensors; got one on "
-                    f"{buffer.device}: use submit_read/submit_write for device tensors")
-            transfers.append(Transfer(write=write, view=byte_view(buffer),
-                                      address=buffer.data_ptr(), target=target,
-                                      file_offset=int(offset), keepalive=buffer))
+            try:
+                buffer, offset = item
+            except (TypeError, ValueError):
+                raise TypeError(f"items[{i}] must be a (tensor, file_offset) pair, got "
+                                f"{type(item).__name__}") from None
+            # fast path for the common case; anything else gets the full check and its message
+            if not (type(buffer) is torch.Tensor and buffer.is_cpu and buffer.is_contiguous()):
+                if self._check_buffer(buffer):
+                    raise UnsupportedBufferError(
+                        f"items[{i}]: read_many/write_many take CPU tensors; got one on "
+                        f"{buffer.device}: use submit_read/submit_write for device tensors")
+            transfers.append(Transfer(write=write, address=buffer.data_ptr(), size=buffer.nbytes,
+                                      target=target, file_offset=int(offset), keepalive=buffer))
         return self._engine.submit_many(transfers, validate=validate, fsync=fsync)
 
     def _submit(self, write: bool, buffer: torch.Tensor, target: str | int, offset: int,
@@ -333,6 +335,7 @@ class AioHandle:
 def _submit_to(engine: Engine, write: bool, buffer: torch.Tensor, target: str | int, offset: int,
                *, validate: bool, fsync: bool | None) -> Future[int]:
     """Hand one contiguous CPU buffer to the engine (the staging pipeline's ``submit_io``)."""
-    transfer = Transfer(write=write, view=byte_view(buffer), address=buffer.data_ptr(),
+    transfer = Transfer(write=write, address=buffer.data_ptr(),
+                        size=buffer.numel() * buffer.element_size(),
                         target=target, file_offset=offset, keepalive=buffer)
     return engine.submit(transfer, validate=validate, fsync=fsync)

@@ -30,6 +30,7 @@ from .memory.staging import CudaCopier, DeviceCopier, StagingPipeline
 __all__ = ["AioHandle"]
 
 log = logging.getLogger(__name__)
+_DEEPSPEED_SECTOR = 512  # DeepSpeed's assumed O_DIRECT alignment, the unit of get_alignment()
 
 
 class AioHandle:
@@ -91,8 +92,11 @@ class AioHandle:
         return self.config.intra_op_parallelism
 
     def get_alignment(self) -> int:
-        """Alignment (bytes) of locked tensors and assumed O_DIRECT alignment; files may need less."""
-        return self.config.alignment
+        """DeepSpeed's request granularity, ``intra_op_parallelism x 512`` bytes: clients such as
+        DeepSpeed's FastFileWriter size buffers and offsets by it. deepnvme needs no alignment
+        from callers (it uses each file's own O_DIRECT alignment and bounces unaligned edges);
+        locked tensors are aligned to ``config.alignment``."""
+        return self.config.intra_op_parallelism * _DEEPSPEED_SECTOR
 
     # --- the Pythonic surface: futures -----------------------------------------------------
 

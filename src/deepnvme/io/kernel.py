@@ -200,44 +200,60 @@ class _Worker:
 def kernel_worker(engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]",
                   kq: KernelQueue, on_exit: Callable[[KernelQueue], None]) -> None:
     """Thread body: run chunks from ``work`` on ``kq`` until a ``None`` arrives and all is done."""
-    engine = engine_ref()
-    if engine is None:
-        return
-    w = _Worker(kq, engine.posix, engine.config.block_size, engine.config.single_submit)
-    del engine
-    stopping = False
     try:
-        while True:
-            while w.waiting and w.free and w.start(*w.waiting[0]):
-                w.waiting.popleft()
-            while not stopping and w.free and not w.waiting:
-                try:
-                    item = work.get_nowait() if w.inflight or w.finished else work.get()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stopping = True
-                elif not w.start(*item):
-                    w.waiting.append(item)
-                item = None  # hold no request past its completion (its buffer stays exported)
-            if w.inflight:
-                try:
-                    events = kq.submit_and_wait(1, w.single)
-                except OSError as exc:
-                    w.fail_all(DeepNVMeIOError.from_oserror(exc, op=f"{kq.name} submit",
-                                                            path=None, offset=None, size=None))
-                    events = []
-                for tag, res in events:
-                    w.complete(tag, res)
-            if w.finished:
-                engine = engine_ref()
-                if engine is None:
-                    return
-                engine._chunks_done(w.finished)
-                w.finished = []
-                del engine
-            elif stopping and not w.inflight and not w.waiting:
-                return
+        engine = engine_ref()
+        if engine is None:
+            return
+        w = _Worker(kq, engine.posix, engine.config.block_size, engine.config.single_submit)
+        del engine
+        _run(w, engine_ref, work, kq)
     finally:
         on_exit(kq)
+
+
+def _start(w: _Worker, op: "Op", chunk: Chunk) -> bool:
+    """``w.start`` that turns an unexpected failure (no memory for a bounce buffer ...) into
+    the request's error instead of killing the worker."""
+    try:
+        return w.start(op, chunk)
+    except Exception as exc:  # noqa: BLE001 - recorded on the request, raised by its future
+        op.fail(exc)
+        w.finished.append(op)
+        return True
+
+
+def _run(w: _Worker, engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]",
+         kq: KernelQueue) -> None:
+    stopping = False
+    while True:
+        while w.waiting and w.free and _start(w, *w.waiting[0]):
+            w.waiting.popleft()
+        while not stopping and w.free and not w.waiting:
+            try:
+                item = work.get_nowait() if w.inflight or w.finished else work.get()
+            except queue.Empty:
+                break
+            if item is None:
+                stopping = True
+            elif not _start(w, *item):
+                w.waiting.append(item)
+            item = None  # hold no request past its completion (its buffer stays exported)
+        if w.inflight:
+            try:
+                events = kq.submit_and_wait(1, w.single)
+            except OSError as exc:
+                w.fail_all(DeepNVMeIOError.from_oserror(exc, op=f"{kq.name} submit",
+                                                        path=None, offset=None, size=None))
+                events = []
+            for tag, res in events:
+                w.complete(tag, res)
+        if w.finished:
+            engine = engine_ref()
+            if engine is None:
+                return
+            engine._chunks_done(w.finished)
+            w.finished = []
+            del engine
+        elif stopping and not w.inflight and not w.waiting:
+            return
 

@@ -17,9 +17,12 @@ Measured, per tool, at the same block size, queue depth and intra_op_parallelism
   * CPU seconds (user + sys) of the process doing the I/O per GB moved: getrusage(RUSAGE_SELF)
     deltas around the timed region inside the worker, fio's usr_cpu/sys_cpu x its job runtime.
 
-Every measurement runs in a fresh process (`--worker SPEC`, printing one JSON line): deepnvme with
-this python, DeepSpeed with --ds-python (benchmarks/setup_peers.sh builds one), fio as itself, so
-all pay the same process model; buffer allocation and filling stay outside the timed region.
+Every measurement runs in a fresh process (benchmarks/bench_engines_worker.py, printing one JSON
+line): deepnvme with this python, DeepSpeed with --ds-python (benchmarks/setup_peers.sh builds
+one), fio as itself, so all pay the same process model; buffer allocation and filling stay
+outside the timed region. Before it, a probe writes and reads 1 MiB with each deepnvme engine
+and with DeepSpeed: an engine this system cannot run, or a DeepSpeed that does not load, is left
+out with a note.
 All tools rewrite one preallocated file in --dir in place (same size, no truncation), so every
 tool reads back the blocks some tool wrote. Rounds interleave the tools and rotate their order.
 fio runs one job (no intra_op_parallelism), so its row stands beside every parallelism.

@@ -222,6 +222,22 @@ def _start(w: _Worker, op: "Op", chunk: Chunk) -> bool:
         return True
 
 
+def _complete(w: _Worker, tag: int, res: int) -> None:
+    """``w.complete`` that turns an unexpected failure (the file size check after a short read
+    failing ...) into the request's error and frees the slot, so no chunk is ever lost."""
+    try:
+        w.complete(tag, res)
+    except Exception as exc:  # noqa: BLE001 - recorded on the request, raised by its future
+        op = w.op[tag]
+        if op is not None:
+            op.fail(exc)
+            bounce = w.bounce[tag]
+            if bounce is not None:
+                w.spare.append(bounce)
+                w.bounce[tag] = None
+            w._release(tag, op)
+
+
 def _run(w: _Worker, engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]",
          kq: KernelQueue) -> None:
     stopping = False
@@ -246,7 +262,7 @@ def _run(w: _Worker, engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue
                                                         path=None, offset=None, size=None))
                 events = []
             for tag, res in events:
-                w.complete(tag, res)
+                _complete(w, tag, res)
         if w.finished:
             engine = engine_ref()
             if engine is None:

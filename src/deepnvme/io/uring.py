@@ -74,7 +74,9 @@ class UringQueue:
             os.close(fd)
             raise
         self.depth = min(depth, self.sq_entries)
-        self._fixed_lock = threading.Lock()
+        # re-entrant: a registration syscall allocates, the GC may free a locked allocation
+        # then, and its finalizer calls region_released on this thread
+        self._fixed_lock = threading.RLock()
         self._fixed: dict[Any, int] | None = None
         self._free_slots: list[int] = []
         self._init_fixed()

@@ -44,7 +44,9 @@ class _Region:
         self.locked = locked
 
 
-_lock = threading.Lock()
+# Re-entrant: _forget runs from a weakref finalizer, which the garbage collector may call in
+# any thread at any allocation, including inside a block that holds this lock.
+_lock = threading.RLock()
 _regions: dict[int, _Region] = {}  # storage base address -> region
 _bases: list[int] = []  # the keys of _regions, sorted (to find the region holding an address)
 _release_listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -170,15 +172,13 @@ def locked_region(address: int, length: int) -> tuple[object, int, int] | None:
     ``[address, address + length)``, or None. ``region`` identifies the allocation (a new one
     at the same address is a different region); I/O queues that register memory with the
     kernel key their registrations by it."""
-    with _lock:
+    with _lock:  # no GC-tracked allocation inside: a finalizer could change the tables
         i = bisect.bisect_right(_bases, address) - 1
-        if i < 0:
-            return None
-        base = _bases[i]
-        region = _regions[base]
-        if address + length > base + region.size:
-            return None
-        return region, base, region.size
+        base = _bases[i] if i >= 0 else -1
+        region = _regions.get(base)
+    if region is None or address + length > base + region.size:
+        return None
+    return region, base, region.size
 
 
 def add_release_listener(listener: Any) -> None:
@@ -202,7 +202,8 @@ def is_pinned(tensor: torch.Tensor) -> bool:
 def locked_bytes() -> int:
     """Bytes currently locked through this module (for tests and ``deepnvme report``)."""
     with _lock:
-        return sum(r.size for r in _regions.values() if r.locked)
+        regions = list(_regions.values())
+    return sum(r.size for r in regions if r.locked)
 
 
 class BufferPool:

@@ -96,3 +96,40 @@ def test_locked_region_lookup():
     region, found_base, size = pinned.locked_region(base + 4096, 4096)
     assert found_base == base and size == 3 * 4096
     assert pinned.locked_region(base + 2 * 4096, 2 * 4096) is None  # runs past its end
+
+
+def test_a_release_during_a_registration_on_the_same_thread_does_not_deadlock(tmp_path, monkeypatch):
+    """Regression: the garbage collector can free a registered allocation (and so call
+    region_released) inside fixed_slot's own registration call; a plain lock deadlocked."""
+    from ...concurrency import call_in_thread
+
+    path = str(tmp_path / "f")
+    data = random_tensor(1 << 20, torch.uint8)
+    h = deepnvme.AioHandle(block_size=1 << 20, engine="io_uring")
+    if True:  # no `with`: after a deadlock, close() would hang the suite instead of failing
+        h.sync_pwrite(data, path)
+        old = deepnvme.new_cpu_locked_tensor(1 << 20, torch.uint8)
+        h.sync_pread(old, path)  # registers `old`
+        victim = [old.untyped_storage().data_ptr()]
+        del old
+        real = uring.UringQueue._set_slot
+        fired = []
+
+        def set_slot_with_a_release(self, slot, base, size):
+            if size and not fired:  # as if the GC ran a finalizer right here
+                fired.append(True)
+                gc.collect()
+                for region, slot_ in list((self._fixed or {}).items()):
+                    self.region_released(region)
+            real(self, slot, base, size)
+
+        monkeypatch.setattr(uring.UringQueue, "_set_slot", set_slot_with_a_release)
+        new = deepnvme.new_cpu_locked_tensor(2 << 20, torch.uint8)
+
+        def read():
+            h.sync_pread(new[: 1 << 20], path)
+            return True
+
+        assert call_in_thread(read, 30, "a release inside a registration deadlocked") is True
+        assert fired and same_bytes(new[: 1 << 20], data) and victim
+    h.close()

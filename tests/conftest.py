@@ -9,9 +9,42 @@ import torch
 from hypothesis import settings
 
 import deepnvme
+from deepnvme.io import engine as _engine_module
+from deepnvme.io.movers import probe_engines, select_engine
 
 settings.register_profile("deepnvme", deadline=None, max_examples=100)
 settings.load_profile("deepnvme")
+
+
+AVAILABLE_ENGINES = tuple(p.name for p in probe_engines() if p.available)
+
+# Tests under these paths run once per available engine: every handle they build with
+# engine "auto" (the default, explicit IOConfigs included) uses that engine.
+_PER_ENGINE = ("tests/conformance/", "tests/functional/io/", "tests/unit/io/",
+               "tests/functional/test_handle_runtime.py", "tests/functional/test_staged_handle.py",
+               "tests/functional/test_gds_handle.py", "tests/functional/swap/",
+               "tests/functional/offload/", "tests/functional/memory/",
+               "tests/functional/checkpoint/test_save_load.py",
+               "tests/functional/checkpoint/test_async_save.py",
+               "tests/functional/handles/")
+
+
+def pytest_generate_tests(metafunc):
+    path = str(metafunc.definition.path).replace(os.sep, "/")
+    if getattr(metafunc.module, "ENGINE_SPECIFIC", False):  # the module picks its engines
+        return
+    if "io_engine" in metafunc.fixturenames and any(p in path for p in _PER_ENGINE):
+        metafunc.parametrize("io_engine", AVAILABLE_ENGINES, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def io_engine(request, monkeypatch):
+    """The engine that ``auto`` means for this test (parametrized for the paths above)."""
+    chosen = getattr(request, "param", None)
+    if chosen is not None:
+        monkeypatch.setattr(_engine_module, "select_engine",
+                            lambda requested: chosen if requested == "auto" else select_engine(requested))
+    return chosen or select_engine("auto")
 
 
 @pytest.fixture
@@ -27,8 +60,17 @@ def random_tensor(numel: int, dtype: torch.dtype = torch.float32, seed: int = 0)
                          dtype=torch.uint8, generator=g).view(dtype)
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_fds(*, rings: bool = False) -> int:
+    """Open file descriptors of this process: files and sockets, or (``rings=True``) io_uring
+    instances, counted apart because engines keep one per worker until they close."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        count += (target == "anon_inode:[io_uring]") == rings
+    return count
 
 
 def shm_dir(tmp_name: str) -> str | None:

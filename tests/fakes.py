@@ -303,3 +303,69 @@ class FullDisk(Posix):
         if any(os.readlink(f"/proc/self/fd/{fd}").endswith(n) for n in self.full):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return super().pwritev(fd, buffers, offset)
+
+
+class FaultyQueue:
+    """A real kernel queue (io_uring or Linux AIO) whose completions can be shortened,
+    interrupted or failed, to drive the kernel mover's retry and error paths.
+
+    ``max_len`` shortens what is really submitted (so the kernel completes short);
+    ``eintr_every``/``eagain_every`` answer every n-th entry with ``-EINTR``/``-EAGAIN``
+    instead of submitting it; ``fail_write_at``/``fail_read_at`` answer entries at or past that
+    file offset with ``-errno_``; ``zero_read``/``zero_write`` answer 0 bytes.
+    """
+
+    def __init__(self, inner, *, max_len=None, eintr_every=0, eagain_every=0, fail_write_at=None,
+                 fail_read_at=None, errno_=errno.ENOSPC, zero_read=False, zero_write=False):
+        self.inner, self.name, self.depth = inner, inner.name, inner.depth
+        self.max_len, self.eintr_every, self.eagain_every = max_len, eintr_every, eagain_every
+        self.fail_write_at, self.fail_read_at, self.errno_ = fail_write_at, fail_read_at, errno_
+        self.zero_read, self.zero_write = zero_read, zero_write
+        self.calls = {"prep": 0, "eintr": 0, "eagain": 0, "failed": 0, "short": 0}
+        self.faked: list[tuple[int, int]] = []
+
+    def prep(self, tag, write, fd, address, length, offset):
+        self.calls["prep"] += 1
+        n = self.calls["prep"]
+        fail_at = self.fail_write_at if write else self.fail_read_at
+        if fail_at is not None and offset >= fail_at:
+            self.calls["failed"] += 1
+            self.faked.append((tag, -self.errno_))
+        elif self.eintr_every and n % self.eintr_every == 0:
+            self.calls["eintr"] += 1
+            self.faked.append((tag, -errno.EINTR))
+        elif self.eagain_every and n % self.eagain_every == 0:
+            self.calls["eagain"] += 1
+            self.faked.append((tag, -errno.EAGAIN))
+        elif (self.zero_write if write else self.zero_read):
+            self.faked.append((tag, 0))
+        else:
+            if self.max_len and length > self.max_len:
+                self.calls["short"] += 1
+                length = self.max_len
+            return self.inner.prep(tag, write, fd, address, length, offset)
+        return length
+
+    def submit_and_wait(self, wait, single=False):
+        faked, self.faked = self.faked, []
+        return faked + self.inner.submit_and_wait(0 if faked else wait, single)
+
+    def close(self):
+        self.inner.close()
+
+
+def install_faulty_queue(monkeypatch, engine: str, **faults) -> list:
+    """Make every new handle on ``engine`` use a :class:`FaultyQueue`; returns the list the
+    queues are appended to as workers start."""
+    from deepnvme.io import movers
+
+    real = movers._FACTORIES[engine]
+    made: list[FaultyQueue] = []
+
+    def factory(depth):
+        q = FaultyQueue(real(depth), **faults)
+        made.append(q)
+        return q
+
+    monkeypatch.setitem(movers._FACTORIES, engine, factory)
+    return made

@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -50,11 +50,11 @@ class AioHandle:
 
     def __init__(self, block_size: int | None = None, queue_depth: int | None = None,
                  single_submit: bool | None = None, overlap_events: bool | None = None,
-                 intra_op_parallelism: int | None = None, *, config: IOConfig | None = None,
-                 posix: Posix = POSIX) -> None:
+                 intra_op_parallelism: int | None = None, *, engine: str | None = None,
+                 config: IOConfig | None = None, posix: Posix = POSIX) -> None:
         explicit = {"block_size": block_size, "queue_depth": queue_depth,
                     "single_submit": single_submit, "overlap_events": overlap_events,
-                    "intra_op_parallelism": intra_op_parallelism}
+                    "intra_op_parallelism": intra_op_parallelism, "engine": engine}
         if config is not None:
             explicit = {k: v for k, v in explicit.items() if v is not None}
             self.config = config.replace(**explicit) if explicit else config
@@ -89,6 +89,11 @@ class AioHandle:
     def get_intra_op_parallelism(self) -> int:
         return self.config.intra_op_parallelism
 
+    @property
+    def engine(self) -> str:
+        """The I/O engine in use ("io_uring", "aio" or "threads"; ``auto`` already resolved)."""
+        return self._engine.name
+
     def get_alignment(self) -> int:
         """Alignment (bytes) of locked tensors and assumed O_DIRECT alignment; files may need less."""
         return self.config.alignment
@@ -110,6 +115,45 @@ class AioHandle:
         never truncated) or of an open file descriptor. ``fsync`` overrides the config's.
         Like :meth:`submit_read`, the future is the caller's and not counted by :meth:`wait`."""
         return self._submit(True, buffer, path, offset, validate, fsync, track=False)
+
+    def read_many(self, path: str | os.PathLike[str],
+                  items: Sequence[tuple[torch.Tensor, int]], *, validate: bool = False
+                  ) -> Future[int]:
+        """Start reading many ``(buffer, file_offset)`` items of one file, opened once.
+
+        Every item goes through the engine like a request of its own (split into chunks, all
+        in flight together up to the window); the future's result is the total byte count, or
+        the first failure once every item has ended. CPU buffers only.
+        """
+        return self._submit_many(False, path, items, validate, None)
+
+    def write_many(self, path: str | os.PathLike[str],
+                   items: Sequence[tuple[torch.Tensor, int]], *, validate: bool = False,
+                   fsync: bool | None = None) -> Future[int]:
+        """Start writing many ``(buffer, file_offset)`` items into one file (created if missing,
+        never truncated), opened once; ``fsync`` runs once after the last item."""
+        return self._submit_many(True, path, items, validate, fsync)
+
+    def _submit_many(self, write: bool, path: str | os.PathLike[str],
+                     items: Sequence[tuple[torch.Tensor, int]], validate: bool,
+                     fsync: bool | None) -> Future[int]:
+        target = os.fspath(path)
+        if not isinstance(target, str):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        transfers = []
+        for i, item in enumerate(items):
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(f"items[{i}] must be a (tensor, file_offset) tuple, got "
+                                f"{type(item).__name__}")
+            buffer, offset = item
+            if self._check_buffer(buffer):
+                raise UnsupportedBufferError(
+                    f"items[{i}]: read_many/write_many take CPU tensors; got one on "
+                    f"{buffer.device}: use submit_read/submit_write for device tensors")
+            transfers.append(Transfer(write=write, view=byte_view(buffer),
+                                      address=buffer.data_ptr(), target=target,
+                                      file_offset=int(offset), keepalive=buffer))
+        return self._engine.submit_many(transfers, validate=validate, fsync=fsync)
 
     def _submit(self, write: bool, buffer: torch.Tensor, target: str | int, offset: int,
                 validate: bool, fsync: bool | None = None, *, track: bool) -> Future[int]:
@@ -280,7 +324,8 @@ class AioHandle:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"AioHandle(block_size={c.block_size}, queue_depth={c.queue_depth}, "
+        return (f"AioHandle(engine={self.engine!r}, block_size={c.block_size}, "
+                f"queue_depth={c.queue_depth}, "
                 f"single_submit={c.single_submit}, overlap_events={c.overlap_events}, "
                 f"intra_op_parallelism={c.intra_op_parallelism})")
 

@@ -1,11 +1,17 @@
-"""The thread-pool engine: executes planned chunked transfers and completes one future per request.
+"""The engine: the one coordinator of planned chunked transfers, over pluggable movers.
 
 One :class:`~deepnvme.io.op.Op` coordinates each request (see there for its guarantees);
-the engine opens files, plans, hands chunks to the workers and owns the bounce buffers.
+the engine opens files, plans, hands chunks to the mover's workers through one work queue
+within a window, and completes requests as their chunks come back. Movers only issue chunks
+and report completions: the ``threads`` mover runs one blocking syscall per worker
+(:meth:`Op.run`); ``io_uring`` and ``aio`` run :func:`~deepnvme.io.kernel.kernel_worker`,
+which keeps ``queue_depth`` chunks in flight per worker.
 
-Concurrency: ``intra_op_parallelism`` worker threads (started on first use) execute chunks;
-at most ``queue_depth`` chunks of a handle are handed to them at once. Bounce memory is at most
-``intra_op_parallelism x block_size`` bytes (one buffer per worker, created when first needed).
+Concurrency: ``intra_op_parallelism`` worker threads (started on first use). Window: at most
+``queue_depth`` chunks handed out per handle with ``threads``, ``queue_depth x
+intra_op_parallelism`` with a kernel engine. Bounce memory (only for buffers whose address
+O_DIRECT cannot use): at most ``intra_op_parallelism x block_size`` bytes with ``threads``,
+``intra_op_parallelism x min(queue_depth, 4) x block_size`` with a kernel engine.
 """
 
 from __future__ import annotations
@@ -18,20 +24,23 @@ import logging
 import os
 import queue
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
 from .._buffers import byte_view
 from ..config import IOConfig
-from ..errors import DeepNVMeIOError, ShortTransferError
+from ..errors import ConfigError, DeepNVMeIOError, ShortTransferError
 from ..memory.pinned import BufferPool
-from .op import Op, Transfer
+from .kernel import KernelQueue, kernel_worker
+from .movers import EngineProbe, probe_engines, queue_factory, select_engine
+from .op import Batch, Op, Transfer
 from .plan import Alignment, Kind, plan_transfer
 from .posix import POSIX, Posix
 from .._workers import WorkerGroup
 
-__all__ = ["Engine", "Transfer"]  # Transfer is defined in .op
+# Transfer is defined in .op, the probes in .movers
+__all__ = ["Engine", "Transfer", "EngineProbe", "probe_engines"]
 
 log = logging.getLogger(__name__)
 _CLOSED = "this handle/engine is closed; create a new one"
@@ -42,11 +51,19 @@ _fallback_logged: set[str] = set()
 
 
 class Engine:
-    """Executes :class:`Transfer` requests on worker threads; thread-safe."""
+    """Executes :class:`Transfer` requests on worker threads; thread-safe.
+
+    Raises :class:`~deepnvme.errors.ConfigError` when the configured engine cannot run here.
+    """
 
     def __init__(self, config: IOConfig, *, posix: Posix = POSIX) -> None:
         self.config = config
         self.posix = posix
+        #: the engine in use (``auto`` resolved): "io_uring", "aio" or "threads"
+        self.name = self._choose(config.engine, posix)
+        self._make_queue = queue_factory(self.name)
+        self._window = config.queue_depth * (
+            config.intra_op_parallelism if self._make_queue is not None else 1)
         self._workers = WorkerGroup(name="deepnvme-io", closed_message=_CLOSED)
         self._queue = self._workers.queue
         self._lock = self._workers.lock
@@ -56,6 +73,18 @@ class Engine:
         self._bounce_views: dict[int, memoryview] = {}
         self._open_ops: set[Op] = self._workers.open
         _live_engines.add(self)
+
+    @staticmethod
+    def _choose(requested: str, posix: Posix) -> str:
+        """A ``posix`` that replaces the transfer syscalls (fault injection) is only called by
+        the thread mover: ``auto`` then means ``threads``, and a kernel engine is refused."""
+        kind = type(posix)
+        if kind.preadv is Posix.preadv and kind.pwritev is Posix.pwritev:
+            return select_engine(requested)
+        if requested not in ("auto", "threads"):
+            raise ConfigError(f"engine {requested!r} cannot use {kind.__name__}, which replaces "
+                              "preadv/pwritev: only engine 'threads' calls them")
+        return "threads"
 
     # --- submission ----------------------------------------------------------------------
 
@@ -77,16 +106,101 @@ class Engine:
         if not op.chunks:
             op.finish(self.posix)
             return op.future
+        self._admit([op], op)
+        return op.future
+
+    def submit_many(self, transfers: list[Transfer], *, validate: bool = False,
+                    fsync: bool | None = None) -> Future[int]:
+        """Start one request per transfer, all on the same file, opened once.
+
+        The future's result is the total byte count; the first failure fails it once every
+        transfer has ended. ``fsync`` (writes) runs once, after the last transfer.
+        """
+        self._workers.check_open()
+        if not transfers:
+            done: Future[int] = Future()
+            done.set_result(0)
+            return done
+        batch = Batch(transfers[0], validate, self.config.fsync if fsync is None else fsync)
+        batch.future.set_running_or_notify_cancel()
+        try:
+            ops = self._prepare_batch(batch, transfers, validate)
+        except BaseException as exc:
+            batch.close_fds(self.posix)
+            batch.future.set_exception(exc)
+            return batch.future
+        self._admit(ops, batch)
+        return batch.future
+
+    def _prepare_batch(self, batch: Batch, transfers: list[Transfer], validate: bool) -> list[Op]:
+        first = batch.transfer
+        for t in transfers:
+            if t.target != first.target or t.write != first.write:
+                raise ValueError("submit_many: every transfer must have the same file and "
+                                 f"direction; {t.name!r} differs from {first.name!r}")
+            if t.file_offset < 0:
+                raise DeepNVMeIOError("negative file offset", path=t.name, offset=t.file_offset,
+                                      size=t.size, errno=errno.EINVAL)
+        alignment = self._open(batch)
+        if not first.write:
+            fd = batch.fd_direct if batch.fd_direct >= 0 else batch.fd_buffered
+            self._check_inside(first.name, transfers, self.posix.file_size(fd))
+        ops = []
+        for t in transfers:
+            op = Op(t, validate, False, batch=batch)
+            op.chunks = plan_transfer(size=t.size, file_offset=t.file_offset, address=t.address,
+                                      block_size=self.config.block_size, alignment=alignment)
+            if any(c.kind is Kind.BUFFERED for c in op.chunks) and batch.fd_buffered < 0:
+                batch.fd_buffered = self._reopen_buffered(batch)
+            ops.append(op)
+        for op in ops:
+            op.fd_direct, op.fd_buffered, op.remaining = (batch.fd_direct, batch.fd_buffered,
+                                                          len(op.chunks))
+        batch.remaining = len(ops)
+        return ops
+
+    @staticmethod
+    def _check_inside(name: str, transfers: list[Transfer], file_size: int) -> None:
+        for t in transfers:
+            if t.file_offset + t.size > file_size:
+                raise ShortTransferError(
+                    f"read past end of file: the file has {file_size} bytes but the request "
+                    f"ends at {t.file_offset + t.size}", path=name, offset=t.file_offset,
+                    size=t.size, transferred=0)
+
+    def _admit(self, ops: list[Op], owner: Op) -> None:
+        """Queue ``ops``' chunks (an op without chunks completes at once); on failure to start
+        the workers, ``owner`` (the request or its batch) fails and closes its descriptors."""
         with self._lock:
             if self._workers.closed:  # close() began after the check above: admit nothing
-                op.close_fds(self.posix)
+                owner.close_fds(self.posix)
                 self._workers.check_open()
-            self._workers.start(self.config.intra_op_parallelism, _worker,
-                                lambda i: (weakref.ref(self), self._queue))
-            self._open_ops.add(op)
-            self._pending.append(op)
+            try:
+                self._start_workers()
+            except BaseException as exc:
+                owner.close_fds(self.posix)
+                owner.future.set_exception(exc)
+                return
+            self._open_ops.add(owner)
+            for op in ops:
+                if op.chunks:
+                    self._pending.append(op)
             self._pump()
-        return op.future
+        for op in ops:
+            if not op.chunks:
+                self._ended(op)
+
+    def _start_workers(self) -> None:
+        """Start the mover's workers (caller holds the lock); a kernel queue that cannot be
+        set up raises here, in the submitting thread."""
+        n = self.config.intra_op_parallelism
+        if self._make_queue is None:
+            self._workers.start(n, _worker, lambda i: (weakref.ref(self), self._queue))
+            return
+        make = self._make_queue
+        self._workers.start(n, kernel_worker, lambda i: (weakref.ref(self), self._queue,
+                                                         make(self.config.queue_depth),
+                                                         _close_queue))
 
     def _prepare(self, op: Op) -> None:
         t = op.transfer
@@ -167,7 +281,7 @@ class Engine:
 
     def _pump(self) -> None:
         """Hand chunks to the workers up to the window; caller holds ``self._lock``."""
-        depth = self.config.queue_depth
+        depth = self._window
         while self._inflight < depth and self._pending:
             op = self._pending[0]
             chunk = op.chunks[op.next]
@@ -202,15 +316,29 @@ class Engine:
             return pool
 
     def _chunk_done(self, op: Op) -> None:
+        self._chunks_done([op])
+
+    def _chunks_done(self, ops: list[Op]) -> None:
+        """One chunk of each of ``ops`` ended (an op appears once per chunk)."""
+        last = []
         with self._lock:
-            self._inflight -= 1
-            op.remaining -= 1
-            last = op.remaining == 0
-            if last:
-                self._open_ops.discard(op)
+            self._inflight -= len(ops)
+            for op in ops:
+                op.remaining -= 1
+                if op.remaining == 0:
+                    last.append(op)
+                    if op.batch is None:
+                        self._open_ops.discard(op)
             self._pump()
-        if last:
-            op.finish(self.posix)
+        for op in last:
+            self._ended(op)
+
+    def _ended(self, op: Op) -> None:
+        """Finish a request whose chunks have all ended (and its batch, if it was the last)."""
+        op.finish(self.posix)
+        if op.batch is not None and op.batch.child_done(op, self.posix):
+            with self._lock:
+                self._open_ops.discard(op.batch)
 
     # --- lifetime ------------------------------------------------------------------------
 
@@ -227,6 +355,13 @@ class Engine:
         for pool in self._bounce.values():
             pool.close()
         self._bounce.clear()
+
+
+def _close_queue(kq: KernelQueue) -> None:
+    try:
+        kq.close()
+    except OSError as exc:
+        log.error("deepnvme: closing the %s queue failed: %s", kq.name, exc)
 
 
 def _worker(engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]") -> None:

@@ -20,7 +20,7 @@ from ..errors import DeepNVMeIOError, ValidationError
 from .plan import Chunk, Kind
 from .posix import Posix
 
-__all__ = ["Op", "Transfer"]
+__all__ = ["Op", "Batch", "Transfer"]
 
 _VALIDATE_BLOCK = 8 << 20
 
@@ -55,30 +55,41 @@ class Op:
     """Coordinator of one request (see the module docstring for its guarantees)."""
 
     __slots__ = ("transfer", "chunks", "next", "remaining", "error", "future", "fd_direct",
-                 "fd_buffered", "owned_fds", "validate", "fsync", "lock")
+                 "fd_buffered", "owned_fds", "validate", "fsync", "lock", "batch")
 
-    def __init__(self, transfer: Transfer, validate: bool, fsync: bool) -> None:
+    def __init__(self, transfer: Transfer, validate: bool, fsync: bool, *,
+                 batch: "Batch | None" = None) -> None:
         self.transfer = transfer
         self.chunks: list[Chunk] = []
         self.next = 0
         self.remaining = 0
         self.error: BaseException | None = None
-        self.future: Future[int] = Future()
+        #: completed by :meth:`finish`; a batch member reports to its batch instead
+        self.future: Future[int] = Future() if batch is None else _NO_FUTURE
         self.fd_direct = -1
         self.fd_buffered = -1
         self.owned_fds: list[int] = []
         self.validate = validate
         self.fsync = fsync
         self.lock = threading.Lock()
+        self.batch = batch
 
     def fail(self, exc: BaseException) -> None:
         with self.lock:
             if self.error is None:
                 self.error = exc
+        if self.batch is not None:
+            self.batch.fail(exc)
+
+    @property
+    def stopped(self) -> bool:
+        """True once this request (or its batch) has failed: its chunks not yet started are
+        skipped."""
+        return self.error is not None or (self.batch is not None and self.batch.error is not None)
 
     def run(self, chunk: Chunk, posix: Posix, borrow_bounce: BounceLender) -> None:
         """Execute one chunk on the calling (worker) thread; failures are recorded, not raised."""
-        if self.error is not None:
+        if self.stopped:
             return
         t = self.transfer
         move = posix.write_fully if t.write else posix.read_fully
@@ -117,6 +128,8 @@ class Op:
                     self.fail(exc)
         finally:
             self.close_fds(posix)
+        if self.batch is not None:
+            return
         if self.error is not None:
             self.future.set_exception(self.error)
         else:
@@ -147,3 +160,41 @@ class Op:
                                           path=t.name, offset=t.file_offset + start, size=n)
         finally:
             posix.close(fd)
+
+
+_NO_FUTURE: Future[int] = Future()  # placeholder for batch members, never completed
+
+
+class Batch(Op):
+    """Several requests on one file opened once (:meth:`Engine.submit_many`): owns the
+    descriptors, fsyncs once after the last member, and completes one future with the total
+    byte count, or the first failure."""
+
+    __slots__ = ("total",)
+
+    def __init__(self, first: Transfer, validate: bool, fsync: bool) -> None:
+        super().__init__(first, validate, fsync)
+        self.total = 0
+
+    def child_done(self, op: Op, posix: Posix) -> bool:
+        """Count a finished member; on the last one, fsync, close and complete (returns True)."""
+        with self.lock:
+            self.total += op.transfer.size
+            self.remaining -= 1
+            if self.remaining:
+                return False
+        t = self.transfer
+        try:
+            if self.error is None and t.write and self.fsync:
+                try:
+                    posix.fsync(self.fd_direct if self.fd_direct >= 0 else self.fd_buffered)
+                except OSError as exc:
+                    self.fail(DeepNVMeIOError.from_oserror(exc, op="fsync", path=t.name,
+                                                           offset=None, size=self.total))
+        finally:
+            self.close_fds(posix)
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(self.total)
+        return True

@@ -15,7 +15,7 @@ import os
 from ..errors import DeepNVMeIOError, ShortTransferError
 from .plan import Alignment
 
-__all__ = ["Posix", "POSIX", "O_DIRECT", "evict_page_cache"]
+__all__ = ["Posix", "POSIX", "O_DIRECT", "evict_page_cache", "syscall"]
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _AT_FDCWD = -100
@@ -29,6 +29,16 @@ _statx = getattr(_libc, "statx", None)
 if _statx is not None:
     _statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
     _statx.restype = ctypes.c_int
+_libc.syscall.restype = ctypes.c_long
+
+
+def syscall(number: int, *args: object) -> int:
+    """``syscall(2)`` through ctypes (the GIL is released for the call); raises ``OSError``."""
+    result: int = _libc.syscall(ctypes.c_long(number), *args)
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return result
 
 
 class Posix:

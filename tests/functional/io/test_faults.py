@@ -85,7 +85,9 @@ class FaultyPosix(Posix):
 
 
 def make(posix, **cfg):
-    base = dict(block_size=8192, queue_depth=4, intra_op_parallelism=2)
+    """A handle on the thread mover, whose syscalls ``posix`` fakes (the kernel engines'
+    completions are faked in test_kernel_faults.py)."""
+    base = dict(block_size=8192, queue_depth=4, intra_op_parallelism=2, engine="threads")
     base.update(cfg)
     return deepnvme.AioHandle(config=IOConfig(**base), posix=posix)
 

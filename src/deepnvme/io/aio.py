@@ -1,0 +1,119 @@
+"""Linux AIO (``io_setup``/``io_submit``/``io_getevents``) through ctypes: no libaio, no compile.
+
+One :class:`AioQueue` is one kernel AIO context used by one worker thread. The control blocks
+live in one ctypes buffer (slot = tag), so their addresses stay valid while the kernel holds
+them; ctypes releases the GIL for every system call. With O_DIRECT descriptors the kernel
+queues the transfers; with buffered ones ``io_submit`` does them before it returns (still
+correct, only not asynchronous, as with DeepSpeed's libaio engine).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import platform
+import struct
+
+from .posix import syscall
+
+__all__ = ["AioQueue", "probe_aio"]
+
+# io_setup, io_destroy, io_submit, io_getevents
+_NUMBERS = {"x86_64": (206, 207, 209, 208), "aarch64": (0, 1, 2, 4), "arm64": (0, 1, 2, 4)}
+_CMD_PREAD, _CMD_PWRITE = 0, 1
+_MAX_LEN = 0x7FFFF000
+# struct iocb (64 bytes, little-endian): data, key, rw_flags, opcode, reqprio, fd, buf, nbytes, offset
+_IOCB = struct.Struct("<QIiHhIQQq16x")
+_EVENT = struct.Struct("<QQqq")  # data, obj, res, res2
+
+
+def _numbers() -> tuple[int, int, int, int]:
+    machine = platform.machine()
+    if machine not in _NUMBERS:
+        raise OSError(errno.ENOSYS, f"Linux AIO system call numbers unknown for {machine}")
+    return _NUMBERS[machine]
+
+
+class AioQueue:
+    """One AIO context of ``depth`` slots: :meth:`prep` queues, :meth:`submit_and_wait` runs.
+
+    Not thread-safe: each worker owns its own queue. Raises ``OSError`` from the constructor
+    where Linux AIO is unavailable (ENOSYS, or EAGAIN when fs.aio-max-nr is exhausted).
+    """
+
+    name = "aio"
+
+    def __init__(self, depth: int) -> None:
+        self._setup, self._destroy, self._submit, self._getevents = _numbers()
+        self.depth = max(1, depth)
+        ctx = ctypes.c_ulong(0)
+        syscall(self._setup, ctypes.c_uint(self.depth), ctypes.byref(ctx))
+        self._ctx = ctx
+        self._iocbs = ctypes.create_string_buffer(_IOCB.size * self.depth)
+        self._base = ctypes.addressof(self._iocbs)
+        self._ptrs = (ctypes.c_void_p * self.depth)()
+        self._events = ctypes.create_string_buffer(_EVENT.size * self.depth)
+        self._queued: list[int] = []
+        self._inflight = 0
+
+    def prep(self, tag: int, write: bool, fd: int, address: int, length: int, offset: int) -> int:
+        """Queue one read or write (``tag`` < depth); returns the length queued."""
+        length = min(length, _MAX_LEN)
+        _IOCB.pack_into(self._iocbs, tag * _IOCB.size, tag, 0, 0,
+                        _CMD_PWRITE if write else _CMD_PREAD, 0, fd, address, length, offset)
+        self._queued.append(tag)
+        return length
+
+    def submit_and_wait(self, wait: int, single: bool = False) -> list[tuple[int, int]]:
+        """Submit what :meth:`prep` queued, wait for at least ``wait`` completions, return
+        ``(tag, result)`` pairs (bytes moved or ``-errno``). ``single``: one per call."""
+        queued, ptrs, base, size = self._queued, self._ptrs, self._base, _IOCB.size
+        while queued:
+            n = 1 if single else len(queued)
+            for i in range(n):
+                ptrs[i] = base + queued[i] * size
+            try:
+                done = syscall(self._submit, self._ctx, ctypes.c_long(n), ptrs)
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                if exc.errno != errno.EAGAIN or not self._inflight:
+                    raise
+                done = 0
+            del queued[:done]
+            self._inflight += done
+            if queued and not done:  # out of kernel resources: complete something first
+                return self._wait(1)
+        return self._wait(wait)
+
+    def _wait(self, wait: int) -> list[tuple[int, int]]:
+        if not self._inflight:
+            return []
+        while True:
+            try:
+                got = syscall(self._getevents, self._ctx, ctypes.c_long(min(wait, self._inflight)),
+                              ctypes.c_long(self.depth), self._events, None)
+                break
+            except InterruptedError:
+                continue
+        self._inflight -= got
+        ev, out = self._events, []
+        for i in range(got):
+            tag, _obj, res, _res2 = _EVENT.unpack_from(ev, i * _EVENT.size)
+            out.append((tag, res))
+        return out
+
+    def close(self) -> None:
+        """Destroy the context (pending entries must be reaped first)."""
+        if self._ctx.value:
+            syscall(self._destroy, self._ctx)
+            self._ctx = ctypes.c_ulong(0)
+
+
+def probe_aio() -> str:
+    """Set up and destroy a small context; returns a description, raises ``OSError`` if not."""
+    q = AioQueue(4)
+    try:
+        return "Linux AIO (ctypes on io_setup/io_submit/io_getevents, no libaio)"
+    finally:
+        q.close()

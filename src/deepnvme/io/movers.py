@@ -1,0 +1,88 @@
+"""Which movers this system runs, and the one a config's ``engine`` setting selects.
+
+Probing sets up and tears down one small kernel queue per engine, once per process (cached);
+``auto`` takes the first available of :data:`~deepnvme.config.ENGINE_NAMES` and logs once
+why it passed over the faster ones. An engine named explicitly that cannot run raises
+:class:`~deepnvme.errors.ConfigError` with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+from ..config import ENGINE_NAMES
+from ..errors import ConfigError
+from .aio import AioQueue, probe_aio
+from .kernel import KernelQueue
+from .uring import UringQueue, probe_io_uring
+
+__all__ = ["EngineProbe", "probe_engines", "select_engine", "queue_factory"]
+
+log = logging.getLogger(__name__)
+
+_FACTORIES: dict[str, Callable[[int], KernelQueue]] = {"io_uring": UringQueue, "aio": AioQueue}
+_PROBES: dict[str, Callable[[], str]] = {"io_uring": probe_io_uring, "aio": probe_aio}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineProbe:
+    """Whether one engine runs here; ``detail`` says what it is, or why it cannot run."""
+
+    name: str
+    available: bool
+    detail: str
+
+
+def _why(exc: OSError) -> str:
+    err = exc.errno or 0
+    hint = {1: " (io_uring disabled: sysctl kernel.io_uring_disabled, or a seccomp filter)",
+            38: " (the kernel lacks this system call)",
+            12: " (memory locking limit: raise RLIMIT_MEMLOCK)",
+            11: " (kernel limit reached, e.g. fs.aio-max-nr)"}.get(err, "")
+    return f"{exc.strerror or os.strerror(err)} [errno {err}]{hint}"
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(name: str) -> EngineProbe:
+    if name == "threads":
+        return EngineProbe(name, True, "one blocking preadv/pwritev per worker thread")
+    try:
+        return EngineProbe(name, True, _PROBES[name]())
+    except OSError as exc:
+        return EngineProbe(name, False, _why(exc))
+
+
+def probe_engines() -> tuple[EngineProbe, ...]:
+    """One :class:`EngineProbe` per engine, fastest first (cached for the process)."""
+    return tuple(_probe(name) for name in ENGINE_NAMES)
+
+
+_fallback_logged: set[str] = set()
+
+
+def select_engine(requested: str) -> str:
+    """The engine to use for the setting ``requested`` (``auto`` or a name); see the module doc."""
+    if requested != "auto":
+        probe = _probe(requested)
+        if not probe.available:
+            raise ConfigError(f"engine {requested!r} is not available here: {probe.detail}; "
+                              "use engine='auto' to pick the fastest that is")
+        return requested
+    passed = []
+    for probe in probe_engines():
+        if probe.available:
+            if passed and probe.name not in _fallback_logged:
+                _fallback_logged.add(probe.name)
+                log.warning("deepnvme: engine auto uses %s: %s", probe.name, "; ".join(passed))
+            return probe.name
+        passed.append(f"{probe.name} unavailable ({probe.detail})")
+    raise ConfigError("no I/O engine is available")  # threads always is; kept for clarity
+
+
+def queue_factory(name: str) -> Callable[[int], KernelQueue] | None:
+    """The kernel queue class of engine ``name``, or None for the thread mover."""
+    return _FACTORIES.get(name)

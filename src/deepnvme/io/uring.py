@@ -1,0 +1,160 @@
+"""io_uring from Python through ctypes on the three system calls: no compile step, no dependency.
+
+One :class:`UringQueue` is one ring, used by one worker thread only. Entries are written
+straight into the kernel-shared submission ring (``struct.pack_into`` on the mmap), submitted
+in batches by ``io_uring_enter``, which also waits for completions; ctypes releases the GIL
+for the whole system call, so the kernel works while Python threads run.
+
+Memory ordering: the submission tail is published and the completion tail read only around
+``io_uring_enter`` (a system call orders both ways), never by polling shared memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import platform
+import struct
+
+from .posix import syscall
+
+__all__ = ["UringQueue", "probe_io_uring"]
+
+_SYS_SETUP, _SYS_ENTER = 425, 426  # the same on x86_64 and aarch64 (asm-generic numbering)
+_OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
+_ENTER_GETEVENTS = 1
+_FEAT_SINGLE_MMAP, _FEAT_NODROP, _FEAT_RW_CUR_POS = 1 << 0, 1 << 1, 1 << 3
+_OP_READ, _OP_WRITE = 22, 23
+_MAX_LEN = 0x7FFFF000  # the kernel's largest single read/write; longer chunks complete short
+
+# struct io_uring_params: 10 u32 fields, then the SQ and CQ ring offsets (10 u32 each with a u64)
+_PARAMS = struct.Struct("<10I" + "8IQ" + "8IQ")
+# struct io_uring_sqe (64 bytes): opcode, flags, ioprio, fd, off, addr, len, rw_flags, user_data
+_SQE = struct.Struct("<BBHiQQIIQ24x")
+_CQE = struct.Struct("<QiI")
+
+
+class UringQueue:
+    """One io_uring with ``depth`` entries: :meth:`prep` queues, :meth:`submit_and_wait` runs.
+
+    Not thread-safe: each worker owns its own queue. Raises ``OSError`` from the constructor
+    where io_uring is unavailable (ENOSYS, EPERM from a sysctl or seccomp, ENOMEM).
+    """
+
+    name = "io_uring"
+
+    def __init__(self, depth: int) -> None:
+        params = bytearray(_PARAMS.size)
+        buf = (ctypes.c_char * len(params)).from_buffer(params)
+        fd = syscall(_SYS_SETUP, ctypes.c_uint(max(1, depth)), buf)
+        del buf
+        self.fd = fd
+        try:
+            self._map(_PARAMS.unpack(params))
+        except BaseException:
+            os.close(fd)
+            raise
+        self.depth = min(depth, self.sq_entries)
+
+    def _map(self, p: tuple[int, ...]) -> None:
+        sq_entries, cq_entries, features = p[0], p[1], p[5]
+        sq_off, cq_off = p[10:19], p[19:28]
+        if not features & _FEAT_RW_CUR_POS:
+            raise OSError(errno.ENOSYS, "this kernel's io_uring lacks IORING_OP_READ/WRITE "
+                                        "(Linux 5.6 or newer needed)")
+        self.sq_entries, self.nodrop = sq_entries, bool(features & _FEAT_NODROP)
+        sq_size = sq_off[6] + sq_entries * 4
+        cq_size = cq_off[5] + cq_entries * _CQE.size
+        prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        if features & _FEAT_SINGLE_MMAP:
+            size = max(sq_size, cq_size)
+            self._sq_map = mmap.mmap(self.fd, size, flags, prot, offset=_OFF_SQ_RING)
+            self._cq_map = self._sq_map
+        else:
+            self._sq_map = mmap.mmap(self.fd, sq_size, flags, prot, offset=_OFF_SQ_RING)
+            self._cq_map = mmap.mmap(self.fd, cq_size, flags, prot, offset=_OFF_CQ_RING)
+        self._sqes = mmap.mmap(self.fd, sq_entries * _SQE.size, flags, prot, offset=_OFF_SQES)
+        sq = memoryview(self._sq_map).cast("I")
+        cq = memoryview(self._cq_map).cast("I")
+        self._sq, self._cq = sq, cq
+        self._sq_head, self._sq_tail = sq_off[0] // 4, sq_off[1] // 4
+        self._sq_mask = sq[sq_off[2] // 4]
+        self._cq_head, self._cq_tail = cq_off[0] // 4, cq_off[1] // 4
+        self._cq_mask = cq[cq_off[2] // 4]
+        self._cqes = cq_off[5]
+        array = sq_off[6] // 4
+        for i in range(sq_entries):  # identity map: ring slot i holds sqe i
+            sq[array + i] = i
+        self._tail = sq[self._sq_tail]
+
+    def prep(self, tag: int, write: bool, fd: int, address: int, length: int, offset: int) -> int:
+        """Queue one read or write; returns the length queued (at most the kernel's maximum)."""
+        length = min(length, _MAX_LEN)
+        _SQE.pack_into(self._sqes, (self._tail & self._sq_mask) * _SQE.size,
+                       _OP_WRITE if write else _OP_READ, 0, 0, fd, offset, address, length, 0, tag)
+        self._tail = (self._tail + 1) & 0xFFFFFFFF
+        return length
+
+    def submit_and_wait(self, wait: int, single: bool = False) -> list[tuple[int, int]]:
+        """Submit what :meth:`prep` queued and wait for at least ``wait`` completions (0: none);
+        returns ``(tag, result)`` pairs, result being bytes moved or ``-errno``.
+
+        ``single`` submits one entry per system call (DeepSpeed's ``single_submit``).
+        """
+        self._sq[self._sq_tail] = self._tail
+        while True:
+            pending = (self._tail - self._sq[self._sq_head]) & 0xFFFFFFFF
+            batch = min(pending, 1) if single else pending
+            last = batch == pending
+            try:
+                syscall(_SYS_ENTER, ctypes.c_uint(self.fd), ctypes.c_uint(batch),
+                        ctypes.c_uint(wait if last else 0),
+                        ctypes.c_uint(_ENTER_GETEVENTS if last and wait else 0), None,
+                        ctypes.c_size_t(0))
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EBUSY):
+                    raise
+                # the kernel is short of resources: take completions and try again
+                done = self._reap()
+                if done:
+                    return done
+                continue
+            if last:
+                return self._reap()
+
+    def _reap(self) -> list[tuple[int, int]]:
+        cq, head = self._cq, self._cq[self._cq_head]
+        tail = cq[self._cq_tail]
+        out = []
+        base, mask, size, cqes = self._cqes, self._cq_mask, _CQE.size, self._cq_map
+        while head != tail:
+            tag, res, _flags = _CQE.unpack_from(cqes, base + (head & mask) * size)
+            out.append((tag, res))
+            head = (head + 1) & 0xFFFFFFFF
+        cq[self._cq_head] = head
+        return out
+
+    def close(self) -> None:
+        """Unmap the rings and close the ring's descriptor (pending entries must be reaped first)."""
+        if self.fd < 0:
+            return
+        for view in (self._sq, self._cq):
+            view.release()
+        for m in {id(self._sq_map): self._sq_map, id(self._cq_map): self._cq_map,
+                  id(self._sqes): self._sqes}.values():
+            m.close()
+        os.close(self.fd)
+        self.fd = -1
+
+
+def probe_io_uring() -> str:
+    """Set up and tear down a small ring; returns a description, raises ``OSError`` with why not."""
+    q = UringQueue(4)
+    try:
+        return f"io_uring (ctypes on the system calls, {platform.machine()})"
+    finally:
+        q.close()

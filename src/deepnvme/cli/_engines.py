@@ -60,7 +60,10 @@ def require_engines(names: tuple[str, ...], statuses: tuple[EngineStatus, ...]
         raise DeepNVMeError("no I/O engine runs here (see 'deepnvme report')")
     resolved = tuple(dict.fromkeys(picked if n == "auto" else n for n in names))
     for name in resolved:
-        status = by_name[name]
+        status = by_name.get(name)
+        if status is None:
+            raise ConfigError(f"unknown engine {name!r}; choose from: auto, "
+                              + ", ".join(by_name))
         if not status.available:
             raise DeepNVMeError(f"engine {name!r} is not available here: {status.detail} "
                                 "(see 'deepnvme report'); available: "

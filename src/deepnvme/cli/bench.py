@@ -173,8 +173,10 @@ class BenchResult:
         return None if theirs is None else self.ratio(theirs)
 
     def to_dict(self) -> dict[str, Any]:
-        speedup = {f"{o.op}_vs_{o.tool if o.tool != 'deepnvme' else 'deepnvme-' + str(o.engine)}":
-                   r for o in self.ops if (r := self.ratio(o)) is not None}
+        def vs(o: OpStats) -> str:
+            return f"{o.op}_vs_" + (f"deepnvme-{o.engine}" if o.tool == "deepnvme" else o.tool)
+
+        speedup = {vs(o): r for o in self.ops if (r := self.ratio(o)) is not None}
         return {"GB": "1e9 bytes", "dirs": list(self.dirs), "filesystems": list(self.filesystems),
                 "io_size": self.io_size, "procs": self.procs, "loops": self.loops,
                 "warmup_loops": self.warmup, "config": self.config.to_deepspeed()["aio"],

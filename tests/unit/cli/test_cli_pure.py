@@ -240,6 +240,8 @@ def test_parse_engines_and_require_engines() -> None:
     with pytest.raises(DeepNVMeError, match="engine 'io_uring' is not available here: "
                                             "io_uring detail .*available: aio, threads"):
         require_engines(("threads", "io_uring"), statuses)
+    with pytest.raises(ConfigError, match="unknown engine 'spdk'"):  # BenchOptions(engines=...)
+        require_engines(("spdk",), statuses)
 
 
 def test_in_flight_per_engine() -> None:

@@ -17,16 +17,12 @@ __all__ = ["render_bench"]
 
 def _ratio_cell(result: BenchResult, op: OpStats, per_task: bool) -> str:
     """deepnvme's (first engine's) median rate over this row's; blank on that row itself."""
-    ours = result.get("deepnvme", op.op, result.engines[0] if result.engines else None)
-    if ours is None or ours is op:
-        return ""
-    if per_task:
-        return f"{ours.task_gbps.median / op.task_gbps.median:.2f}x"
-    return f"{result.ratio(op):.2f}x"
+    r = result.ratio(op, per_task=per_task)
+    return "" if r is None else f"{r:.2f}x"
 
 
 def _table(result: BenchResult, title: str, per_task: bool) -> Table:
-    compare = len(result.ops) > len({o.op for o in result.ops})  # several rows per op
+    compare = result.compared
     table = Table(title=title, title_justify="left")
     table.add_column("op")
     table.add_column("tool")
@@ -48,7 +44,7 @@ def _table(result: BenchResult, title: str, per_task: bool) -> Table:
 
 
 def _random_table(result: BenchResult) -> Table:
-    compare = len(result.ops) > 1
+    compare = result.compared
     table = Table(title=f"random reads of {fmt_size(result.random_size or 0)}, all processes",
                   title_justify="left")
     for name in ("tool", "engine", "IOPS (min-max)", "MB/s", "latency us (min-max)"):
@@ -98,7 +94,7 @@ def render_bench(result: BenchResult, console: Console) -> None:
         console.print(_table(result, title, per_task=False))
         if result.procs > 1:
             console.print(_table(result, "per process (task)", per_task=True))
-    if len(result.ops) > len({o.op for o in result.ops}):
+    if result.compared:
         say(f"  'deepnvme is' = deepnvme ({result.engines[0]})'s median rate / the row's "
             "(2.00x = twice as fast)")
     for note in result.notes:

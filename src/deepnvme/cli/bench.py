@@ -160,11 +160,19 @@ class BenchResult:
         return next((o for o in self.ops if o.tool == tool and o.op == op
                      and (engine is None or o.engine == engine)), None)
 
-    def ratio(self, row: OpStats) -> float | None:
-        """deepnvme's (first engine's) median e2e rate over ``row``'s; None for that row itself."""
+    @property
+    def compared(self) -> bool:
+        """Whether some op has several rows (tools or engines) to compare."""
+        return len(self.ops) > len({o.op for o in self.ops})
+
+    def ratio(self, row: OpStats, *, per_task: bool = False) -> float | None:
+        """deepnvme's (first engine's) median e2e (or task) rate over ``row``'s; None for that
+        row itself."""
         ours = self.get("deepnvme", row.op, self.engines[0] if self.engines else None)
         if ours is None or ours is row:
             return None
+        if per_task:
+            return ours.task_gbps.median / row.task_gbps.median
         return ours.e2e_gbps.median / row.e2e_gbps.median
 
     def speedup(self, tool: str, op: str) -> float | None:

@@ -13,6 +13,7 @@ from .errors import (ConfigError, DeepNVMeError, DeepNVMeIOError, ShortTransferE
                      UnsupportedBufferError, ValidationError)
 from .gds import GdsHandle, gds_status
 from .handle import AioHandle
+from .io.movers import EngineProbe, probe_engines
 from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
 from .offload import NVMeOptimizer
 from .swap import SwapBufferError, SwapError, TensorSwapper
@@ -30,6 +31,7 @@ __all__ = [
     "DeepNVMeError",
     "DeepNVMeIOError",
     "DistributedSaveError",
+    "EngineProbe",
     "GdsHandle",
     "IOConfig",
     "NVMeOptimizer",
@@ -51,6 +53,7 @@ __all__ = [
     "load_safetensors",
     "new_cpu_locked_tensor",
     "override",
+    "probe_engines",
     "resolve_config",
     "save",
     "save_distributed",

@@ -5,6 +5,7 @@ This module only maps DeepSpeed's names and argument orders onto deepnvme; it im
 
 from __future__ import annotations
 
+import os
 import types
 from typing import Any
 
@@ -13,8 +14,9 @@ import torch
 from ._buffers import cast_to_byte_tensor
 from .handle import AioHandle
 from .io.posix import O_DIRECT
+from .memory import pinned
 
-__all__ = ["AsyncIOBuilder", "GDSBuilder", "UtilsBuilder"]
+__all__ = ["AsyncIOBuilder", "GDSBuilder", "PinHandle", "PinMemoryBuilder", "UtilsBuilder"]
 
 
 class AsyncIOBuilder:
@@ -25,7 +27,6 @@ class AsyncIOBuilder:
 
     def is_compatible(self, verbose: bool = False) -> bool:
         """True where positional vectored I/O exists (Linux); no libaio or compiler needed."""
-        import os
         return hasattr(os, "preadv") and hasattr(os, "pwritev") and O_DIRECT != 0
 
     def load(self, verbose: bool = True) -> types.SimpleNamespace:
@@ -76,3 +77,51 @@ class UtilsBuilder:
 
     def load(self, verbose: bool = True) -> types.SimpleNamespace:
         return types.SimpleNamespace(cast_to_byte_tensor=cast_to_byte_tensor)
+
+
+class PinHandle:
+    """DeepSpeed's ``pin_handle``: page-locked CPU tensors from :mod:`deepnvme.memory.pinned`.
+
+    Stateless: the locked memory is process-wide, so a tensor locked here is ``is_pinned`` for
+    every deepnvme handle and a tensor from ``handle.new_cpu_locked_tensor`` is for this one.
+    """
+
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor | torch.dtype
+                              ) -> torch.Tensor:
+        """A 1-D page-locked CPU tensor of ``num_elem`` elements with the example's dtype."""
+        return pinned.new_cpu_locked_tensor(num_elem, example_tensor)
+
+    def free_cpu_locked_tensor(self, locked_tensor: torch.Tensor) -> bool:
+        """Unlock and empty a locked tensor now; False if deepnvme did not lock it."""
+        return pinned.free_cpu_locked_tensor(locked_tensor)
+
+    def free_cpu_locked_tensor_by_ptr(self, address: int) -> bool:
+        """Unlock a locked allocation by its base address; False if none starts there
+        (:func:`deepnvme.memory.pinned.free_locked_address`)."""
+        return pinned.free_locked_address(address)
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """True for CUDA-pinned tensors and memory locked by deepnvme, views included."""
+        return pinned.is_pinned(buffer)
+
+
+class PinMemoryBuilder:
+    """``PinMemoryBuilder`` look-alike: ``load().pin_handle()`` as in DeepSpeed; the loaded
+    namespace also has the handle's four methods directly (``load().is_pinned(t)``)."""
+
+    NAME = "pin_memory"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        """True on POSIX systems (anonymous mmap and mlock); no compiler needed."""
+        return os.name == "posix"
+
+    def load(self, verbose: bool = False) -> types.SimpleNamespace:
+        if not self.is_compatible():
+            raise RuntimeError(f"deepnvme's locked memory needs a POSIX system (mmap, mlock); "
+                               f"this is {os.name!r}")
+        h = PinHandle()
+        return types.SimpleNamespace(pin_handle=PinHandle,
+                                     new_cpu_locked_tensor=h.new_cpu_locked_tensor,
+                                     free_cpu_locked_tensor=h.free_cpu_locked_tensor,
+                                     free_cpu_locked_tensor_by_ptr=h.free_cpu_locked_tensor_by_ptr,
+                                     is_pinned=h.is_pinned)

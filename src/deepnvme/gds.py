@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ._deepspeed_args import example_arg
 from ._gds_runner import _CudaOrder, _CuFileRunner, _Registry
 from .errors import DeepNVMeError
 from .handle import AioHandle
@@ -191,14 +192,18 @@ class GdsHandle(AioHandle):
             raise DeepNVMeError(f"cuFileBufDeregister at {base:#x} failed: {exc}") from exc
         return True
 
-    def new_pinned_device_tensor(self, num_elem: int, example_tensor: torch.Tensor | torch.dtype
+    def new_pinned_device_tensor(self, num_elem: int,
+                                 example_tensor: torch.Tensor | torch.dtype | None = None, *,
+                                 example_tenosr: torch.Tensor | torch.dtype | None = None
                                  ) -> torch.Tensor:
         """A new 1-D device tensor of ``num_elem`` elements (dtype, and device if CUDA, from the
-        example), registered with cuFile. Release it with :meth:`free_pinned_device_tensor`."""
-        dtype = example_tensor.dtype if isinstance(example_tensor, torch.Tensor) else example_tensor
+        example; ``example_tenosr`` is DeepSpeed's spelling of the keyword), registered with
+        cuFile. Release it with :meth:`free_pinned_device_tensor`."""
+        example = example_arg("new_pinned_device_tensor", example_tensor, example_tenosr)
+        dtype = example.dtype if isinstance(example, torch.Tensor) else example
         device: Any = "cuda"
-        if isinstance(example_tensor, torch.Tensor) and example_tensor.device.type in self._STAGED_DEVICE_TYPES:
-            device = example_tensor.device
+        if isinstance(example, torch.Tensor) and example.device.type in self._STAGED_DEVICE_TYPES:
+            device = example.device
         tensor = torch.empty(num_elem, dtype=dtype, device=device)
         self.pin_device_tensor(tensor)
         return tensor

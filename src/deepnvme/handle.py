@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ._buffers import byte_view, check_io_tensor
+from ._buffers import check_io_tensor
+from ._deepspeed_args import async_flag, example_arg, write_target
 from .config import IOConfig, resolve_config
 from .errors import DeepNVMeIOError, UnsupportedBufferError
 from .io.engine import Engine, Transfer
@@ -29,6 +30,7 @@ from .memory.staging import CudaCopier, DeviceCopier, StagingPipeline
 __all__ = ["AioHandle"]
 
 log = logging.getLogger(__name__)
+_DEEPSPEED_SECTOR = 512  # DeepSpeed's assumed O_DIRECT alignment, the unit of get_alignment()
 
 
 class AioHandle:
@@ -95,8 +97,11 @@ class AioHandle:
         return self._engine.name
 
     def get_alignment(self) -> int:
-        """Alignment (bytes) of locked tensors and assumed O_DIRECT alignment; files may need less."""
-        return self.config.alignment
+        """DeepSpeed's request granularity, ``intra_op_parallelism x 512`` bytes: clients such as
+        DeepSpeed's FastFileWriter size buffers and offsets by it. deepnvme needs no alignment
+        from callers (it uses each file's own O_DIRECT alignment and bounces unaligned edges);
+        locked tensors are aligned to ``config.alignment``."""
+        return self.config.intra_op_parallelism * _DEEPSPEED_SECTOR
 
     # --- the Pythonic surface: futures -----------------------------------------------------
 
@@ -142,17 +147,19 @@ class AioHandle:
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         transfers = []
         for i, item in enumerate(items):
-            if not (isinstance(item, tuple) and len(item) == 2):
-                raise TypeError(f"items[{i}] must be a (tensor, file_offset) tuple, got "
-                                f"{type(item).__name__}")
-            buffer, offset = item
-            if self._check_buffer(buffer):
-                raise UnsupportedBufferError(
-                    f"items[{i}]: read_many/write_many take CPU tensors; got one on "
-                    f"{buffer.device}: use submit_read/submit_write for device tensors")
-            transfers.append(Transfer(write=write, view=byte_view(buffer),
-                                      address=buffer.data_ptr(), target=target,
-                                      file_offset=int(offset), keepalive=buffer))
+            try:
+                buffer, offset = item
+            except (TypeError, ValueError):
+                raise TypeError(f"items[{i}] must be a (tensor, file_offset) pair, got "
+                                f"{type(item).__name__}") from None
+            # fast path for the common case; anything else gets the full check and its message
+            if not (type(buffer) is torch.Tensor and buffer.is_cpu and buffer.is_contiguous()):
+                if self._check_buffer(buffer):
+                    raise UnsupportedBufferError(
+                        f"items[{i}]: read_many/write_many take CPU tensors; got one on "
+                        f"{buffer.device}: use submit_read/submit_write for device tensors")
+            transfers.append(Transfer(write=write, address=buffer.data_ptr(), size=buffer.nbytes,
+                                      target=target, file_offset=int(offset), keepalive=buffer))
         return self._engine.submit_many(transfers, validate=validate, fsync=fsync)
 
     def _submit(self, write: bool, buffer: torch.Tensor, target: str | int, offset: int,
@@ -222,16 +229,22 @@ class AioHandle:
         return len(pending)
 
     # --- DeepSpeed's aio_handle methods ----------------------------------------------------
+    # Argument names are DeepSpeed's (buffer, filename, validate, file_offset), so keyword calls
+    # written for DeepSpeed work; pread/pwrite also take its ``async`` flag via ``**{"async": x}``.
 
-    def pread(self, buffer: torch.Tensor, filename: str, validate: bool, async_op: bool,
-              file_offset: int = 0) -> int:
-        """Read into ``buffer``: async returns 0 (finish with :meth:`wait`), sync returns 1."""
-        return self._op(False, buffer, filename, validate, async_op, file_offset)
+    def pread(self, buffer: torch.Tensor, filename: str, validate: bool,
+              async_op: bool | None = None, file_offset: int = 0, **async_kw: bool) -> int:
+        """Read into ``buffer``: async returns 0 (finish with :meth:`wait`), sync returns 1.
+        The flag is ``async_op`` or DeepSpeed's keyword ``async``."""
+        flag = async_flag("pread", async_op, async_kw)
+        return self._op(False, buffer, filename, validate, flag, file_offset)
 
-    def pwrite(self, buffer: torch.Tensor, filename: str | int, validate: bool, async_op: bool,
-               file_offset: int = 0) -> int:
-        """Write ``buffer``: async returns 0 (finish with :meth:`wait`), sync returns 1."""
-        return self._op(True, buffer, filename, validate, async_op, file_offset)
+    def pwrite(self, buffer: torch.Tensor, filename: str | int, validate: bool,
+               async_op: bool | None = None, file_offset: int = 0, **async_kw: bool) -> int:
+        """Write ``buffer``: async returns 0 (finish with :meth:`wait`), sync returns 1.
+        The flag is ``async_op`` or DeepSpeed's keyword ``async``."""
+        flag = async_flag("pwrite", async_op, async_kw)
+        return self._op(True, buffer, filename, validate, flag, file_offset)
 
     def _op(self, write: bool, buffer: torch.Tensor, target: str | int, validate: bool,
             async_op: bool, file_offset: int) -> int:
@@ -242,17 +255,20 @@ class AioHandle:
         return 1
 
     def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
-        return self.pread(buffer, filename, False, False, file_offset)
+        return self._op(False, buffer, filename, False, False, file_offset)
 
     def sync_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
-        return self.pwrite(buffer, filename, False, False, file_offset)
+        return self._op(True, buffer, filename, False, False, file_offset)
 
     def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
-        return self.pread(buffer, filename, False, True, file_offset)
+        return self._op(False, buffer, filename, False, True, file_offset)
 
-    def async_pwrite(self, buffer: torch.Tensor, filename: str | int, file_offset: int = 0) -> int:
-        """Like DeepSpeed, ``filename`` may also be an open file descriptor (an ``int``)."""
-        return self.pwrite(buffer, filename, False, True, file_offset)
+    def async_pwrite(self, buffer: torch.Tensor, filename: str | int | None = None,
+                     file_offset: int = 0, *, fd: int | None = None) -> int:
+        """Like DeepSpeed, the file may be an open descriptor: positionally in place of
+        ``filename``, or as ``fd=``. The descriptor stays open (the caller closes it)."""
+        target = write_target("async_pwrite", filename, fd)
+        return self._op(True, buffer, target, False, True, file_offset)
 
     def read(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
         """Blocking read of the rest of the file from ``file_offset``, which must be exactly
@@ -276,17 +292,25 @@ class AioHandle:
         self._submit(True, buffer, filename, file_offset, validate, track=False).result()
         return 0
 
-    # --- locked memory ---------------------------------------------------------------------
+    # --- locked memory (shared with deepnvme.memory.pinned and compat.PinMemoryBuilder) ---
 
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor | torch.dtype
+    def new_cpu_locked_tensor(self, num_elem: int,
+                              example_tensor: torch.Tensor | torch.dtype | None = None, *,
+                              example_tenosr: torch.Tensor | torch.dtype | None = None
                               ) -> torch.Tensor:
-        return pinned.new_cpu_locked_tensor(num_elem, example_tensor)
+        """A 1-D page-locked CPU tensor of ``num_elem`` elements with the example's dtype
+        (``example_tenosr`` is DeepSpeed's spelling of the keyword)."""
+        example = example_arg("new_cpu_locked_tensor", example_tensor, example_tenosr)
+        return pinned.new_cpu_locked_tensor(num_elem, example)
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
+        """Release a tensor from :meth:`new_cpu_locked_tensor` now; False if it was not one."""
         return pinned.free_cpu_locked_tensor(tensor)
 
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return pinned.is_pinned(tensor)
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """True for page-locked memory: CUDA-pinned, or locked by deepnvme (any handle or
+        :class:`~deepnvme.compat.PinMemoryBuilder`), views included."""
+        return pinned.is_pinned(buffer)
 
     # --- lifetime --------------------------------------------------------------------------
 
@@ -333,6 +357,7 @@ class AioHandle:
 def _submit_to(engine: Engine, write: bool, buffer: torch.Tensor, target: str | int, offset: int,
                *, validate: bool, fsync: bool | None) -> Future[int]:
     """Hand one contiguous CPU buffer to the engine (the staging pipeline's ``submit_io``)."""
-    transfer = Transfer(write=write, view=byte_view(buffer), address=buffer.data_ptr(),
+    transfer = Transfer(write=write, address=buffer.data_ptr(),
+                        size=buffer.numel() * buffer.element_size(),
                         target=target, file_offset=offset, keepalive=buffer)
     return engine.submit(transfer, validate=validate, fsync=fsync)

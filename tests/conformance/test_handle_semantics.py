@@ -39,7 +39,7 @@ def test_getters():
                            intra_op_parallelism=2)
     assert h.get_block_size() == 4096 and h.get_queue_depth() == 8
     assert h.get_single_submit() is True and h.get_overlap_events() is True
-    assert h.get_intra_op_parallelism() == 2 and h.get_alignment() == 4096
+    assert h.get_intra_op_parallelism() == 2 and h.get_alignment() == 2 * 512  # DeepSpeed's formula
     d = deepnvme.AioHandle()
     assert (d.get_block_size(), d.get_queue_depth(), d.get_intra_op_parallelism()) == (1 << 20, 128, 1)
     h.close(), d.close()

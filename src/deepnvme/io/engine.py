@@ -35,7 +35,7 @@ from ..memory.pinned import BufferPool
 from .kernel import KernelQueue, kernel_worker
 from .movers import EngineProbe, probe_engines, queue_factory, select_engine
 from .op import Batch, Op, Transfer
-from .plan import Alignment, Kind, plan_transfer
+from .plan import PAGE_SIZE, Alignment, Chunk, Kind, plan_transfer
 from .posix import POSIX, Posix
 from .._workers import WorkerGroup
 
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 _CLOSED = "this handle/engine is closed; create a new one"
 
 
+_ADMIT_SLICE = 256  # batch members planned and queued at a time
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 _fallback_logged: set[str] = set()
 
@@ -114,7 +115,8 @@ class Engine:
         """Start one request per transfer, all on the same file, opened once.
 
         The future's result is the total byte count; the first failure fails it once every
-        transfer has ended. ``fsync`` (writes) runs once, after the last transfer.
+        transfer has ended. ``fsync`` (writes) runs once, after the last transfer. Transfers
+        are planned and admitted in slices, so the first ones move while later ones are planned.
         """
         self._workers.check_open()
         if not transfers:
@@ -124,15 +126,66 @@ class Engine:
         batch = Batch(transfers[0], validate, self.config.fsync if fsync is None else fsync)
         batch.future.set_running_or_notify_cancel()
         try:
-            ops = self._prepare_batch(batch, transfers, validate)
+            alignment = self._open_batch(batch, transfers)
         except BaseException as exc:
             batch.close_fds(self.posix)
             batch.future.set_exception(exc)
             return batch.future
-        self._admit(ops, batch)
+        gathered, single = self._split_batch(transfers, alignment, validate)
+        groups = [gathered[i:i + _ADMIT_SLICE] for i in range(0, len(gathered), _ADMIT_SLICE)]
+        # every member is counted before the first is admitted, so no slice completes the batch
+        batch.remaining = len(groups) + len(single)
+        first = True
+        for group in groups:
+            if not self._admit([self._gathered(batch, group)], batch, first=first):
+                return batch.future
+            first = False
+        for i in range(0, len(single), _ADMIT_SLICE):
+            ops = [self._member(batch, t, validate, alignment) for t in single[i:i + _ADMIT_SLICE]]
+            if not self._admit(ops, batch, first=first):
+                break
+            first = False
         return batch.future
 
-    def _prepare_batch(self, batch: Batch, transfers: list[Transfer], validate: bool) -> list[Op]:
+    def _split_batch(self, transfers: list[Transfer], alignment: Alignment | None,
+                     validate: bool) -> tuple[list[Transfer], list[Transfer]]:
+        """Transfers that are one aligned O_DIRECT chunk each (the small random reads of data
+        loading and inference) are gathered, many per op; the rest get an op each."""
+        if alignment is None or validate:
+            return [], list(transfers)
+        edge, mem, block = max(alignment.offset, PAGE_SIZE), alignment.memory, self.config.block_size
+        gathered, single = [], []
+        for t in transfers:
+            simple = 0 < t.size <= block and not (t.file_offset % edge or t.size % edge
+                                                   or t.address % mem)
+            (gathered if simple else single).append(t)
+        return gathered, single
+
+    def _member(self, batch: Batch, t: Transfer, validate: bool,
+                alignment: Alignment | None) -> Op:
+        op = Op(t, validate, False, batch=batch)
+        op.chunks = plan_transfer(size=t.size, file_offset=t.file_offset, address=t.address,
+                                  block_size=self.config.block_size, alignment=alignment)
+        op.fd_direct, op.fd_buffered, op.remaining = (batch.fd_direct, batch.fd_buffered,
+                                                      len(op.chunks))
+        return op
+
+    @staticmethod
+    def _gathered(batch: Batch, part: list[Transfer]) -> Op:
+        """One op over many single-chunk transfers: its chunks' ``buf_offset`` are absolute
+        addresses (the op's own address is 0) and it keeps the transfers alive."""
+        first = part[0]
+        carrier = Transfer(write=first.write, address=0, size=sum(t.size for t in part),
+                           target=first.target, file_offset=first.file_offset, keepalive=part)
+        op = Op(carrier, False, False, batch=batch)
+        op.chunks = [Chunk(t.address, t.file_offset, t.size, Kind.DIRECT) for t in part]
+        op.fd_direct, op.fd_buffered, op.remaining = (batch.fd_direct, batch.fd_buffered,
+                                                      len(op.chunks))
+        return op
+
+    def _open_batch(self, batch: Batch, transfers: list[Transfer]) -> Alignment | None:
+        """Check every transfer, open the file once (both descriptors where edges need the
+        buffered one) and return the O_DIRECT alignment."""
         first = batch.transfer
         for t in transfers:
             if t.target != first.target or t.write != first.write:
@@ -145,19 +198,11 @@ class Engine:
         if not first.write:
             fd = batch.fd_direct if batch.fd_direct >= 0 else batch.fd_buffered
             self._check_inside(first.name, transfers, self.posix.file_size(fd))
-        ops = []
-        for t in transfers:
-            op = Op(t, validate, False, batch=batch)
-            op.chunks = plan_transfer(size=t.size, file_offset=t.file_offset, address=t.address,
-                                      block_size=self.config.block_size, alignment=alignment)
-            if any(c.kind is Kind.BUFFERED for c in op.chunks) and batch.fd_buffered < 0:
+        if batch.fd_buffered < 0 and alignment is not None:
+            edge = max(alignment.offset, PAGE_SIZE)
+            if any(t.file_offset % edge or t.size % edge for t in transfers):
                 batch.fd_buffered = self._reopen_buffered(batch)
-            ops.append(op)
-        for op in ops:
-            op.fd_direct, op.fd_buffered, op.remaining = (batch.fd_direct, batch.fd_buffered,
-                                                          len(op.chunks))
-        batch.remaining = len(ops)
-        return ops
+        return alignment
 
     @staticmethod
     def _check_inside(name: str, transfers: list[Transfer], file_size: int) -> None:
@@ -168,11 +213,12 @@ class Engine:
                     f"ends at {t.file_offset + t.size}", path=name, offset=t.file_offset,
                     size=t.size, transferred=0)
 
-    def _admit(self, ops: list[Op], owner: Op) -> None:
-        """Queue ``ops``' chunks (an op without chunks completes at once); on failure to start
-        the workers, ``owner`` (the request or its batch) fails and closes its descriptors."""
+    def _admit(self, ops: list[Op], owner: Op, *, first: bool = True) -> bool:
+        """Queue ``ops``' chunks (an op without chunks completes at once). False if the
+        workers could not start: ``owner`` (the request, or its batch) then fails with that
+        error and closes its descriptors, and the ops are not run."""
         with self._lock:
-            if self._workers.closed:  # close() began after the check above: admit nothing
+            if self._workers.closed and first:  # close() began after submit's check: refuse
                 owner.close_fds(self.posix)
                 self._workers.check_open()
             try:
@@ -180,8 +226,9 @@ class Engine:
             except BaseException as exc:
                 owner.close_fds(self.posix)
                 owner.future.set_exception(exc)
-                return
-            self._open_ops.add(owner)
+                return False
+            if first:
+                self._open_ops.add(owner)
             for op in ops:
                 if op.chunks:
                     self._pending.append(op)
@@ -189,6 +236,7 @@ class Engine:
         for op in ops:
             if not op.chunks:
                 self._ended(op)
+        return True
 
     def _start_workers(self) -> None:
         """Start the mover's workers (caller holds the lock); a kernel queue that cannot be

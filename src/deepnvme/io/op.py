@@ -9,7 +9,6 @@ validation failure fails the request like an I/O error does.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -27,28 +26,40 @@ _VALIDATE_BLOCK = 8 << 20
 BounceLender = Callable[[int], AbstractContextManager[memoryview]]
 
 
-@dataclasses.dataclass(frozen=True)
 class Transfer:
-    """One request: move ``len(view)`` bytes between ``view`` and ``target`` at ``file_offset``.
+    """One request: move ``size`` bytes between memory at ``address`` and ``target`` at
+    ``file_offset``. Treat it as immutable.
 
     ``target`` is a path or an open file descriptor (which the engine never closes).
-    ``keepalive`` is held until the request completes (the tensor that owns ``view``'s memory).
+    ``keepalive`` is held until the request completes (the tensor that owns the memory).
+    A plain slotted class, not a frozen dataclass: batches build one per item, and a frozen
+    dataclass's ``__init__`` costs several times more; the byte view is made only when a mover
+    that needs one (threads, validation) asks for it.
     """
 
-    write: bool
-    view: memoryview
-    address: int
-    target: str | int
-    file_offset: int = 0
-    keepalive: Any = None
+    __slots__ = ("write", "address", "size", "target", "file_offset", "keepalive", "_view")
+
+    def __init__(self, *, write: bool, address: int, size: int, target: str | int,
+                 file_offset: int = 0, keepalive: Any = None) -> None:
+        self.write, self.address, self.size, self.target = write, address, size, target
+        self.file_offset, self.keepalive = file_offset, keepalive
+        self._view: memoryview | None = None
 
     @property
-    def size(self) -> int:
-        return len(self.view)
+    def view(self) -> memoryview:
+        """A writable byte view of the memory (made on first use)."""
+        if self._view is None:
+            self._view = (memoryview((ctypes.c_char * self.size).from_address(self.address)).cast("B")
+                          if self.size else memoryview(bytearray(0)))
+        return self._view
 
     @property
     def name(self) -> str:
         return self.target if isinstance(self.target, str) else f"<fd {self.target}>"
+
+    def __repr__(self) -> str:
+        return (f"Transfer(write={self.write}, size={self.size}, target={self.target!r}, "
+                f"file_offset={self.file_offset})")
 
 
 class Op:
@@ -71,7 +82,7 @@ class Op:
         self.owned_fds: list[int] = []
         self.validate = validate
         self.fsync = fsync
-        self.lock = threading.Lock()
+        self.lock = threading.Lock() if batch is None else batch.lock
         self.batch = batch
 
     def fail(self, exc: BaseException) -> None:
@@ -105,7 +116,9 @@ class Op:
                         ctypes.memmove(user_addr, bounce_addr, chunk.length)
             else:
                 fd = self.fd_direct if chunk.kind is Kind.DIRECT else self.fd_buffered
-                view = t.view[chunk.buf_offset:chunk.buf_offset + chunk.length]
+                # from the address, not t.view: a gathered op's chunks hold absolute addresses
+                view = memoryview((ctypes.c_char * chunk.length).from_address(
+                    t.address + chunk.buf_offset)).cast("B")
                 move(fd, view, chunk.file_offset, path=t.name)
         except BaseException as exc:
             self.fail(exc)

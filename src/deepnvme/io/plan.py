@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import mmap
+from typing import NamedTuple
 
 __all__ = ["Kind", "Chunk", "Alignment", "align_down", "align_up", "plan_transfer", "PAGE_SIZE"]
 
@@ -27,9 +28,12 @@ class Kind(enum.Enum):
     BUFFERED = "buffered"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Chunk:
-    """``length`` bytes at ``buf_offset`` in the caller's buffer <-> ``file_offset`` in the file."""
+class Chunk(NamedTuple):
+    """``length`` bytes at ``buf_offset`` in the caller's buffer <-> ``file_offset`` in the file.
+
+    A named tuple rather than a frozen dataclass: a batch of small reads makes one per item,
+    and a tuple is built several times faster.
+    """
 
     buf_offset: int
     file_offset: int
@@ -78,6 +82,11 @@ def plan_transfer(*, size: int, file_offset: int, address: int, block_size: int,
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     end = file_offset + size
+    if (alignment is not None and 0 < size <= block_size and file_offset % alignment.offset == 0
+            and size % alignment.offset == 0 and file_offset % PAGE_SIZE == 0
+            and size % PAGE_SIZE == 0):  # the common small aligned read: one chunk, no splitting
+        kind = Kind.DIRECT if address % alignment.memory == 0 else Kind.BOUNCE
+        return [Chunk(0, file_offset, size, kind)]
     if alignment is None:
         return _split(file_offset, end, block_size, file_offset, Kind.BUFFERED)
     edge = max(alignment.offset, PAGE_SIZE)

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["new_cpu_locked_tensor", "free_cpu_locked_tensor", "is_pinned", "locked_bytes",
-           "BufferPool", "PAGE_SIZE"]
+__all__ = ["PAGE_SIZE", "BufferPool", "free_cpu_locked_tensor", "free_locked_address", "is_pinned",
+           "locked_bytes", "new_cpu_locked_tensor"]
 
 log = logging.getLogger(__name__)
 PAGE_SIZE = mmap.PAGESIZE
@@ -134,6 +134,24 @@ def free_cpu_locked_tensor(tensor: torch.Tensor) -> bool:
         _munlock(address, region.size)
     with torch.inference_mode(tensor.is_inference()):  # inference tensors only change inside it
         tensor.set_(torch.empty(0, dtype=tensor.dtype))
+    return True
+
+
+def free_locked_address(address: int) -> bool:
+    """Unlock the memory of a :func:`new_cpu_locked_tensor` allocation by its base address
+    (``tensor.untyped_storage().data_ptr()``); False if no locked allocation starts there.
+
+    For callers that kept only the address (DeepSpeed's ``free_cpu_locked_tensor_by_ptr``).
+    Tensors viewing the memory stay valid: it returns to the OS when the last one is collected.
+    CUDA-pinned tensors (the allocator used when CUDA is available) are not tracked by
+    address; release those with :func:`free_cpu_locked_tensor`.
+    """
+    with _lock:
+        region = _regions.get(address)
+        if region is None or not region.locked:
+            return False
+        region.locked = False
+    _munlock(address, region.size)
     return True
 
 

@@ -1,0 +1,1 @@
+"""Stand-in for DeepSpeed's ``tests/unit`` package (its ``common`` helpers)."""

@@ -14,7 +14,7 @@ own reported runtime (which includes ``end_fsync`` for writes). Times are second
 ``time.perf_counter`` (CLOCK_MONOTONIC, comparable across processes on one machine).
 
 Random reads (``random=RandomReads(...)``): a read reads every ``size``-byte block of the file
-once, in a new random order each time, each block one request (:meth:`AioHandle.read_many`
+once, in a new random order each time, each block one read (:meth:`AioHandle.read_many`
 with the handle's queue depth); fio runs ``--rw=randread`` over the same file with the same
 block size and reads in flight. Each block lands at its own offset of the buffer, so
 validation compares the whole buffer.

@@ -26,7 +26,8 @@ _PER_ENGINE = ("tests/conformance/", "tests/functional/io/", "tests/unit/io/",
                "tests/functional/offload/", "tests/functional/memory/",
                "tests/functional/checkpoint/test_save_load.py",
                "tests/functional/checkpoint/test_async_save.py",
-               "tests/functional/handles/")
+               "tests/functional/test_handle_batches.py", "tests/functional/handles/",
+               "tests/functional/test_deepspeed_keywords.py")
 
 
 def pytest_generate_tests(metafunc):

@@ -324,7 +324,10 @@ class FaultyQueue:
         self.calls = {"prep": 0, "eintr": 0, "eagain": 0, "failed": 0, "short": 0}
         self.faked: list[tuple[int, int]] = []
 
-    def prep(self, tag, write, fd, address, length, offset):
+    def fixed_slot(self, address, length):
+        return self.inner.fixed_slot(address, length)
+
+    def prep(self, tag, write, fd, address, length, offset, buf_index=-1):
         self.calls["prep"] += 1
         n = self.calls["prep"]
         fail_at = self.fail_write_at if write else self.fail_read_at
@@ -343,7 +346,7 @@ class FaultyQueue:
             if self.max_len and length > self.max_len:
                 self.calls["short"] += 1
                 length = self.max_len
-            return self.inner.prep(tag, write, fd, address, length, offset)
+            return self.inner.prep(tag, write, fd, address, length, offset, buf_index)
         return length
 
     def submit_and_wait(self, wait, single=False):

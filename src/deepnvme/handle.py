@@ -145,7 +145,7 @@ class AioHandle:
         target = os.fspath(path)
         if not isinstance(target, str):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        transfers = []
+        entries = []
         for i, item in enumerate(items):
             try:
                 buffer, offset = item
@@ -158,9 +158,8 @@ class AioHandle:
                     raise UnsupportedBufferError(
                         f"items[{i}]: read_many/write_many take CPU tensors; got one on "
                         f"{buffer.device}: use submit_read/submit_write for device tensors")
-            transfers.append(Transfer(write=write, address=buffer.data_ptr(), size=buffer.nbytes,
-                                      target=target, file_offset=int(offset), keepalive=buffer))
-        return self._engine.submit_many(transfers, validate=validate, fsync=fsync)
+            entries.append((buffer.data_ptr(), buffer.nbytes, int(offset), buffer))
+        return self._engine.submit_many(write, target, entries, validate=validate, fsync=fsync)
 
     def _submit(self, write: bool, buffer: torch.Tensor, target: str | int, offset: int,
                 validate: bool, fsync: bool | None = None, *, track: bool) -> Future[int]:

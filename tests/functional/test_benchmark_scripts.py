@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,32 @@ def run(script: str, *args: str, cwd: Path) -> str:
 def test_bench_engine(tmp_path):
     out = run("bench_engine.py", "--dir", str(tmp_path), "--size", "8M", "--reps", "1", cwd=tmp_path)
     assert "deepnvme p1" in out and "plain Python" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_engines(tmp_path):
+    # deepnvme's thread engine, fio when installed; the base python has no DeepSpeed, so its
+    # column must be skipped with a note (or, where it has one, measured)
+    out = run("bench_engines.py", "--dir", str(tmp_path), "--size", "8M", "--reps", "1",
+              "--parallelism", "1,2", "--engines", "threads", "--rand-ios", "256",
+              "--ds-python", sys.executable, cwd=tmp_path)
+    assert "deepnvme threads p2" in out and "random reads" in out and "CPU s/GB" in out
+    assert "DeepSpeed column skipped" in out or "DeepSpeed aio p1" in out
+    if shutil.which("fio"):
+        assert "fio libaio 1 job" in out and "threads p1 / fio" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DEEPNVME_BENCH_DS_PYTHON"),
+                    reason="set DEEPNVME_BENCH_DS_PYTHON to a python with DeepSpeed "
+                           "(benchmarks/setup_peers.sh)")
+def test_bench_engines_with_deepspeed(tmp_path):
+    out = run("bench_engines.py", "--dir", str(tmp_path), "--size", "8M", "--reps", "1",
+              "--parallelism", "2", "--engines", "threads", "--rand-ios", "256", "--no-fio",
+              "--ds-python", os.environ["DEEPNVME_BENCH_DS_PYTHON"], cwd=tmp_path)
+    assert "DeepSpeed aio p2" in out and "threads p2 / DeepSpeed p2" in out
+    assert "threads / DeepSpeed" in out
     assert list(tmp_path.iterdir()) == []
 
 

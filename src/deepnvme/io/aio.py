@@ -56,7 +56,12 @@ class AioQueue:
         self._queued: list[int] = []
         self._inflight = 0
 
-    def prep(self, tag: int, write: bool, fd: int, address: int, length: int, offset: int) -> int:
+    def fixed_slot(self, address: int, length: int) -> int:
+        """Linux AIO has no registered buffers: always -1."""
+        return -1
+
+    def prep(self, tag: int, write: bool, fd: int, address: int, length: int, offset: int,
+             buf_index: int = -1) -> int:
         """Queue one read or write (``tag`` < depth); returns the length queued."""
         length = min(length, _MAX_LEN)
         _IOCB.pack_into(self._iocbs, tag * _IOCB.size, tag, 0, 0,

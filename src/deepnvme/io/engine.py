@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 _CLOSED = "this handle/engine is closed; create a new one"
 
 
-_ADMIT_SLICE = 256  # batch members planned and queued at a time
+_GATHER = 256  # single-chunk batch members gathered into one op
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 _fallback_logged: set[str] = set()
 
@@ -110,55 +110,59 @@ class Engine:
         self._admit([op], op)
         return op.future
 
-    def submit_many(self, transfers: list[Transfer], *, validate: bool = False,
-                    fsync: bool | None = None) -> Future[int]:
-        """Start one request per transfer, all on the same file, opened once.
+    def submit_many(self, write: bool, target: str, items: list[tuple[int, int, int, Any]], *,
+                    validate: bool = False, fsync: bool | None = None) -> Future[int]:
+        """Start one request per ``(address, size, file_offset, keepalive)`` item, all on file
+        ``target``, opened once.
 
         The future's result is the total byte count; the first failure fails it once every
-        transfer has ended. ``fsync`` (writes) runs once, after the last transfer. Transfers
-        are planned and admitted in slices, so the first ones move while later ones are planned.
+        item has ended. ``fsync`` (writes) runs once, after the last item. Plain tuples, not
+        :class:`Transfer` objects: a batch of small reads can hold a hundred thousand items,
+        and only those that need planning get a Transfer.
         """
         self._workers.check_open()
-        if not transfers:
+        if not items:
             done: Future[int] = Future()
             done.set_result(0)
             return done
-        batch = Batch(transfers[0], validate, self.config.fsync if fsync is None else fsync)
+        address, size, offset, keep = items[0]
+        batch = Batch(Transfer(write=write, address=address, size=size, target=target,
+                               file_offset=offset, keepalive=keep),
+                      validate, self.config.fsync if fsync is None else fsync)
         batch.future.set_running_or_notify_cancel()
         try:
-            alignment = self._open_batch(batch, transfers)
+            alignment = self._open_batch(batch, items)
         except BaseException as exc:
             batch.close_fds(self.posix)
             batch.future.set_exception(exc)
             return batch.future
-        gathered, single = self._split_batch(transfers, alignment, validate)
-        groups = [gathered[i:i + _ADMIT_SLICE] for i in range(0, len(gathered), _ADMIT_SLICE)]
-        # every member is counted before the first is admitted, so no slice completes the batch
-        batch.remaining = len(groups) + len(single)
-        first = True
-        for group in groups:
-            if not self._admit([self._gathered(batch, group)], batch, first=first):
-                return batch.future
-            first = False
-        for i in range(0, len(single), _ADMIT_SLICE):
-            ops = [self._member(batch, t, validate, alignment) for t in single[i:i + _ADMIT_SLICE]]
-            if not self._admit(ops, batch, first=first):
-                break
-            first = False
+        gathered, single = self._split_batch(items, alignment, validate)
+        ops = [self._gathered(batch, gathered[i:i + _GATHER])
+               for i in range(0, len(gathered), _GATHER)]
+        ops += [self._member(batch, Transfer(write=write, address=a, size=n, target=target,
+                                             file_offset=o, keepalive=k), validate, alignment)
+                for a, n, o, k in single]
+        batch.remaining = len(ops)
+        # planned first, admitted at once: planning while workers run only makes the two
+        # fight over the GIL (measured slower for 100k small reads)
+        self._admit(ops, batch)
         return batch.future
 
-    def _split_batch(self, transfers: list[Transfer], alignment: Alignment | None,
-                     validate: bool) -> tuple[list[Transfer], list[Transfer]]:
-        """Transfers that are one aligned O_DIRECT chunk each (the small random reads of data
+    def _split_batch(self, items: list[tuple[int, int, int, Any]], alignment: Alignment | None,
+                     validate: bool) -> tuple[list[tuple[int, int, int, Any]],
+                                          list[tuple[int, int, int, Any]]]:
+        """Items that are one aligned O_DIRECT chunk each (the small random reads of data
         loading and inference) are gathered, many per op; the rest get an op each."""
         if alignment is None or validate:
-            return [], list(transfers)
+            return [], items
         edge, mem, block = max(alignment.offset, PAGE_SIZE), alignment.memory, self.config.block_size
         gathered, single = [], []
-        for t in transfers:
-            simple = 0 < t.size <= block and not (t.file_offset % edge or t.size % edge
-                                                   or t.address % mem)
-            (gathered if simple else single).append(t)
+        for item in items:
+            address, size, offset, _ = item
+            if 0 < size <= block and not (offset % edge or size % edge or address % mem):
+                gathered.append(item)
+            else:
+                single.append(item)
         return gathered, single
 
     def _member(self, batch: Batch, t: Transfer, validate: bool,
@@ -171,54 +175,53 @@ class Engine:
         return op
 
     @staticmethod
-    def _gathered(batch: Batch, part: list[Transfer]) -> Op:
-        """One op over many single-chunk transfers: its chunks' ``buf_offset`` are absolute
-        addresses (the op's own address is 0) and it keeps the transfers alive."""
-        first = part[0]
-        carrier = Transfer(write=first.write, address=0, size=sum(t.size for t in part),
-                           target=first.target, file_offset=first.file_offset, keepalive=part)
+    def _gathered(batch: Batch, part: list[tuple[int, int, int, Any]]) -> Op:
+        """One op over many single-chunk items: its chunks' ``buf_offset`` are absolute
+        addresses (the op's own address is 0) and it keeps the items' buffers alive."""
+        first = batch.transfer
+        carrier = Transfer(write=first.write, address=0, size=sum(item[1] for item in part),
+                           target=first.target, file_offset=part[0][2], keepalive=part)
         op = Op(carrier, False, False, batch=batch)
-        op.chunks = [Chunk(t.address, t.file_offset, t.size, Kind.DIRECT) for t in part]
+        direct = Kind.DIRECT
+        op.chunks = [Chunk(a, o, n, direct) for a, n, o, _ in part]
         op.fd_direct, op.fd_buffered, op.remaining = (batch.fd_direct, batch.fd_buffered,
                                                       len(op.chunks))
         return op
 
-    def _open_batch(self, batch: Batch, transfers: list[Transfer]) -> Alignment | None:
-        """Check every transfer, open the file once (both descriptors where edges need the
+    def _open_batch(self, batch: Batch, items: list[tuple[int, int, int, Any]]
+                    ) -> Alignment | None:
+        """Check every item, open the file once (both descriptors where edges need the
         buffered one) and return the O_DIRECT alignment."""
         first = batch.transfer
-        for t in transfers:
-            if t.target != first.target or t.write != first.write:
-                raise ValueError("submit_many: every transfer must have the same file and "
-                                 f"direction; {t.name!r} differs from {first.name!r}")
-            if t.file_offset < 0:
-                raise DeepNVMeIOError("negative file offset", path=t.name, offset=t.file_offset,
-                                      size=t.size, errno=errno.EINVAL)
+        for _, size, offset, _ in items:
+            if offset < 0:
+                raise DeepNVMeIOError("negative file offset", path=first.name, offset=offset,
+                                      size=size, errno=errno.EINVAL)
         alignment = self._open(batch)
         if not first.write:
             fd = batch.fd_direct if batch.fd_direct >= 0 else batch.fd_buffered
-            self._check_inside(first.name, transfers, self.posix.file_size(fd))
+            self._check_inside(first.name, items, self.posix.file_size(fd))
         if batch.fd_buffered < 0 and alignment is not None:
             edge = max(alignment.offset, PAGE_SIZE)
-            if any(t.file_offset % edge or t.size % edge for t in transfers):
+            if any(offset % edge or size % edge for _, size, offset, _ in items):
                 batch.fd_buffered = self._reopen_buffered(batch)
         return alignment
 
     @staticmethod
-    def _check_inside(name: str, transfers: list[Transfer], file_size: int) -> None:
-        for t in transfers:
-            if t.file_offset + t.size > file_size:
+    def _check_inside(name: str, items: list[tuple[int, int, int, Any]], file_size: int) -> None:
+        for _, size, offset, _ in items:
+            if offset + size > file_size:
                 raise ShortTransferError(
                     f"read past end of file: the file has {file_size} bytes but the request "
-                    f"ends at {t.file_offset + t.size}", path=name, offset=t.file_offset,
-                    size=t.size, transferred=0)
+                    f"ends at {offset + size}", path=name, offset=offset, size=size,
+                    transferred=0)
 
-    def _admit(self, ops: list[Op], owner: Op, *, first: bool = True) -> bool:
-        """Queue ``ops``' chunks (an op without chunks completes at once). False if the
-        workers could not start: ``owner`` (the request, or its batch) then fails with that
-        error and closes its descriptors, and the ops are not run."""
+    def _admit(self, ops: list[Op], owner: Op) -> None:
+        """Queue ``ops``' chunks (an op without chunks completes at once). If the workers
+        cannot start, ``owner`` (the request, or its batch) fails with that error and closes
+        its descriptors, and the ops are not run."""
         with self._lock:
-            if self._workers.closed and first:  # close() began after submit's check: refuse
+            if self._workers.closed:  # close() began after submit's check: admit nothing
                 owner.close_fds(self.posix)
                 self._workers.check_open()
             try:
@@ -226,9 +229,8 @@ class Engine:
             except BaseException as exc:
                 owner.close_fds(self.posix)
                 owner.future.set_exception(exc)
-                return False
-            if first:
-                self._open_ops.add(owner)
+                return
+            self._open_ops.add(owner)
             for op in ops:
                 if op.chunks:
                     self._pending.append(op)
@@ -236,7 +238,6 @@ class Engine:
         for op in ops:
             if not op.chunks:
                 self._ended(op)
-        return True
 
     def _start_workers(self) -> None:
         """Start the mover's workers (caller holds the lock); a kernel queue that cannot be

@@ -15,32 +15,49 @@ import ctypes
 import errno
 import mmap
 import os
+import logging
 import platform
 import struct
+import threading
+from typing import Any
 
+from ..memory import pinned
 from .posix import syscall
+
+log = logging.getLogger(__name__)
 
 __all__ = ["UringQueue", "probe_io_uring"]
 
-_SYS_SETUP, _SYS_ENTER = 425, 426  # the same on x86_64 and aarch64 (asm-generic numbering)
+_SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427  # same on x86_64 and aarch64
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _ENTER_GETEVENTS = 1
 _FEAT_SINGLE_MMAP, _FEAT_NODROP, _FEAT_RW_CUR_POS = 1 << 0, 1 << 1, 1 << 3
-_OP_READ, _OP_WRITE = 22, 23
+_OP_READ, _OP_WRITE, _OP_READ_FIXED, _OP_WRITE_FIXED = 22, 23, 4, 5
+_REGISTER_BUFFERS2, _REGISTER_BUFFERS_UPDATE, _RSRC_REGISTER_SPARSE = 15, 16, 1
+FIXED_SLOTS = 64  # registered-buffer table entries per ring
 _MAX_LEN = 0x7FFFF000  # the kernel's largest single read/write; longer chunks complete short
 
 # struct io_uring_params: 10 u32 fields, then the SQ and CQ ring offsets (10 u32 each with a u64)
 _PARAMS = struct.Struct("<10I" + "8IQ" + "8IQ")
-# struct io_uring_sqe (64 bytes): opcode, flags, ioprio, fd, off, addr, len, rw_flags, user_data
-_SQE = struct.Struct("<BBHiQQIIQ24x")
+# struct io_uring_sqe (64 bytes): opcode, flags, ioprio, fd, off, addr, len, rw_flags, user_data,
+# buf_index
+_SQE = struct.Struct("<BBHiQQIIQH22x")
+_RSRC_REGISTER = struct.Struct("<IIQQQ")  # nr, flags, resv2, data, tags
+_RSRC_UPDATE = struct.Struct("<IIQQII")  # offset, resv, data, tags, nr, resv2
 _CQE = struct.Struct("<QiI")
 
 
 class UringQueue:
     """One io_uring with ``depth`` entries: :meth:`prep` queues, :meth:`submit_and_wait` runs.
 
-    Not thread-safe: each worker owns its own queue. Raises ``OSError`` from the constructor
-    where io_uring is unavailable (ENOSYS, EPERM from a sysctl or seccomp, ENOMEM).
+    Not thread-safe: each worker owns its own queue (only :meth:`region_released` may come
+    from another thread). Raises ``OSError`` from the constructor where io_uring is
+    unavailable (ENOSYS, EPERM from a sysctl or seccomp, ENOMEM).
+
+    Registered buffers: locked allocations of :mod:`deepnvme.memory.pinned` are registered
+    with the ring on first use (:meth:`fixed_slot`, up to :data:`FIXED_SLOTS` of them), so
+    their transfers skip pinning pages per request (READ_FIXED/WRITE_FIXED); a registration
+    ends when its allocation is freed or the ring closes.
     """
 
     name = "io_uring"
@@ -57,6 +74,10 @@ class UringQueue:
             os.close(fd)
             raise
         self.depth = min(depth, self.sq_entries)
+        self._fixed_lock = threading.Lock()
+        self._fixed: dict[Any, int] | None = None
+        self._free_slots: list[int] = []
+        self._init_fixed()
 
     def _map(self, p: tuple[int, ...]) -> None:
         sq_entries, cq_entries, features = p[0], p[1], p[5]
@@ -89,11 +110,83 @@ class UringQueue:
             sq[array + i] = i
         self._tail = sq[self._sq_tail]
 
-    def prep(self, tag: int, write: bool, fd: int, address: int, length: int, offset: int) -> int:
-        """Queue one read or write; returns the length queued (at most the kernel's maximum)."""
+    # --- registered buffers ----------------------------------------------------------------
+
+    def _init_fixed(self) -> None:
+        """A sparse table of buffer slots (Linux 5.19+); without it, no registered buffers."""
+        arg = bytearray(_RSRC_REGISTER.pack(FIXED_SLOTS, _RSRC_REGISTER_SPARSE, 0, 0, 0))
+        try:
+            self._register(_REGISTER_BUFFERS2, arg, _RSRC_REGISTER.size)
+        except OSError as exc:
+            log.debug("deepnvme: io_uring without registered buffers (%s)", exc)
+            return
+        self._fixed, self._free_slots = {}, list(range(FIXED_SLOTS - 1, -1, -1))
+        pinned.add_release_listener(self)
+
+    def _register(self, opcode: int, arg: bytearray, nr: int) -> None:
+        buf = (ctypes.c_char * len(arg)).from_buffer(arg)
+        try:
+            syscall(_SYS_REGISTER, ctypes.c_uint(self.fd), ctypes.c_uint(opcode), buf,
+                    ctypes.c_uint(nr))
+        finally:
+            del buf
+
+    def _set_slot(self, slot: int, base: int, size: int) -> None:
+        iov = (ctypes.c_uint64 * 2)(base, size)
+        arg = bytearray(_RSRC_UPDATE.pack(slot, 0, ctypes.addressof(iov), 0, 1, 0))
+        self._register(_REGISTER_BUFFERS_UPDATE, arg, _RSRC_UPDATE.size)
+
+    def fixed_slot(self, address: int, length: int) -> int:
+        """The registered-buffer slot covering ``[address, address + length)``, registering
+        its locked allocation on first use; -1 if it is not locked memory or cannot be."""
+        if self._fixed is None:
+            return -1
+        found = pinned.locked_region(address, length)
+        if found is None:
+            return -1
+        region, base, size = found
+        with self._fixed_lock:
+            slot = self._fixed.get(region)
+            if slot is not None or not self._free_slots:
+                return -1 if slot is None else slot
+            slot = self._free_slots.pop()
+            try:
+                self._set_slot(slot, base, size)
+            except OSError as exc:  # e.g. a memlock limit: go on without for this region
+                log.debug("deepnvme: io_uring buffer registration refused (%s)", exc)
+                self._free_slots.append(slot)
+                return -1
+            self._fixed[region] = slot
+            return slot
+
+    def region_released(self, region: object) -> None:
+        """A locked allocation was freed: drop its registration (any thread)."""
+        with self._fixed_lock:
+            if self._fixed is None or self.fd < 0:
+                return
+            slot = self._fixed.pop(region, None)
+            if slot is None:
+                return
+            try:
+                self._set_slot(slot, 0, 0)
+            except OSError as exc:
+                log.error("deepnvme: io_uring could not drop a registered buffer: %s", exc)
+                return
+            self._free_slots.append(slot)
+
+    # --- submission ------------------------------------------------------------------------
+
+    def prep(self, tag: int, write: bool, fd: int, address: int, length: int, offset: int,
+             buf_index: int = -1) -> int:
+        """Queue one read or write (from registered buffer ``buf_index`` if >= 0); returns the
+        length queued (at most the kernel's maximum)."""
         length = min(length, _MAX_LEN)
+        if buf_index < 0:
+            opcode, buf_index = (_OP_WRITE if write else _OP_READ), 0
+        else:
+            opcode = _OP_WRITE_FIXED if write else _OP_READ_FIXED
         _SQE.pack_into(self._sqes, (self._tail & self._sq_mask) * _SQE.size,
-                       _OP_WRITE if write else _OP_READ, 0, 0, fd, offset, address, length, 0, tag)
+                       opcode, 0, 0, fd, offset, address, length, 0, tag, buf_index)
         self._tail = (self._tail + 1) & 0xFFFFFFFF
         return length
 
@@ -140,8 +233,10 @@ class UringQueue:
 
     def close(self) -> None:
         """Unmap the rings and close the ring's descriptor (pending entries must be reaped first)."""
-        if self.fd < 0:
-            return
+        with self._fixed_lock:
+            if self.fd < 0:
+                return
+            self._fixed = None  # closing the ring drops every registration
         for view in (self._sq, self._cq):
             view.release()
         for m in {id(self._sq_map): self._sq_map, id(self._cq_map): self._cq_map,

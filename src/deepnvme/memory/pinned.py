@@ -9,6 +9,7 @@ is still aligned but not locked: one warning says so and :func:`is_pinned` retur
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import errno
@@ -19,6 +20,8 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from typing import Any
 
 import torch
 
@@ -43,6 +46,8 @@ class _Region:
 
 _lock = threading.Lock()
 _regions: dict[int, _Region] = {}  # storage base address -> region
+_bases: list[int] = []  # the keys of _regions, sorted (to find the region holding an address)
+_release_listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _warned_mlock = False
 
 
@@ -65,6 +70,10 @@ def _forget(address: int, region: _Region) -> None:
     with _lock:
         if _regions.get(address) is region:
             del _regions[address]
+            del _bases[bisect.bisect_left(_bases, address)]
+        listeners = list(_release_listeners)
+    for listener in listeners:
+        listener.region_released(region)
 
 
 def _warn_unlocked(err: int, size: int) -> None:
@@ -109,6 +118,7 @@ def new_cpu_locked_tensor(numel: int, dtype_or_example: torch.dtype | torch.Tens
     region = _Region(size, locked=not err)
     with _lock:
         _regions[address] = region
+        bisect.insort(_bases, address)
     weakref.finalize(mm, _forget, address, region)
     del mm
     return base[: numel * itemsize].view(dtype)
@@ -153,6 +163,29 @@ def free_locked_address(address: int) -> bool:
         region.locked = False
     _munlock(address, region.size)
     return True
+
+
+def locked_region(address: int, length: int) -> tuple[object, int, int] | None:
+    """``(region, base, size)`` of the :func:`new_cpu_locked_tensor` allocation holding
+    ``[address, address + length)``, or None. ``region`` identifies the allocation (a new one
+    at the same address is a different region); I/O queues that register memory with the
+    kernel key their registrations by it."""
+    with _lock:
+        i = bisect.bisect_right(_bases, address) - 1
+        if i < 0:
+            return None
+        base = _bases[i]
+        region = _regions[base]
+        if address + length > base + region.size:
+            return None
+        return region, base, region.size
+
+
+def add_release_listener(listener: Any) -> None:
+    """Call ``listener.region_released(region)`` when a locked allocation's memory is returned
+    to the OS (weakly referenced: a listener that is collected is dropped)."""
+    with _lock:
+        _release_listeners.add(listener)
 
 
 def is_pinned(tensor: torch.Tensor) -> bool:

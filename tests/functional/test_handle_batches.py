@@ -1,0 +1,96 @@
+"""read_many / write_many: many (tensor, offset) items of one file, opened once, one future."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import deepnvme
+from deepnvme.errors import DeepNVMeIOError, ShortTransferError, UnsupportedBufferError
+
+from ..conftest import open_fds, random_tensor, same_bytes
+
+
+@pytest.fixture
+def h(io_engine):
+    with deepnvme.AioHandle(block_size=8192, queue_depth=8, intra_op_parallelism=2) as handle:
+        assert handle.engine == io_engine
+        yield handle
+
+
+def test_random_aligned_reads_match_the_file(h, tmp_path):
+    path = str(tmp_path / "f")
+    data = random_tensor(1 << 20, torch.uint8)
+    h.sync_pwrite(data, path)
+    rng = random.Random(1)
+    pages = [deepnvme.new_cpu_locked_tensor(4096, torch.uint8) for _ in range(600)]
+    offsets = [rng.randrange(256) * 4096 for _ in pages]
+    assert h.read_many(path, list(zip(pages, offsets))).result() == 600 * 4096
+    assert all(same_bytes(p, data[o:o + 4096]) for p, o in zip(pages, offsets))
+
+
+def test_mixed_items_any_size_offset_and_address(h, tmp_path):
+    """Aligned single-chunk items (gathered), multi-chunk ones, unaligned sizes, offsets and
+    addresses (bounced or buffered), all in one batch."""
+    path = str(tmp_path / "f")
+    data = random_tensor(300_000, torch.uint8)
+    h.sync_pwrite(data, path)
+    specs = [(4096, 0), (8192, 8192), (50_000, 4096), (777, 12_345), (4096, 4096 * 7),
+             (100_001, 150_000), (1, 299_999), (0, 10)]
+    outs = []
+    for i, (n, o) in enumerate(specs):
+        buf = torch.empty(n + 1, dtype=torch.uint8)[1:] if i % 2 else torch.empty(n, dtype=torch.uint8)
+        outs.append((buf, o))
+    assert h.read_many(path, outs).result() == sum(n for n, _ in specs)
+    for (buf, o), (n, _) in zip(outs, specs):
+        assert same_bytes(buf, data[o:o + n])
+
+
+def test_write_many_then_read_back_and_fsync_once(h, tmp_path, monkeypatch):
+    path = str(tmp_path / "f")
+    parts = [random_tensor(4096 * (1 + i % 3) + (i % 2) * 100, torch.uint8, seed=i) for i in range(40)]
+    offsets, pos = [], 0
+    for p in parts:
+        offsets.append(pos)
+        pos += p.numel() + 512
+    calls = []
+    real_fsync = h._engine.posix.fsync
+    monkeypatch.setattr(h._engine.posix, "fsync", lambda fd: (calls.append(fd), real_fsync(fd)))
+    assert h.write_many(path, list(zip(parts, offsets)), fsync=True).result() == sum(p.numel() for p in parts)
+    assert len(calls) == 1
+    backs = [torch.empty_like(p) for p in parts]
+    h.read_many(path, list(zip(backs, offsets)), validate=True).result()
+    assert all(same_bytes(b, p) for b, p in zip(backs, parts))
+
+
+def test_errors_name_the_item_and_the_file(h, tmp_path):
+    path = str(tmp_path / "f")
+    h.sync_pwrite(random_tensor(10_000, torch.uint8), path)
+    with pytest.raises(ShortTransferError, match="file has 10000 bytes but the request ends at 10001"):
+        h.read_many(path, [(torch.empty(4096, dtype=torch.uint8), 0),
+                           (torch.empty(10, dtype=torch.uint8), 9991)]).result()
+    with pytest.raises(TypeError, match=r"items\[1\] must be a \(tensor, file_offset\) pair"):
+        h.read_many(path, [(torch.empty(1), 0), torch.empty(1)])
+    with pytest.raises(UnsupportedBufferError, match="not contiguous"):
+        h.read_many(path, [(torch.empty(4, 4).t(), 0)])
+    with pytest.raises(DeepNVMeIOError, match="negative file offset"):
+        h.read_many(path, [(torch.empty(4), -4)]).result()
+    with pytest.raises(DeepNVMeIOError, match="No such file") as info:
+        h.read_many(str(tmp_path / "missing"), [(torch.empty(4), 0)]).result()
+    assert "missing" in str(info.value)
+    assert h.read_many(path, []).result() == 0
+
+
+def test_a_failed_batch_leaks_no_descriptor(h, tmp_path):
+    before = open_fds()
+    with pytest.raises(DeepNVMeIOError, match="Is a directory"):
+        h.write_many(str(tmp_path), [(torch.zeros(4096, dtype=torch.uint8), 0)]).result()
+    path = str(tmp_path / "f")
+    h.sync_pwrite(random_tensor(8192, torch.uint8), path)
+    for _ in range(50):
+        with pytest.raises(ShortTransferError):
+            h.read_many(path, [(torch.empty(4096, dtype=torch.uint8), 4096 * i)
+                               for i in range(3)]).result()
+    assert open_fds() == before

@@ -1,6 +1,7 @@
 """Run the timed steps of ``deepnvme bench`` in one process, or in N barrier-synchronised ones.
 
-Each process owns one file and one buffer of ``io_size`` bytes. Before every timed step all
+Each process owns one file and one buffer of ``io_size`` bytes, and one handle per deepnvme
+engine of the sweep (built once, before the timed steps). Before every timed step all
 processes meet at a barrier, so with ``--procs N`` the N transfers of a step run at the same
 time (ds_io's multi-process mode). Processes are started with ``spawn`` (no forked torch or
 thread state). Temporary files are removed by the workers and again by the parent, whatever
@@ -22,20 +23,21 @@ import torch
 from ..config import IOConfig
 from ..errors import DeepNVMeError, ValidationError
 from ..memory.pinned import free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
-from ._measure import Measurer, Timing, check_file, fill_pattern, probe_direct, remove
+from ._measure import Measurer, RandomReads, Timing, check_file, fill_pattern, probe_direct, remove
 
-__all__ = ["Step", "WorkerSpec", "Sample", "Ready", "plan_steps", "run_workers"]
+__all__ = ["Step", "WorkerSpec", "Sample", "Ready", "lanes", "plan_steps", "run_workers"]
 
 _BARRIER_TIMEOUT_S = 900.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One timed transfer: ``loop`` < 0 for warm-up loops."""
+    """One timed transfer: ``loop`` < 0 for warm-up loops; ``engine`` for deepnvme's steps."""
 
     loop: int
     write: bool
     tool: str
+    engine: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,12 @@ class WorkerSpec:
     validate: bool = False
     gpu: int | None = None
     gds: bool = False
+    random_size: int | None = None  # reads are random reads of this many bytes each
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """deepnvme's engines in the steps, first use first."""
+        return tuple(dict.fromkeys(s.engine for s in self.steps if s.engine is not None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,18 +76,25 @@ class Sample:
     timing: Timing
 
 
-def plan_steps(*, tools: tuple[str, ...], write: bool, read: bool, loops: int,
-               warmup: int) -> tuple[Step, ...]:
-    """Steps in run order: per loop all writes, then all reads; the tools interleave per loop.
+def lanes(tools: tuple[str, ...], engines: tuple[str, ...]) -> list[tuple[str, str | None]]:
+    """(tool, engine) in row order: deepnvme once per engine where ``tools`` name it."""
+    return [(t, e) for t in tools for e in (engines if t == "deepnvme" else (None,))]
+
+
+def plan_steps(*, tools: tuple[str, ...], engines: tuple[str, ...], write: bool, read: bool,
+               loops: int, warmup: int) -> tuple[Step, ...]:
+    """Steps in run order: per loop all writes, then all reads; the tools interleave per loop,
+    deepnvme once per engine (in ``engines`` order, where the tools name deepnvme).
 
     Writes run deepnvme last, so the file holds the pattern that reads are validated against.
     """
+    order = lanes(tools, engines)
     steps: list[Step] = []
     for loop in range(-warmup, loops):
         if write:
-            steps += [Step(loop, True, t) for t in reversed(tools)]
+            steps += [Step(loop, True, t, e) for t, e in reversed(order)]
         if read:
-            steps += [Step(loop, False, t) for t in tools]
+            steps += [Step(loop, False, t, e) for t, e in order]
     return tuple(steps)
 
 
@@ -93,29 +108,35 @@ def run_worker(spec: WorkerSpec, emit: Callable[[object], None], barrier: Any = 
     with warnings.catch_warnings():  # RLIMIT_MEMLOCK is reported through Ready.pinned
         warnings.simplefilter("ignore", RuntimeWarning)
         buf = new_cpu_locked_tensor(spec.io_size, torch.uint8)
-    measurer: Measurer | None = None
+    measurers: dict[str | None, Measurer] = {}
     try:
         fill_pattern(buf, seed=spec.index)
         expected = buf.clone() if spec.validate else None
         device_buf = buf.to(f"cuda:{spec.gpu}") if spec.gpu is not None else None
-        measurer = Measurer(path=spec.path, buf=buf, config=spec.config, device_buf=device_buf,
-                            gds=spec.gds)
+        reads = (RandomReads(buf, spec.random_size, seed=spec.index)
+                 if spec.random_size is not None else None)
+        for engine in spec.engines or (spec.config.engine,):
+            measurers[engine] = Measurer(
+                path=spec.path, buf=buf, config=spec.config.replace(engine=engine),
+                device_buf=device_buf, gds=spec.gds, random=reads, scrub=spec.validate)
+        first = next(iter(measurers.values()))
+        measurers[None] = first  # python and fio steps: any measurer's file and buffer
         if not any(s.write for s in spec.steps):  # read-only run: lay the file out, untimed
             remove(spec.path)
-            measurer.handle.submit_write(buf, spec.path, fsync=True).result()
+            first.handle.submit_write(buf, spec.path, fsync=True).result()
         else:
             with open(spec.path, "wb"):
                 pass
         emit(Ready(spec.index, spec.config.o_direct and probe_direct(spec.path), is_pinned(buf)))
         for i, step in enumerate(spec.steps):
             _wait(barrier)
-            timing = measurer.measure(step.tool, write=step.write)
+            timing = measurers[step.engine].measure(step.tool, write=step.write)
             if expected is not None and step.tool != "fio":
                 _validate(step, spec.path, buf, device_buf, expected)
             emit(Sample(spec.index, i, timing))
     finally:
-        if measurer is not None:
-            measurer.close()
+        for m in set(measurers.values()):
+            m.close()
         remove(spec.path)
         free_cpu_locked_tensor(buf)
 

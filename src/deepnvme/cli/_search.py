@@ -1,7 +1,7 @@
 """Pure search over a handle-settings grid for ``deepnvme tune`` (no I/O here).
 
 :func:`coordinate_search` walks one dimension at a time from a start point: it moves up the
-dimension's sorted values while the score improves by more than ``tolerance``, otherwise down,
+dimension's ordered values while the score improves by more than ``tolerance``, otherwise down,
 and stops the dimension after ``patience + 1`` steps in a row that do not help (so one noisy
 measurement does not end a dimension). Passes repeat until a pass
 changes nothing (at most ``max_passes``). ``score`` returns None to stop the whole search
@@ -13,12 +13,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["Point", "make_point", "coordinate_search", "grid", "closest"]
+__all__ = ["Value", "Point", "make_point", "coordinate_search", "grid", "closest"]
 
-Point = tuple[tuple[str, int], ...]  # ((name, value), ...) in dimension order; hashable
+Value = int | str  # a number (sizes, counts, booleans) or a category (an engine name)
+Point = tuple[tuple[str, Value], ...]  # ((name, value), ...) in dimension order; hashable
 
 
-def make_point(values: Mapping[str, int], order: Sequence[str]) -> Point:
+def make_point(values: Mapping[str, Value], order: Sequence[str]) -> Point:
     return tuple((name, values[name]) for name in order)
 
 
@@ -27,16 +28,17 @@ def closest(values: Sequence[int], target: int) -> int:
     return min(values, key=lambda v: (max(v, target) / max(min(v, target), 1), v))
 
 
-def grid(dims: Mapping[str, Sequence[int]]) -> list[Point]:
+def grid(dims: Mapping[str, Sequence[Value]]) -> list[Point]:
     """Every combination, in dimension order."""
     names = list(dims)
     return [tuple(zip(names, combo)) for combo in itertools.product(*(dims[n] for n in names))]
 
 
-def coordinate_search(dims: Mapping[str, Sequence[int]], start: Mapping[str, int],
+def coordinate_search(dims: Mapping[str, Sequence[Value]], start: Mapping[str, Value],
                       score: Callable[[Point], float | None], *, tolerance: float = 0.03,
                       patience: int = 1, max_passes: int = 2) -> Point | None:
-    """Best point found (or None if nothing could be scored). ``dims`` values must be sorted."""
+    """Best point found (or None if nothing could be scored). ``dims`` values are in search
+    order: numbers ascending, categories (engine names) in order of preference."""
     order = list(dims)
     current = dict(start)
     best = score(make_point(current, order))

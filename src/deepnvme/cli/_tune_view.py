@@ -18,13 +18,14 @@ __all__ = ["render_tune", "require_matplotlib", "plot_tune"]
 
 
 def _label(t: Trial) -> str:
-    return f"p={t.intra_op_parallelism} bs={fmt_size(t.block_size)} qd={t.queue_depth}"
+    return (f"{t.engine} p={t.intra_op_parallelism} bs={fmt_size(t.block_size)} "
+            f"qd={t.queue_depth}{' single_submit' if t.single_submit else ''}")
 
 
 def render_tune(result: TuneResult, console: Console) -> None:
     """Print the trials table, the winners and the written config."""
     def say(text: str) -> None:
-        console.print(text, soft_wrap=True)
+        console.print(text, soft_wrap=True, markup=False)
 
     say(f"deepnvme tune: {len(result.trials)} of {result.space_size} configurations "
                   f"measured in {result.elapsed:.1f} s (budget {result.budget:g} s), "
@@ -32,15 +33,21 @@ def render_tune(result: TuneResult, console: Console) -> None:
                   f"in {result.directory}")
     say("  writes timed until fsync returns, reads cold; GB = 1e9 bytes; "
                   "combined = (write + read bytes) / (write + read time)")
-    table = Table(title="GB/s per configuration (threads = intra_op_parallelism)",
-                  title_justify="left")
-    for name in ("#", "threads", "block_size", "queue_depth", "write", "read", "combined"):
+    swept_ss = len({t.single_submit for t in result.trials}) > 1
+    table = Table(title="GB/s per configuration (threads = intra_op_parallelism"
+                        f"{', ss = single_submit' if swept_ss else ''})", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("engine")
+    for name in ("threads", "block_size", "queue_depth") + (("ss",) if swept_ss else ()):
+        table.add_column(name, justify="right")
+    for name in ("write", "read", "combined"):
         table.add_column(name, justify="right")
     table.add_column("best for")
     for i, t in enumerate(result.trials, 1):
         marks = ",".join(o for o, b in result.best.items() if b is t)
-        table.add_row(str(i), str(t.intra_op_parallelism), fmt_size(t.block_size),
-                      str(t.queue_depth), f"{t.write_gbps:.3f}", f"{t.read_gbps:.3f}",
+        ss = (str(t.single_submit).lower(),) if swept_ss else ()
+        table.add_row(str(i), t.engine, str(t.intra_op_parallelism), fmt_size(t.block_size),
+                      str(t.queue_depth), *ss, f"{t.write_gbps:.3f}", f"{t.read_gbps:.3f}",
                       f"{t.combined_gbps:.3f}", marks)
     console.print(table)
     for objective, t in result.best.items():

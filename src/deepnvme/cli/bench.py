@@ -7,24 +7,29 @@ Latencies are seconds per transfer; rates are GB/s with 1 GB = 1e9 bytes. *Task*
 per process, *end-to-end* (e2e) figures cover all processes of a step, from the first start
 to the last finish (the same as task with one process). ``--compare`` times plain Python
 file I/O and fio on the same files in the same loops (see :mod:`deepnvme.cli._measure`).
+``--engine a,b`` runs deepnvme once per I/O engine in the same loops, one row each.
+
+``--random`` measures random reads instead: every ``--random-size`` block of an ``--io-size``
+file once per loop, in random order, ``--queue-depth`` reads in flight per worker thread
+(:meth:`~deepnvme.AioHandle.read_many`), cold (O_DIRECT, pages dropped before each loop);
+IOPS, MB/s (1 MB = 1e6 bytes) and the mean latency of one read. ``--compare`` runs fio
+``--rw=randread`` next to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from typing import Any
-
-import torch
 
 from ..config import IOConfig, parse_size, resolve_config
 from ..errors import ConfigError, DeepNVMeError
-from ._measure import fio_path
+from ._bench_setup import check_options, make_paths, pick_engines, pick_tools
 from ._bench_view import render_bench
+from ._engines import parse_engines
 from ._render import GB, Stats, print_json, progress_bar, stdout_console
-from ._runner import Ready, Sample, Step, WorkerSpec, plan_steps, run_workers
-from ._system import mem_available, mount_of
+from ._runner import Ready, Sample, Step, WorkerSpec, lanes, plan_steps, run_workers
+from ._system import mount_of
 
 __all__ = ["BenchOptions", "OpStats", "BenchResult", "run_bench", "parse_dir_map",
            "add_bench_parser"]
@@ -34,8 +39,9 @@ __all__ = ["BenchOptions", "OpStats", "BenchResult", "run_bench", "parse_dir_map
 class BenchOptions:
     """What to measure. ``gpus`` pairs with ``dirs`` (from ``--dir-map``); process i uses
     ``dirs[i % len(dirs)]``. As in ds_io, the handle gets ``single_submit`` and
-    ``overlap_events = not sequential_requests`` on top of ``config``."""
-
+    ``overlap_events = not sequential_requests`` on top of ``config``. ``engines`` are
+    deepnvme's engines to sweep ("auto" allowed; empty: ``config.engine``). ``random_size``
+    switches to random reads of that many bytes each (then ``write`` must be False)."""
 
     dirs: tuple[str, ...] = (".",)
     gpus: tuple[int, ...] = ()
@@ -52,6 +58,8 @@ class BenchOptions:
     compare: bool = False
     gpu: bool = False
     gds: bool = False
+    engines: tuple[str, ...] = ()
+    random_size: int | None = None
 
     def effective_config(self) -> IOConfig:
         return self.config.replace(single_submit=self.single_submit,
@@ -60,7 +68,10 @@ class BenchOptions:
 
 @dataclasses.dataclass(frozen=True)
 class OpStats:
-    """All timings of one (tool, op): ``task_seconds`` per process and loop, ``e2e_seconds`` per loop."""
+    """All timings of one (tool, engine, op): ``task_seconds`` per process and loop,
+    ``e2e_seconds`` per loop. ``engine`` is deepnvme's engine, "libaio" for fio, None for plain
+    Python. Random reads (``op == "randread"``) also carry ``random_size`` and the mean
+    seconds one read was in flight, per process and loop (``latency_seconds``)."""
 
     tool: str
     op: str
@@ -68,6 +79,9 @@ class OpStats:
     procs: int
     task_seconds: tuple[float, ...]
     e2e_seconds: tuple[float, ...]
+    engine: str | None = None
+    random_size: int = 0
+    latency_seconds: tuple[float, ...] = ()
 
     @property
     def task_latency(self) -> Stats:
@@ -85,16 +99,44 @@ class OpStats:
     def e2e_gbps(self) -> Stats:
         return Stats.of([self.io_size * self.procs / s / GB for s in self.e2e_seconds])
 
+    @property
+    def reads(self) -> int:
+        """Random reads per process and loop (0 for whole-file transfers)."""
+        return self.io_size // self.random_size if self.random_size else 0
+
+    @property
+    def iops(self) -> Stats:
+        """Random reads per second of all processes of a step."""
+        return Stats.of([self.reads * self.procs / s for s in self.e2e_seconds])
+
+    @property
+    def mbps(self) -> Stats:
+        """Random-read MB/s (1 MB = 1e6 bytes) of all processes of a step."""
+        return Stats.of([self.io_size * self.procs / s / 1e6 for s in self.e2e_seconds])
+
+    @property
+    def read_latency(self) -> Stats:
+        """Mean seconds one random read was in flight, over processes and loops."""
+        return Stats.of(self.latency_seconds)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"tool": self.tool, "op": self.op, "e2e_GBps": self.e2e_gbps.to_dict(),
-                "e2e_latency_s": self.e2e_latency.to_dict(), "task_GBps": self.task_gbps.to_dict(),
-                "task_latency_s": self.task_latency.to_dict(),
-                "e2e_seconds": list(self.e2e_seconds), "task_seconds": list(self.task_seconds)}
+        out: dict[str, Any] = {
+            "tool": self.tool, "engine": self.engine, "op": self.op,
+            "e2e_GBps": self.e2e_gbps.to_dict(), "e2e_latency_s": self.e2e_latency.to_dict(),
+            "task_GBps": self.task_gbps.to_dict(), "task_latency_s": self.task_latency.to_dict(),
+            "e2e_seconds": list(self.e2e_seconds), "task_seconds": list(self.task_seconds)}
+        if self.random_size:
+            out.update({"random_size": self.random_size, "reads": self.reads,
+                        "IOPS": self.iops.to_dict(), "MBps": self.mbps.to_dict(),
+                        "read_latency_s": self.read_latency.to_dict(),
+                        "read_latency_seconds": list(self.latency_seconds)})
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchResult:
-    """Result of :func:`run_bench`; ``o_direct``/``pinned`` say how deepnvme actually ran."""
+    """Result of :func:`run_bench`; ``o_direct``/``pinned`` say how deepnvme actually ran;
+    ``engines`` are deepnvme's engines in row order (the first is the reference of speedups)."""
 
     dirs: tuple[str, ...]
     filesystems: tuple[str, ...]
@@ -110,29 +152,48 @@ class BenchResult:
     ops: tuple[OpStats, ...]
     notes: tuple[str, ...]
     gds: bool = False
+    engines: tuple[str, ...] = ()
+    random_size: int | None = None
 
-    def get(self, tool: str, op: str) -> OpStats | None:
-        return next((o for o in self.ops if o.tool == tool and o.op == op), None)
+    def get(self, tool: str, op: str, engine: str | None = None) -> OpStats | None:
+        """The row of ``tool`` and ``op`` (deepnvme: of ``engine``, default the first)."""
+        return next((o for o in self.ops if o.tool == tool and o.op == op
+                     and (engine is None or o.engine == engine)), None)
+
+    @property
+    def compared(self) -> bool:
+        """Whether some op has several rows (tools or engines) to compare."""
+        return len(self.ops) > len({o.op for o in self.ops})
+
+    def ratio(self, row: OpStats, *, per_task: bool = False) -> float | None:
+        """deepnvme's (first engine's) median e2e (or task) rate over ``row``'s; None for that
+        row itself."""
+        ours = self.get("deepnvme", row.op, self.engines[0] if self.engines else None)
+        if ours is None or ours is row:
+            return None
+        if per_task:
+            return ours.task_gbps.median / row.task_gbps.median
+        return ours.e2e_gbps.median / row.e2e_gbps.median
 
     def speedup(self, tool: str, op: str) -> float | None:
         """deepnvme's median e2e GB/s divided by ``tool``'s, for ``op``."""
-        ours, theirs = self.get("deepnvme", op), self.get(tool, op)
-        if ours is None or theirs is None:
-            return None
-        return ours.e2e_gbps.median / theirs.e2e_gbps.median
+        theirs = self.get(tool, op)
+        return None if theirs is None else self.ratio(theirs)
 
     def to_dict(self) -> dict[str, Any]:
+        def vs(o: OpStats) -> str:
+            return f"{o.op}_vs_" + (f"deepnvme-{o.engine}" if o.tool == "deepnvme" else o.tool)
+
+        speedup = {vs(o): r for o in self.ops if (r := self.ratio(o)) is not None}
         return {"GB": "1e9 bytes", "dirs": list(self.dirs), "filesystems": list(self.filesystems),
                 "io_size": self.io_size, "procs": self.procs, "loops": self.loops,
                 "warmup_loops": self.warmup, "config": self.config.to_deepspeed()["aio"],
+                "engines": list(self.engines), "random_size": self.random_size,
                 "o_direct": self.o_direct, "pinned": self.pinned, "gpu": self.gpu,
                 "handle": "GdsHandle" if self.gds else "AioHandle",
                 "device": "cuda" if self.gpu or self.gds else "cpu",
                 "tools": list(self.tools), "results": [o.to_dict() for o in self.ops],
-                "speedup": {f"{op}_vs_{t}": self.speedup(t, op) for t in self.tools
-                            if t != "deepnvme" for op in ("write", "read")
-                            if self.get(t, op) is not None},
-                "notes": list(self.notes)}
+                "speedup": speedup, "notes": list(self.notes)}
 
 
 def parse_dir_map(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -149,112 +210,24 @@ def parse_dir_map(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return tuple(dirs), tuple(gpus)
 
 
-def _check_options(o: BenchOptions) -> list[str]:
-    """Validate at the boundary with errors that say the fix; return notes for the report."""
-    notes: list[str] = []
-    for name, value, low in (("--io-size", o.io_size, 1), ("--loops", o.loops, 1),
-                             ("--warmup-loops", o.warmup, 0), ("--procs", o.procs, 1)):
-        if value < low:
-            raise ConfigError(f"{name} must be >= {low}, got {value}")
-    if not (o.read or o.write):
-        raise ConfigError("nothing to do: give --read, --write, or neither for both")
-    if o.gds:
-        from ..gds import gds_status
-
-        status = gds_status()
-        if not status.available:
-            raise DeepNVMeError(f"--gds: GPUDirect Storage is not available: {status.detail} "
-                                "(run 'deepnvme report'); use --gpu to stage GPU buffers through "
-                                "pinned host memory")
-    if o.gpu or o.gds:
-        if not torch.cuda.is_available():
-            raise DeepNVMeError("--gpu needs a CUDA device, but torch.cuda.is_available() is False "
-                                f"(torch {torch.__version__}); drop --gpu to measure CPU buffers")
-        count = torch.cuda.device_count()
-        bad = [g for g in o.gpus if g >= count]
-        if bad:
-            raise ConfigError(f"--dir-map names GPU {bad[0]} but only {count} CUDA device(s) exist")
-    elif o.gpus:
-        notes.append("--dir-map GPU ids are ignored without --gpu")
-    if o.gds:
-        notes.append("--gds: deepnvme moves the GPU buffers with GdsHandle (cuFile); plain "
-                     "Python stages them through host memory")
-    for d in o.dirs:
-        if not os.path.isdir(d):
-            raise DeepNVMeError(f"directory {d!r} does not exist (or is not a directory); "
-                                "pass an existing one with --dir")
-    for d in dict.fromkeys(o.dirs):
-        os.unlink(_make_paths((d,), 1)[0])  # writable? (a clear error if not)
-        files = sum(1 for i in range(o.procs) if o.dirs[i % len(o.dirs)] == d)
-        free = os.statvfs(d).f_bavail * os.statvfs(d).f_frsize
-        if files * o.io_size > free:
-            raise DeepNVMeError(f"{d!r} has {free / GB:.3f} GB free but the benchmark writes "
-                                f"{files * o.io_size / GB:.3f} GB there; lower --io-size or "
-                                "--procs, or pick another --dir")
-    need = o.io_size * o.procs * (2 if o.validate else 1)
-    avail = mem_available()
-    if avail is not None and need > 0.8 * avail:
-        raise ConfigError(f"{need / GB:.2f} GB of buffers (io size x procs"
-                          f"{' x 2 for --validate' if o.validate else ''}) exceeds 80% of the "
-                          f"{avail / GB:.2f} GB of available memory; lower --io-size or --procs")
-    if o.single_submit or o.sequential_requests:
-        notes.append("--single-submit/--sequential-requests are accepted for ds_io parity but "
-                     "do not change deepnvme's thread engine (no batched submit or event phase)")
-    return notes
-
-
-def _tools(o: BenchOptions, notes: list[str]) -> tuple[str, ...]:
-    if not o.compare:
-        return ("deepnvme",)
-    tools = ["deepnvme", "python"]
-    if fio_path() is None:
-        notes.append("fio is not installed, so it was not compared (apt-get install fio)")
-    elif o.io_size % o.config.block_size or o.io_size % 4096:
-        notes.append("fio was not compared: --io-size must be a multiple of --block-size and of "
-                     "4096 for fio's O_DIRECT transfers")
-    else:
-        tools.append("fio")
-    if o.gpu:
-        notes.append("with --gpu, deepnvme and python include the device copy; fio measures "
-                     "storage only")
-    return tuple(tools)
-
-
-def _make_paths(dirs: tuple[str, ...], procs: int) -> list[str]:
-    paths: list[str] = []
-    try:
-        for i in range(procs):
-            d = dirs[i % len(dirs)]
-            try:
-                fd, path = tempfile.mkstemp(prefix=f".deepnvme-bench-{i}-", dir=d)
-            except OSError as exc:
-                raise DeepNVMeError(f"cannot create a file in {d!r} ({exc.strerror}); pass a "
-                                    "writable directory with --dir") from None
-            os.close(fd)
-            paths.append(path)
-    except BaseException:
-        for p in paths:
-            os.unlink(p)
-        raise
-    return paths
-
-
 def run_bench(options: BenchOptions, *, progress: Any = None) -> BenchResult:
     """Run the benchmark described by ``options``; blocking. ``progress`` is an optional rich
     ``Progress`` whose first task is advanced once per timed transfer (per process).
     Temporary files are removed before this returns or raises (Ctrl-C included)."""
-    notes = _check_options(options)
-    tools = _tools(options, notes)
-    steps = plan_steps(tools=tools, write=options.write, read=options.read, loops=options.loops,
-                       warmup=options.warmup)
+    notes = check_options(options)
+    tools = pick_tools(options, notes)
+    engines = pick_engines(options, notes)
+    steps = plan_steps(tools=tools, engines=engines, write=options.write, read=options.read,
+                       loops=options.loops, warmup=options.warmup)
     if progress is not None:
         progress.update(progress.task_ids[0], total=len(steps) * options.procs)
     config = options.effective_config()
-    paths = _make_paths(options.dirs, options.procs)
+    paths = make_paths(options.dirs, options.procs)
     specs = [WorkerSpec(index=i, path=p, io_size=options.io_size, config=config,
                         steps=steps, validate=options.validate,
                         gpu=(options.gpus[i % len(options.gpus)] if options.gpus else 0)
-                        if options.gpu or options.gds else None, gds=options.gds)
+                        if options.gpu or options.gds else None, gds=options.gds,
+                        random_size=options.random_size)
              for i, p in enumerate(paths)]
     ready: list[Ready] = []
     samples: list[Sample] = []
@@ -270,41 +243,62 @@ def run_bench(options: BenchOptions, *, progress: Any = None) -> BenchResult:
     run_workers(specs, on_event)
     o_direct = bool(ready) and all(r.o_direct for r in ready)
     pinned = bool(ready) and all(r.pinned for r in ready)
+    notes += _run_notes(o_direct, pinned, options)
+    fs = tuple((m.fstype if (m := mount_of(d)) else "unknown") for d in options.dirs)
+    return BenchResult(tuple(os.path.abspath(d) for d in options.dirs), fs, options.io_size,
+                       options.procs, options.loops, options.warmup, config, o_direct, pinned,
+                       options.gpu or options.gds, tools,
+                       _aggregate(steps, lanes(tools, engines), samples, options),
+                       tuple(notes), gds=options.gds, engines=engines,
+                       random_size=options.random_size)
+
+
+def _run_notes(o_direct: bool, pinned: bool, o: BenchOptions) -> list[str]:
+    notes = []
     if not o_direct:
         notes.append("O_DIRECT was not available; deepnvme's reads were made cold by evicting "
                      "the file from the page cache")
     if not pinned:
         notes.append("buffers could not be page-locked (RLIMIT_MEMLOCK); numbers may be lower "
                      "than with locked memory (see 'deepnvme report')")
-    fs = tuple((m.fstype if (m := mount_of(d)) else "unknown") for d in options.dirs)
-    return BenchResult(tuple(os.path.abspath(d) for d in options.dirs), fs, options.io_size,
-                       options.procs, options.loops, options.warmup, config, o_direct,
-                       pinned, options.gpu or options.gds, tools,
-                       _aggregate(steps, samples, options, tools), tuple(notes), gds=options.gds)
+    if o.random_size:
+        notes.append("latency = mean time one read is in flight: deepnvme's is reads in flight "
+                     "(queue_depth per worker with io_uring/aio, in all with threads) / IOPS, "
+                     "fio's is measured (lat_ns mean), with iodepth = queue_depth x parallelism")
+    return notes
 
 
-def _aggregate(steps: tuple[Step, ...], samples: list[Sample], o: BenchOptions,
-               tools: tuple[str, ...]) -> tuple[OpStats, ...]:
+def _aggregate(steps: tuple[Step, ...], rows: list[tuple[str, str | None]],
+               samples: list[Sample], o: BenchOptions) -> tuple[OpStats, ...]:
+    """One :class:`OpStats` per op and (tool, engine) of ``rows``, writes first."""
     by_step: dict[int, list[Sample]] = {}
     for s in samples:
         by_step.setdefault(s.step, []).append(s)
     out: list[OpStats] = []
-    for op in (("write",) if o.write else ()) + (("read",) if o.read else ()):
-        for tool in tools:
+    for write in (True, False):
+        for tool, engine in rows:
             idx = [i for i, s in enumerate(steps) if s.loop >= 0 and s.tool == tool
-                   and s.write == (op == "write")]
-            task = tuple(x.timing.seconds for i in idx for x in by_step.get(i, []))
-            e2e = tuple(_e2e(tool, by_step.get(i, [])) for i in idx)
-            if len(e2e) != len(idx) or len(task) != len(idx) * o.procs:
-                raise DeepNVMeError(f"missing timings for {tool} {op}: got {len(task)} of "
-                                    f"{len(idx) * o.procs}")
-            out.append(OpStats(tool, op, o.io_size, o.procs, task, e2e))
+                   and s.engine == engine and s.write == write]
+            if idx:
+                out.append(_op_stats(tool, engine, write, [by_step.get(i, []) for i in idx], o))
     return tuple(out)
 
 
+def _op_stats(tool: str, engine: str | None, write: bool, groups: list[list[Sample]],
+              o: BenchOptions) -> OpStats:
+    """One row from the samples of each timed step of a (tool, engine, op)."""
+    op = "write" if write else "randread" if o.random_size else "read"
+    task = tuple(x.timing.seconds for g in groups for x in g)
+    if any(len(g) != o.procs for g in groups):
+        raise DeepNVMeError(f"missing timings for {tool} {op}: got {len(task)} of "
+                            f"{len(groups) * o.procs}")
+    latency = tuple(x.timing.latency for g in groups for x in g if x.timing.latency is not None)
+    return OpStats(tool, op, o.io_size, o.procs, task, tuple(_e2e(tool, g) for g in groups),
+                   engine=engine if tool == "deepnvme" else "libaio" if tool == "fio" else None,
+                   random_size=o.random_size or 0, latency_seconds=latency)
+
+
 def _e2e(tool: str, group: list[Sample]) -> float:
-    if not group:
-        return float("nan")
     if tool == "fio":  # fio reports its own runtime, without process start-up
         return max(s.timing.seconds for s in group)
     return max(s.timing.end for s in group) - min(s.timing.start for s in group)
@@ -331,7 +325,16 @@ def add_bench_parser(subparsers: Any) -> None:
                    help="chunks in flight per handle (default: 128); also fio's --iodepth")
     b.add_argument("--parallelism", type=int, default=None, metavar="N",
                    help="intra_op_parallelism: I/O threads per handle")
-    b.add_argument("--single-submit", action="store_true", help="accepted for ds_io parity")
+    b.add_argument("--engine", default=None, metavar="NAME[,NAME...]",
+                   help="deepnvme's I/O engines to sweep, one row each: auto, io_uring, aio, "
+                        "threads (default: auto, or DEEPNVME_ENGINE)")
+    b.add_argument("--random", action="store_true",
+                   help="random reads: every --random-size block of the --io-size file once per "
+                        "loop, in random order; IOPS, MB/s, latency")
+    b.add_argument("--random-size", type=parse_size, default=None, metavar="SIZE",
+                   help="bytes per random read: 4K to 64K in steps of 4K (default: 4K)")
+    b.add_argument("--single-submit", action="store_true",
+                   help="submit chunks one per call (io_uring/aio), as ds_io's")
     b.add_argument("--sequential-requests", action="store_true",
                    help="accepted for ds_io parity (overlap_events=False)")
     b.add_argument("--loops", type=int, default=3, help="timed loops (default: 3)")
@@ -342,9 +345,18 @@ def add_bench_parser(subparsers: Any) -> None:
     b.add_argument("--gpu", action="store_true", help="GPU buffers (staged through host memory)")
     b.add_argument("--gds", action="store_true", help="GPUDirect Storage")
     b.add_argument("--compare", action="store_true",
-                   help="also time plain Python file I/O and fio on the same files")
+                   help="also time plain Python file I/O and fio on the same files (with "
+                        "--random: fio randread)")
     b.add_argument("--json", action="store_true", help="print JSON instead of tables")
     b.set_defaults(func=_cmd_bench)
+
+
+def _random_size(args: Any) -> int | None:
+    if not args.random:
+        if args.random_size is not None:
+            raise ConfigError("--random-size applies to random reads: add --random")
+        return None
+    return 4096 if args.random_size is None else int(args.random_size)
 
 
 def _cmd_bench(args: Any) -> int:
@@ -355,7 +367,9 @@ def _cmd_bench(args: Any) -> int:
     config = resolve_config({"block_size": args.block_size, "queue_depth": args.queue_depth,
                              "intra_op_parallelism": args.parallelism})
     options = BenchOptions(dirs=dirs, gpus=gpus, io_size=args.io_size, read=both or args.read,
-                           write=both or args.write, config=config,
+                           write=args.write or (both and not args.random), config=config,
+                           engines=() if args.engine is None else parse_engines(args.engine),
+                           random_size=_random_size(args),
                            single_submit=args.single_submit,
                            sequential_requests=args.sequential_requests, procs=args.procs,
                            loops=args.loops, warmup=args.warmup_loops, validate=args.validate,

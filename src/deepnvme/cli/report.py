@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..io.posix import O_DIRECT, POSIX
+from ._engines import EngineStatus, engine_statuses
 from ._render import GB, fmt_size, print_json
 from ._system import block_device, mount_of
 
@@ -41,6 +42,7 @@ class Check:
 class Report:
     directory: str
     checks: tuple[Check, ...]
+    engines: tuple[EngineStatus, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -48,8 +50,10 @@ class Report:
         return all(c.status != FAIL for c in self.checks)
 
     def to_dict(self) -> dict[str, Any]:
+        auto = next((e.name for e in self.engines if e.auto), None)
         return {"directory": self.directory, "ok": self.ok,
-                "checks": [dataclasses.asdict(c) for c in self.checks]}
+                "checks": [dataclasses.asdict(c) for c in self.checks],
+                "engines": [e.to_dict() for e in self.engines], "auto_engine": auto}
 
 
 def _software() -> list[Check]:
@@ -90,6 +94,32 @@ def _gds_check() -> Check:
         return Check("gpudirect storage", WARN, f"usable in {status.mode} mode: {status.detail}",
                      "load the nvidia-fs kernel module (modprobe nvidia_fs) for direct DMA")
     return Check("gpudirect storage", OK, f"usable in {status.mode} mode: {status.detail}")
+
+
+_ENGINE_HINTS = {
+    "io_uring": "needs Linux 5.1+ with io_uring allowed (sysctl kernel.io_uring_disabled=0; "
+                "container seccomp profiles often block io_uring_setup)",
+    "aio": "needs a kernel built with Linux AIO (CONFIG_AIO) and room under fs.aio-max-nr",
+    "threads": "threads needs only preadv/pwritev; please report this as a bug",
+}
+
+
+def _engine_checks(engines: tuple[EngineStatus, ...]) -> list[Check]:
+    """One line per engine, then the one ``auto`` picks (and DEEPNVME_ENGINE if it is set)."""
+    checks = [Check(f"engine {e.name}", OK if e.available else WARN,
+                    f"{'available' if e.available else 'not available'}: {e.detail}",
+                    "" if e.available else _ENGINE_HINTS.get(e.name, "")) for e in engines]
+    auto = next((e.name for e in engines if e.auto), None)
+    if auto is None:
+        checks.append(Check("engine auto", FAIL, "no engine runs here",
+                            "every engine failed its probe (see above); please report this"))
+        return checks
+    value = f"{auto} (the first available of {', '.join(e.name for e in engines)})"
+    env = os.environ.get("DEEPNVME_ENGINE")
+    if env:
+        value += f"; DEEPNVME_ENGINE={env} sets handles' engine instead"
+    checks.append(Check("engine auto", OK, value))
+    return checks
 
 
 def _has_cap_ipc_lock() -> bool:
@@ -221,8 +251,9 @@ def _device_checks(dev: str | None) -> list[Check]:
 
 def run_report(directory: str = ".") -> Report:
     """Collect every check for the environment and for ``directory``; blocking, a few ms."""
-    checks = _software() + _memlock_checks() + _dir_checks(directory)
-    return Report(os.path.abspath(directory), tuple(checks))
+    engines = engine_statuses()
+    checks = _software() + _engine_checks(engines) + _memlock_checks() + _dir_checks(directory)
+    return Report(os.path.abspath(directory), tuple(checks), engines)
 
 
 def add_report_parser(subparsers: Any) -> None:

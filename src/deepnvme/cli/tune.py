@@ -3,10 +3,13 @@
 Each trial writes ``io_size`` bytes to a new file (timed until fsync returns) and reads them
 back cold, ``loops`` times, with an :class:`~deepnvme.AioHandle` built from the trial's
 settings; its score is the median GB/s (1 GB = 1e9 bytes). The sweep is pruned: coordinate
-search from DeepSpeed's defaults, one dimension at a time, stopping a dimension once the next
-value no longer helps by 3 %, within ``--budget`` seconds. ``single_submit`` and
-``overlap_events`` are not swept: the thread engine does not use them. The winner is written
-as a DeepSpeed ``{"aio": {...}}`` JSON that ``AioHandle.from_config`` and DeepSpeed read.
+search from DeepSpeed's defaults and the engine ``auto`` picks, one dimension at a time (the
+engine first, among those this system runs), stopping a dimension once the next value no
+longer helps by 3 %, within ``--budget`` seconds. ``single_submit`` is swept only when a
+``--space`` file lists both values (otherwise it is written as false, batched submission);
+``overlap_events`` changes nothing in any engine and is written as false. The winner is
+written as a DeepSpeed ``{"aio": {...}}`` JSON, its ``engine`` included, that
+``AioHandle.from_config`` and DeepSpeed read.
 """
 
 from __future__ import annotations
@@ -23,91 +26,20 @@ from typing import Any
 
 import torch
 
-from ..config import SETTINGS, IOConfig, parse_size, resolve_config
+from ..config import IOConfig, parse_size, resolve_config
 from ..errors import ConfigError, DeepNVMeError
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
+from ._engines import engine_statuses
 from ._measure import Measurer, fill_pattern, remove
 from ._render import GB, write_json_durably
-from ._search import Point, closest, coordinate_search, grid
+from ._search import Point, coordinate_search, grid
+from ._tune_space import (DIMENSIONS, TuneSpace, complete, default_space, load_space, runnable,
+                          start_point)
 
 __all__ = ["TuneSpace", "Trial", "TuneResult", "default_space", "load_space", "run_tune",
            "add_tune_parser"]
 
-DIMENSIONS = ("intra_op_parallelism", "block_size", "queue_depth")
-NO_EFFECT = ("single_submit", "overlap_events")
 OBJECTIVES = ("combined", "write", "read")
-_ALIASES = {"thread_count": "intra_op_parallelism"}
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneSpace:
-    """Sorted candidate values per swept setting, plus notes about what is not swept."""
-
-    dims: Mapping[str, tuple[int, ...]]
-    notes: tuple[str, ...] = ()
-
-    @property
-    def size(self) -> int:
-        n = 1
-        for values in self.dims.values():
-            n *= len(values)
-        return n
-
-
-_NO_EFFECT_NOTE = ("single_submit and overlap_events are not swept: the thread engine does not "
-                   "use them (they are written as false)")
-
-
-def default_space() -> TuneSpace:
-    """Threads 1-16, blocks 128 KiB-16 MiB, queue depths 8-128 (200 combinations)."""
-    return TuneSpace({"intra_op_parallelism": (1, 2, 4, 8, 16),
-                      "block_size": tuple(1 << s for s in range(17, 25)),
-                      "queue_depth": (8, 16, 32, 64, 128)}, (_NO_EFFECT_NOTE,))
-
-
-def load_space(path: str) -> TuneSpace:
-    """Read a space from JSON or YAML: ``{"block_size": ["256K", "1M"], "queue_depth": [32],
-    ...}``; missing dimensions keep the default candidates."""
-    with open(path) as f:
-        text = f.read()
-    if path.endswith((".yaml", ".yml")):
-        try:
-            import yaml
-        except ImportError:
-            raise ConfigError("reading a YAML space needs PyYAML (pip install pyyaml); "
-                              "or write the space as JSON") from None
-        data = yaml.safe_load(text)
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    if isinstance(data, Mapping) and isinstance(data.get("aio"), Mapping):
-        data = data["aio"]
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping of setting name to list of values")
-    dims = dict(default_space().dims)
-    notes = [_NO_EFFECT_NOTE]
-    for key, raw in data.items():
-        name = _ALIASES.get(key, key)
-        values = raw if isinstance(raw, list) else [raw]
-        if name in NO_EFFECT:
-            if any(v not in (False, True) for v in values):
-                raise ConfigError(f"{path}: {key} takes JSON booleans, got {values!r}")
-            if len(set(values)) > 1 or True in values:
-                notes.append(f"{key}={values} ignored: it has no effect in the thread engine")
-            continue
-        if name not in DIMENSIONS:
-            raise ConfigError(f"{path}: unknown setting {key!r}; tune sweeps {list(DIMENSIONS)} "
-                              f"(and accepts {list(NO_EFFECT)})")
-        if not values:
-            raise ConfigError(f"{path}: {key} has no values")
-        parsed = sorted({parse_size(v) for v in values})
-        minimum = next(s.minimum for s in SETTINGS if s.name == name) or 1
-        if parsed[0] < minimum:
-            raise ConfigError(f"{path}: {key} values must be >= {minimum}, got {parsed[0]}")
-        dims[name] = tuple(parsed)
-    return TuneSpace(dims, tuple(notes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +52,8 @@ class Trial:
     write_gbps: float
     read_gbps: float
     seconds: float
+    engine: str
+    single_submit: bool = False
 
     @property
     def combined_gbps(self) -> float:
@@ -131,12 +65,14 @@ class Trial:
                 "read": self.read_gbps}[objective]
 
     def config(self) -> IOConfig:
-        return resolve_config({"block_size": self.block_size, "queue_depth": self.queue_depth,
+        return resolve_config({"engine": self.engine, "block_size": self.block_size,
+                               "queue_depth": self.queue_depth,
                                "intra_op_parallelism": self.intra_op_parallelism,
-                               "single_submit": False, "overlap_events": False})
+                               "single_submit": self.single_submit, "overlap_events": False})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"block_size": self.block_size, "queue_depth": self.queue_depth,
+        return {"engine": self.engine, "single_submit": self.single_submit,
+                "block_size": self.block_size, "queue_depth": self.queue_depth,
                 "intra_op_parallelism": self.intra_op_parallelism,
                 "write_GBps": self.write_gbps, "read_GBps": self.read_gbps,
                 "combined_GBps": self.combined_gbps, "seconds": self.seconds}
@@ -203,9 +139,11 @@ class _Trials:
             measurer.close()
         n = self.buf.numel()
         self.last = time.perf_counter() - t0
-        trial = Trial(values["block_size"], values["queue_depth"], values["intra_op_parallelism"],
-                      n / statistics.median(writes) / GB, n / statistics.median(reads) / GB,
-                      self.last)
+        trial = Trial(block_size=int(values["block_size"]), queue_depth=int(values["queue_depth"]),
+                      intra_op_parallelism=int(values["intra_op_parallelism"]),
+                      write_gbps=n / statistics.median(writes) / GB,
+                      read_gbps=n / statistics.median(reads) / GB, seconds=self.last,
+                      engine=str(values["engine"]), single_submit=bool(values["single_submit"]))
         self.cache[point] = trial
         if self.on_trial is not None:
             self.on_trial(trial, self.last)
@@ -218,16 +156,19 @@ def run_tune(directory: str = ".", *, space: TuneSpace | None = None, io_size: i
              on_trial: Callable[[Trial, float], None] | None = None) -> TuneResult:
     """Sweep ``space`` in ``directory`` and return the trials and winners; blocking.
 
-    Writes the winner for ``objective`` to ``output`` (durably) when given. The temporary
-    file is removed before this returns or raises.
+    Settings ``space`` leaves out take the default candidates; engines this system cannot
+    run are dropped (with a note), and ``space_size`` counts what remains. Writes the winner
+    for ``objective`` to ``output`` (durably) when given. The temporary file is removed
+    before this returns or raises.
     """
-    space = space or default_space()
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if io_size < 1 or loops < 1 or budget <= 0:
         raise ConfigError("--io-size and --loops must be >= 1 and --budget > 0")
     if not os.path.isdir(directory):
         raise DeepNVMeError(f"directory {directory!r} does not exist; pass one with --dir")
+    statuses = engine_statuses()
+    space = runnable(complete(space) if space else default_space(), statuses)
     with warnings.catch_warnings():  # allocate first: a failure here leaves no temp file
         warnings.simplefilter("ignore", RuntimeWarning)
         buf = new_cpu_locked_tensor(io_size)
@@ -242,7 +183,7 @@ def run_tune(directory: str = ".", *, space: TuneSpace | None = None, io_size: i
         fill_pattern(buf, seed=0)
         _warm_up(path, buf)
         trials = _Trials(path, buf, loops, budget, on_trial)
-        _sweep(space, trials, exhaustive)
+        _sweep(space, trials, exhaustive, auto=next(e.name for e in statuses if e.auto))
     finally:
         remove(path)
         free_cpu_locked_tensor(buf)
@@ -276,15 +217,14 @@ def _warm_up(path: str, buf: torch.Tensor) -> None:
         measurer.close()
 
 
-def _sweep(space: TuneSpace, trials: _Trials, exhaustive: bool) -> None:
+def _sweep(space: TuneSpace, trials: _Trials, exhaustive: bool, *, auto: str) -> None:
     dims = {n: space.dims[n] for n in DIMENSIONS}
     if exhaustive:
         for point in grid(dims):
             if trials.get(point) is None:
                 return
         return
-    defaults = resolve_config()
-    start = {n: closest(dims[n], getattr(defaults, n)) for n in DIMENSIONS}
+    start = start_point(dims, auto)
     for objective in OBJECTIVES:  # measurements are shared; later searches reuse them
         def score(point: Point, o: str = objective) -> float | None:
             trial = trials.get(point)

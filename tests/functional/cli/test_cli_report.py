@@ -7,6 +7,10 @@ import os
 
 import torch
 
+from deepnvme import AioHandle
+from deepnvme.config import ENGINE_NAMES
+from deepnvme.io.engine import probe_engines
+
 
 def test_report_json_on_a_writable_dir(run_cli, leftovers, tmp_path) -> None:
     code, out, _ = run_cli("report", "--dir", str(tmp_path), "--json")
@@ -46,3 +50,51 @@ def test_report_as_console_script_module(spawn, tmp_path) -> None:
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "deepnvme report for" in out and "O_DIRECT" in out
+
+
+def test_report_names_every_engine_and_auto_s_pick(run_cli, monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("DEEPNVME_ENGINE", raising=False)
+    code, out, _ = run_cli("report", "--dir", str(tmp_path), "--json")
+    data = json.loads(out)
+    probes = probe_engines()
+    with AioHandle(engine="auto") as h:
+        auto = h.engine
+    assert [e["name"] for e in data["engines"]] == list(ENGINE_NAMES)
+    for e, p in zip(data["engines"], probes):
+        assert e["available"] is p.available and e["detail"] == p.detail
+        assert e["auto"] is (e["name"] == auto)
+    assert data["auto_engine"] == auto
+    assert auto == next(p.name for p in probes if p.available)  # the first that runs here
+    checks = {c["name"]: c for c in data["checks"]}
+    for p in probes:
+        c = checks[f"engine {p.name}"]
+        assert c["status"] == ("OK" if p.available else "WARN")
+        assert c["value"].startswith("available" if p.available else "not available")
+    assert checks["engine auto"]["status"] == "OK" and checks["engine auto"]["value"].startswith(auto)
+    code, out, _ = run_cli("report", "--dir", str(tmp_path))
+    lines = [line for line in out.splitlines() if line.strip().split()[1:2] == ["engine"]]
+    assert [line.split()[2] for line in lines] == [*ENGINE_NAMES, "auto"]
+    assert [line.split()[0] for line in lines[:3]] == [
+        "OK" if p.available else "WARN" for p in probes]
+
+
+def test_report_shows_an_unavailable_engine_with_why_and_a_hint(run_cli, monkeypatch,
+                                                                 tmp_path) -> None:
+    import dataclasses
+
+    import deepnvme.io.engine as engine_mod
+
+    fake = tuple(dataclasses.replace(p, available=False, detail="faked: io_uring_setup EPERM")
+                 if p.name == "io_uring" else p for p in probe_engines())
+    monkeypatch.setattr(engine_mod, "probe_engines", lambda: fake)
+    monkeypatch.setenv("DEEPNVME_ENGINE", "threads")
+    code, out, _ = run_cli("report", "--dir", str(tmp_path), "--json")
+    data = json.loads(out)
+    assert data["engines"][0] == {"name": "io_uring", "available": False,
+                                  "detail": "faked: io_uring_setup EPERM", "auto": False}
+    checks = {c["name"]: c for c in data["checks"]}
+    assert checks["engine io_uring"]["status"] == "WARN"
+    assert checks["engine io_uring"]["value"] == "not available: faked: io_uring_setup EPERM"
+    assert "kernel.io_uring_disabled" in checks["engine io_uring"]["hint"]
+    assert "DEEPNVME_ENGINE=threads" in checks["engine auto"]["value"]
+    assert code == 0 and data["ok"] is True  # a missing engine is a WARN, not a FAIL

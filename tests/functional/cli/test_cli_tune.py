@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -9,7 +10,9 @@ import pytest
 
 
 import deepnvme
+from deepnvme import AioHandle
 from deepnvme.cli.tune import TuneSpace, run_tune
+from deepnvme.io.engine import probe_engines
 
 SMALL = ("--io-size", "1M", "--loops", "1")
 
@@ -20,7 +23,13 @@ def test_tune_writes_a_config_that_aiohandle_consumes(run_cli, leftovers, tmp_pa
                              "--output", str(out_file), "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert 1 < len(data["trials"]) < data["space_size"] == 200  # pruned, not the full grid
+    available = [p.name for p in probe_engines() if p.available]
+    assert data["space_size"] == 200 * len(available)
+    assert 1 < len(data["trials"]) < data["space_size"]  # pruned, not the full grid
+    # the engine is the first dimension: every engine that runs here is measured
+    assert sorted({t["engine"] for t in data["trials"]}) == sorted(available)
+    with AioHandle(engine="auto") as h:
+        assert data["trials"][0]["engine"] == h.engine  # the search starts at auto's pick
     assert set(data["best"]) == {"combined", "read", "write"}
     raw = out_file.read_text()
     assert '"single_submit": false' in raw and '"overlap_events": false' in raw  # JSON booleans
@@ -28,7 +37,9 @@ def test_tune_writes_a_config_that_aiohandle_consumes(run_cli, leftovers, tmp_pa
     assert set(cfg["aio"]) == {"engine", "block_size", "queue_depth", "intra_op_parallelism",
                                "single_submit", "overlap_events", "use_gds"}
     best = data["best"]["combined"]
+    assert cfg["aio"]["engine"] == best["engine"] in available
     with deepnvme.AioHandle.from_config(cfg) as h:
+        assert h.engine == best["engine"]
         assert h.get_block_size() == best["block_size"]
         assert h.get_queue_depth() == best["queue_depth"]
         assert h.get_intra_op_parallelism() == best["intra_op_parallelism"]
@@ -40,14 +51,18 @@ def test_tune_text_output_says_what_is_not_swept(run_cli, tmp_path) -> None:
     code, out, err = run_cli("tune", "--dir", str(tmp_path), *SMALL, "--budget", "20",
                              "--output", "-")
     assert code == 0, err
-    assert "single_submit and overlap_events are not swept" in out
+    assert "overlap_events is not swept" in out
+    assert "single_submit is not swept: it is written as false" in out
+    assert '"single_submit": [false, true]' in out  # rich markup must not eat the brackets
+    header = next(line for line in out.splitlines() if "block_size" in line and "#" in line)
+    assert "engine" in header
     assert "best combined" in out and "best read" in out and "best write" in out
     assert '"aio"' in out and "not written" in out
 
 
 def test_tune_budget_stops_the_sweep(tmp_path) -> None:
-    space = TuneSpace({"intra_op_parallelism": (1, 2), "block_size": (256 << 10, 1 << 20),
-                       "queue_depth": (8, 32)})
+    space = TuneSpace({"engine": ("threads",), "intra_op_parallelism": (1, 2),
+                       "block_size": (256 << 10, 1 << 20), "queue_depth": (8, 32)})
     result = run_tune(str(tmp_path), space=space, io_size=1 << 20, loops=1, budget=1e-6,
                       exhaustive=True)
     assert len(result.trials) == 1 and result.budget_exhausted
@@ -55,12 +70,15 @@ def test_tune_budget_stops_the_sweep(tmp_path) -> None:
     full = run_tune(str(tmp_path), space=space, io_size=1 << 20, loops=1, budget=60,
                     exhaustive=True, objective="read")
     assert len(full.trials) == 8 and not full.budget_exhausted
+    assert {t.engine for t in full.trials} == {"threads"}
     assert full.deepspeed_config()["aio"]["block_size"] == full.best["read"].block_size
+    assert full.deepspeed_config()["aio"]["engine"] == "threads"
 
 
 def test_tune_space_file_and_plot(run_cli, tmp_path) -> None:
     space = tmp_path / "space.yaml"
-    space.write_text("block_size: [256K, 1M]\nqueue_depth: [16]\nthread_count: [1, 2]\n")
+    space.write_text("engine: [threads]\nblock_size: [256K, 1M]\nqueue_depth: [16]\n"
+                     "thread_count: [1, 2]\n")
     png = tmp_path / "tune.png"
     code, out, err = run_cli("tune", "--dir", str(tmp_path), *SMALL, "--space", str(space),
                              "--exhaustive", "--output", "-", "--plot", str(png), "--json")
@@ -118,3 +136,62 @@ def test_failed_buffer_allocation_leaves_no_temp_file(tmp_path, monkeypatch):
     with pytest.raises(MemoryError):
         tune_mod.run_tune(str(tmp_path), io_size=1 << 20)
     assert list(tmp_path.iterdir()) == []
+
+
+def _kernel_engine_or_threads() -> str:
+    return next((p.name for p in probe_engines() if p.available and p.name != "threads"),
+                "threads")
+
+
+def test_tune_sweeps_single_submit_when_the_space_lists_both(run_cli, tmp_path) -> None:
+    engine = _kernel_engine_or_threads()
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps({"engine": [engine], "single_submit": [True, False],
+                                 "block_size": ["256K"], "queue_depth": [8], "thread_count": [1]}))
+    out_file = tmp_path / "aio.json"
+    code, out, err = run_cli("tune", "--dir", str(tmp_path), *SMALL, "--space", str(space),
+                             "--exhaustive", "--output", str(out_file))
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if "block_size" in line and "#" in line)
+    assert "ss" in header and "engine" in header and "ss = single_submit" in out
+    assert "single_submit is not swept" not in out
+    code, out, err = run_cli("tune", "--dir", str(tmp_path), *SMALL, "--space", str(space),
+                             "--exhaustive", "--output", str(out_file), "--json")
+    data = json.loads(out)
+    assert [(t["engine"], t["single_submit"]) for t in data["trials"]] == [
+        (engine, False), (engine, True)]
+    best = data["best"]["combined"]
+    assert json.loads(out_file.read_text())["aio"]["single_submit"] is best["single_submit"]
+
+
+def _fake_probes(monkeypatch, unavailable: str) -> None:
+    import deepnvme.io.engine as engine_mod
+
+    real = engine_mod.probe_engines()
+    fake = tuple(dataclasses.replace(p, available=False, detail="faked: not here")
+                 if p.name == unavailable else p for p in real)
+    monkeypatch.setattr(engine_mod, "probe_engines", lambda: fake)
+
+
+def test_tune_drops_engines_that_do_not_run_here(run_cli, monkeypatch, tmp_path) -> None:
+    _fake_probes(monkeypatch, "aio")
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps({"engine": ["aio", "threads"], "block_size": ["256K"],
+                                 "queue_depth": [8], "thread_count": [1]}))
+    code, out, err = run_cli("tune", "--dir", str(tmp_path), *SMALL, "--space", str(space),
+                             "--output", "-", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["space_size"] == 1 and [t["engine"] for t in data["trials"]] == ["threads"]
+    assert "engine aio not swept: not available here (faked: not here)" in data["notes"]
+    space.write_text(json.dumps({"engine": ["aio"]}))
+    code, out, err = run_cli("tune", "--dir", str(tmp_path), *SMALL, "--space", str(space))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "none of the engines to sweep runs here (aio: faked" in err
+
+
+def test_tune_space_rejects_unknown_engines(run_cli, tmp_path) -> None:
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps({"engine": ["threads", "spdk"]}))
+    code, _, err = run_cli("tune", "--dir", str(tmp_path), "--space", str(space))
+    assert code == 2 and "engine 'spdk' is not one of" in err and err.count("\n") == 1

@@ -5,7 +5,8 @@ the engine opens files, plans, hands chunks to the mover's workers through one w
 within a window, and completes requests as their chunks come back. Movers only issue chunks
 and report completions: the ``threads`` mover runs one blocking syscall per worker
 (:meth:`Op.run`); ``io_uring`` and ``aio`` run :func:`~deepnvme.io.kernel.kernel_worker`,
-which keeps ``queue_depth`` chunks in flight per worker.
+which keeps ``queue_depth`` chunks in flight per worker. A :class:`~deepnvme.io.movers.Mover`
+given as ``mover=`` (cuFile) runs its own call per chunk on the worker threads instead.
 
 Concurrency: ``intra_op_parallelism`` worker threads (started on first use). Window: at most
 ``queue_depth`` chunks handed out per handle with ``threads``, ``queue_depth x
@@ -33,7 +34,7 @@ from ..config import IOConfig
 from ..errors import ConfigError, DeepNVMeIOError, ShortTransferError
 from ..memory.pinned import BufferPool
 from .kernel import KernelQueue, kernel_worker
-from .movers import EngineProbe, probe_engines, queue_factory, select_engine
+from .movers import EngineProbe, Mover, probe_engines, queue_factory, select_engine
 from .op import Batch, Op, Transfer
 from .plan import PAGE_SIZE, Alignment, Chunk, Kind, plan_transfer
 from .posix import POSIX, Posix
@@ -57,12 +58,14 @@ class Engine:
     Raises :class:`~deepnvme.errors.ConfigError` when the configured engine cannot run here.
     """
 
-    def __init__(self, config: IOConfig, *, posix: Posix = POSIX) -> None:
+    def __init__(self, config: IOConfig, *, posix: Posix = POSIX, mover: Mover | None = None
+                 ) -> None:
         self.config = config
         self.posix = posix
-        #: the engine in use (``auto`` resolved): "io_uring", "aio" or "threads"
-        self.name = self._choose(config.engine, posix)
-        self._make_queue = queue_factory(self.name)
+        self.mover = mover
+        #: the engine in use (``auto`` resolved): "io_uring", "aio" or "threads", or the mover's
+        self.name = mover.name if mover is not None else self._choose(config.engine, posix)
+        self._make_queue = queue_factory(self.name) if mover is None else None
         self._window = config.queue_depth * (
             config.intra_op_parallelism if self._make_queue is not None else 1)
         self._workers = WorkerGroup(name="deepnvme-io", closed_message=_CLOSED)
@@ -121,6 +124,8 @@ class Engine:
         and only those that need planning get a Transfer.
         """
         self._workers.check_open()
+        if self.mover is not None:
+            raise ValueError(f"submit_many is not supported by the {self.name} mover")
         if not items:
             done: Future[int] = Future()
             done.set_result(0)
@@ -244,7 +249,8 @@ class Engine:
         set up raises here, in the submitting thread."""
         n = self.config.intra_op_parallelism
         if self._make_queue is None:
-            self._workers.start(n, _worker, lambda i: (weakref.ref(self), self._queue))
+            self._workers.start(n, _worker, lambda i: (weakref.ref(self), self._queue,
+                                                       self.mover))
             return
         make = self._make_queue
         self._workers.start(n, kernel_worker, lambda i: (weakref.ref(self), self._queue,
@@ -265,9 +271,14 @@ class Engine:
                     f"read past end of file: the file has {file_size} bytes but the request "
                     f"ends at {t.file_offset + t.size}", path=t.name, offset=t.file_offset,
                     size=t.size, transferred=0)
+        mover = self.mover  # with one: plain block_size chunks, on the session's descriptor
         op.chunks = plan_transfer(size=t.size, file_offset=t.file_offset, address=t.address,
-                                  block_size=self.config.block_size, alignment=alignment)
+                                  block_size=self.config.block_size,
+                                  alignment=alignment if mover is None else None)
         op.remaining = len(op.chunks)
+        if mover is not None:
+            op.session = mover.open_session(op) if op.chunks else None
+            return
         if any(c.kind is Kind.BUFFERED for c in op.chunks) and op.fd_buffered < 0:
             op.fd_buffered = self._reopen_buffered(op)
 
@@ -413,7 +424,8 @@ def _close_queue(kq: KernelQueue) -> None:
         log.error("deepnvme: closing the %s queue failed: %s", kq.name, exc)
 
 
-def _worker(engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]") -> None:
+def _worker(engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]",
+            mover: Mover | None = None) -> None:
     while True:
         item = work.get()
         if item is None:
@@ -422,7 +434,10 @@ def _worker(engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]") -
         if engine is None:
             return
         op, chunk = item
-        op.run(chunk, engine.posix, engine._borrow_bounce)
+        if mover is None:
+            op.run(chunk, engine.posix, engine._borrow_bounce)
+        else:
+            mover.run_chunk(op, chunk)
         engine._chunk_done(op)
         del engine, op, chunk, item
 

@@ -3,7 +3,8 @@
 Probing sets up and tears down one small kernel queue per engine, once per process (cached);
 ``auto`` takes the first available of :data:`~deepnvme.config.ENGINE_NAMES` and logs once
 why it passed over the faster ones. An engine named explicitly that cannot run raises
-:class:`~deepnvme.errors.ConfigError` with the reason.
+:class:`~deepnvme.errors.ConfigError` with the reason. A mover that brings its own chunk call
+(cuFile, :mod:`deepnvme.io.cufile`) is handed to the engine as a :class:`Mover` instead.
 """
 
 from __future__ import annotations
@@ -13,19 +14,45 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from typing import Protocol
 
 from ..config import ENGINE_NAMES
 from ..errors import ConfigError
 from .aio import AioQueue, probe_aio
 from .kernel import KernelQueue
+from .op import Op, Session
+from .plan import Chunk
 from .uring import UringQueue, probe_io_uring
 
-__all__ = ["EngineProbe", "probe_engines", "select_engine", "queue_factory"]
+__all__ = ["EngineProbe", "probe_engines", "select_engine", "queue_factory", "Mover"]
 
 log = logging.getLogger(__name__)
 
 _FACTORIES: dict[str, Callable[[int], KernelQueue]] = {"io_uring": UringQueue, "aio": AioQueue}
 _PROBES: dict[str, Callable[[], str]] = {"io_uring": probe_io_uring, "aio": probe_aio}
+
+
+class Mover(Protocol):
+    """A mover given to :class:`~deepnvme.io.engine.Engine` (``mover=``) that issues chunks
+    with its own call, one blocking call per worker thread; the engine keeps all coordination.
+
+    Call order per request: the engine opens the descriptors and checks a read's range, plans
+    plain ``block_size`` chunks (no host alignment planning: the memory may be on a device),
+    then calls :meth:`open_session` (not for a request of 0 bytes); :meth:`run_chunk` per chunk
+    on a worker thread; the session is closed with the descriptors. ``submit_many`` is refused.
+    """
+
+    #: the engine's name once this mover is in use (e.g. "cufile")
+    name: str
+
+    def open_session(self, op: Op) -> Session:
+        """Per-request file state on the op's descriptor; raising fails the request."""
+        ...
+
+    def run_chunk(self, op: Op, chunk: Chunk) -> None:
+        """Move one chunk; skip it if ``op.stopped``; record failures with ``op.fail``, never
+        raise."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)

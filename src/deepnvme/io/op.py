@@ -3,7 +3,9 @@
 Guarantees: the first error wins and chunks not yet started are skipped once it is set; the
 caller's buffer (``Transfer.keepalive``) is referenced until the future completes; descriptors
 the request opened are closed exactly once, before the future completes; an fsync or
-validation failure fails the request like an I/O error does.
+validation failure fails the request like an I/O error does. A mover's per-request
+:class:`Session` (e.g. a cuFile handle on the request's descriptor) is closed once, before the
+descriptors.
 """
 
 from __future__ import annotations
@@ -13,17 +15,25 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
-from ..errors import DeepNVMeIOError, ValidationError
+from ..errors import DeepNVMeIOError, ShortTransferError, ValidationError
 from .plan import Chunk, Kind
 from .posix import Posix
 
-__all__ = ["Op", "Batch", "Transfer"]
+__all__ = ["Op", "Batch", "Transfer", "Session"]
 
 _VALIDATE_BLOCK = 8 << 20
 
 BounceLender = Callable[[int], AbstractContextManager[memoryview]]
+
+
+class Session(Protocol):
+    """A mover's state for one request's file, opened after its descriptors (see
+    :class:`~deepnvme.io.movers.Mover`). ``close`` runs once, before the descriptors close;
+    it raises to fail the request."""
+
+    def close(self) -> None: ...
 
 
 class Transfer:
@@ -57,6 +67,11 @@ class Transfer:
     def name(self) -> str:
         return self.target if isinstance(self.target, str) else f"<fd {self.target}>"
 
+    def buffer_bytes(self, start: int, length: int) -> bytes | bytearray | memoryview:
+        """The buffer's bytes ``[start, start + length)`` on the host (validation compares them
+        with the file); a transfer of device memory overrides this with a copy."""
+        return self.view[start:start + length]
+
     def __repr__(self) -> str:
         return (f"Transfer(write={self.write}, size={self.size}, target={self.target!r}, "
                 f"file_offset={self.file_offset})")
@@ -66,7 +81,7 @@ class Op:
     """Coordinator of one request (see the module docstring for its guarantees)."""
 
     __slots__ = ("transfer", "chunks", "next", "remaining", "error", "future", "fd_direct",
-                 "fd_buffered", "owned_fds", "validate", "fsync", "lock", "batch")
+                 "fd_buffered", "owned_fds", "validate", "fsync", "lock", "batch", "session")
 
     def __init__(self, transfer: Transfer, validate: bool, fsync: bool, *,
                  batch: "Batch | None" = None) -> None:
@@ -80,6 +95,8 @@ class Op:
         self.fd_direct = -1
         self.fd_buffered = -1
         self.owned_fds: list[int] = []
+        #: a mover's per-request file state, closed by :meth:`close_fds` before the descriptors
+        self.session: Session | None = None
         self.validate = validate
         self.fsync = fsync
         self.lock = threading.Lock() if batch is None else batch.lock
@@ -149,6 +166,12 @@ class Op:
             self.future.set_result(t.size)
 
     def close_fds(self, posix: Posix) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            try:
+                session.close()
+            except Exception as exc:  # noqa: BLE001 - fails the request, like a close error
+                self.fail(exc)
         for fd in self.owned_fds:
             try:
                 posix.close(fd)
@@ -167,8 +190,13 @@ class Op:
             for start in range(0, t.size, _VALIDATE_BLOCK):
                 n = min(_VALIDATE_BLOCK, t.size - start)
                 back = bytearray(n)
-                posix.read_fully(fd, memoryview(back), t.file_offset + start, path=t.name)
-                if t.view[start:start + n] != back:
+                try:
+                    posix.read_fully(fd, memoryview(back), t.file_offset + start, path=t.name)
+                except ShortTransferError as exc:
+                    raise ValidationError("validation failed: the file ends before the buffer",
+                                          path=t.name, offset=t.file_offset + start,
+                                          size=n) from exc
+                if t.buffer_bytes(start, n) != back:
                     raise ValidationError("validation failed: file bytes differ from the buffer",
                                           path=t.name, offset=t.file_offset + start, size=n)
         finally:

@@ -232,6 +232,20 @@ def test_validate_detects_corruption(tmp_path):
             h.pwrite(random_tensor(20_000, torch.uint8), str(tmp_path / "f"), True, False)
 
 
+class ClaimsWrites(Posix):
+    """Writes report success and store nothing (a lying device)."""
+
+    def pwritev(self, fd, buffers, offset):
+        return sum(len(b) for b in buffers)
+
+
+def test_validate_reports_a_file_shorter_than_the_buffer(tmp_path):
+    with make(ClaimsWrites(), o_direct=False) as h:
+        with pytest.raises(ValidationError, match="the file ends before the buffer") as info:
+            h.pwrite(random_tensor(20_000, torch.uint8), str(tmp_path / "f"), True, False)
+    assert isinstance(info.value.__cause__, ShortTransferError)
+
+
 def test_every_opened_fd_is_closed_after_failures(tmp_path):
     px = FaultyPosix(fail_write_at=4096)
     with make(px) as h:

@@ -13,8 +13,8 @@ CUDA, and then serves CPU tensors exactly like an AioHandle; a CUDA op there rai
 naming the file, offset and size (DeepSpeed exits the process instead).
 
 Why ``cuda.bindings.cufile`` rather than KvikIO: its calls are thin, synchronous and release
-the GIL, so they slot into the same chunk-per-thread scheme as the aio engine, with no second
-thread pool or task-size policy to tune; it is NVIDIA's maintained binding of the C API. This
+the GIL, so cuFile is one more mover of the one engine (:mod:`deepnvme.io.cufile`), with no
+second thread pool or task-size policy to tune; it is NVIDIA's maintained binding of the C API. This
 was not (yet) chosen by measurement: ``benchmarks/bench_gpu.py`` runs KvikIO side by side.
 """
 
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from ._deepspeed_args import example_arg
-from ._gds_runner import _CudaOrder, _CuFileRunner, _Registry
 from .errors import DeepNVMeError
 from .handle import AioHandle
+from .io.cufile import BufferRegistry, CudaOrder, CuFileIO, DeviceOrder
 
 __all__ = ["GdsHandle", "GdsStatus", "GdsUnavailableError", "gds_status"]
 
@@ -134,23 +134,25 @@ class GdsHandle(AioHandle):
                  intra_op_parallelism: int | None = None, **kwargs: Any) -> None:
         super().__init__(block_size, queue_depth, single_submit, overlap_events,
                          intra_op_parallelism, **kwargs)
-        self._registry = _Registry()
+        self._registry = BufferRegistry()
 
     # hooks a test subclass replaces to run the cuFile path on CPU with a fake binding
     def _load_cufile(self) -> tuple[Any, str]:
         return _Driver.open()
 
-    def _new_order(self) -> Any:
-        return _CudaOrder()
+    def _new_order(self) -> DeviceOrder:
+        return CudaOrder()
 
     def _staging(self) -> Any:
+        """The route for CUDA tensors: the engine with the cuFile mover (made on first use)."""
         with self._lock:
             if self._staging_pipeline is None:
                 if self._closed:
                     raise RuntimeError("this handle is closed; create a new one")
                 cufile, _ = self._load_cufile()
-                self._staging_pipeline = _CuFileRunner(self.config, cufile, self._new_order(),
-                                                       self._registry)
+                self._staging_pipeline = CuFileIO(  # type: ignore[assignment]
+                    self.config, cufile, self._new_order(), self._registry,
+                    posix=self._engine.posix)
             return self._staging_pipeline
 
     @staticmethod

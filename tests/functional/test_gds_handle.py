@@ -13,9 +13,10 @@ import torch
 import deepnvme
 from deepnvme.errors import DeepNVMeIOError, FileNotFoundIOError, ShortTransferError, ValidationError
 from deepnvme.gds import GdsHandle, GdsUnavailableError, gds_status
+from deepnvme.io.posix import Posix
 
 from ..conftest import open_fds, random_tensor, same_bytes
-from ..fakes import FakeCuFile, fake_gds_handle_class
+from ..fakes import FakeCuFile, FakeCuFileError, fake_gds_handle_class
 
 FakeGds = fake_gds_handle_class()
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
@@ -140,6 +141,148 @@ def test_validate_and_fsync(tmp_path, monkeypatch):
     with pytest.raises(ValidationError):
         bad.pwrite(random_tensor(10_000, torch.uint8, seed=9), str(tmp_path / "g"), True, False)
     h.close(), bad.close()
+
+
+@pytest.mark.parametrize("returned,error,match", [
+    (-5011, DeepNVMeIOError, r"cuFileWrite failed: returned -5011 \(CUfileOpError 5011\)"),
+    (-1, DeepNVMeIOError, "cuFileWrite failed: returned -1"),
+    (4097, DeepNVMeIOError, "cuFileWrite returned 4097 for 4096 bytes"),
+    ("odd", DeepNVMeIOError, "cuFileWrite returned 'odd'"),
+    (4000, ShortTransferError, "short write: 4000 of 4096"),
+    (0, ShortTransferError, "short write: 0 of 4096"),
+    (None, None, None),  # cuda.bindings.cufile: raises on -1, else returns None
+])
+def test_every_cufile_return_value_is_checked(tmp_path, returned, error, match):
+    path = str(tmp_path / "f")
+    fds = open_fds()
+    h = FakeGds(block_size=4096, intra_op_parallelism=1)
+    real = h.fake_cufile.write
+    h.fake_cufile.write = lambda fh, base, size, off, boff: (real(fh, base, size, off, boff),
+                                                             returned)[1]
+    fut = h.submit_write(random_tensor(10_000, torch.uint8), path)
+    if error is None:
+        assert fut.result() == 10_000
+    else:
+        with pytest.raises(error, match=match) as info:
+            fut.result()
+        assert (info.value.path, info.value.offset, info.value.size) == (path, 0, 4096)
+        assert len(h.fake_cufile.calls) == 1, "the first error stops the request"
+    assert h.fake_cufile.handles == {} and open_fds() == fds
+    h.close()
+
+
+@pytest.mark.parametrize("status,errno_", [(28, 28), (5011, 5), (None, 5)])
+def test_binding_exceptions_keep_errno(tmp_path, status, errno_):
+    """cuFileError.status is errno after a C return of -1, else a CUfileOpError code."""
+    h = FakeGds(block_size=4096)
+
+    def fail(*args):
+        exc = FakeCuFileError("fake")
+        if status is not None:
+            exc.status = status
+        raise exc
+    h.fake_cufile.read = fail
+    path = str(tmp_path / "f")
+    h.sync_pwrite(random_tensor(5000, torch.uint8), path)
+    with pytest.raises(DeepNVMeIOError, match="cuFileRead failed: fake") as info:
+        h.sync_pread(torch.empty(5000, dtype=torch.uint8), path)
+    assert info.value.errno == errno_ and isinstance(info.value.__cause__, FakeCuFileError)
+    h.close()
+
+
+def test_cufile_handle_register_and_deregister_failures(tmp_path):
+    path = str(tmp_path / "f")
+    fds = open_fds()
+    h = FakeGds(block_size=4096)
+
+    def refuse(descr_ptr):
+        raise FakeCuFileError("CU_FILE_HANDLE_NOT_REGISTERED (fake)")
+    h.fake_cufile.handle_register = refuse
+    with pytest.raises(DeepNVMeIOError, match="cuFileHandleRegister failed") as info:
+        h.sync_pwrite(random_tensor(10_000, torch.uint8), path)
+    assert (info.value.path, info.value.offset, info.value.size) == (path, 0, 10_000)
+    assert open_fds() == fds and h.fake_cufile.calls == []
+    g = FakeGds(block_size=4096)
+
+    def fail_deregister(fh):
+        del g.fake_cufile.handles[fh]
+        raise FakeCuFileError("deregister (fake)")
+    g.fake_cufile.handle_deregister = fail_deregister
+    with pytest.raises(DeepNVMeIOError, match="cuFileHandleDeregister failed"):
+        g.sync_pwrite(random_tensor(10_000, torch.uint8), path)
+    assert open_fds() == fds, "the descriptor closes even when deregistration fails"
+    h.close(), g.close()
+
+
+def test_chunks_wait_for_the_stream_ticket_under_the_device_guard(tmp_path):
+    import contextlib
+
+    class RecordingOrder:
+        def __init__(self):
+            self.log = []
+
+        def begin(self, tensor):
+            self.log.append("begin")
+            return "ticket"
+
+        def ready(self, ticket):
+            self.log.append(("ready", ticket))
+
+        @contextlib.contextmanager
+        def guard(self, tensor):
+            self.log.append("enter")
+            yield
+            self.log.append("exit")
+
+    h = FakeGds(block_size=4096, intra_op_parallelism=1)
+    h.fake_order = order = RecordingOrder()
+    real = h.fake_cufile.write
+    h.fake_cufile.write = lambda *a: (order.log.append("io"), real(*a))[1]
+    h.sync_pwrite(random_tensor(10_000, torch.uint8), str(tmp_path / "f"))
+    chunk = ["enter", ("ready", "ticket"), "io", "exit"]
+    assert order.log == ["begin"] + 3 * chunk
+    h.close()
+
+
+class FailingFsync(Posix):
+    def __init__(self):
+        self.calls = {"open": 0, "close": 0}
+
+    def open(self, path, **kw):
+        fd = super().open(path, **kw)
+        self.calls["open"] += 1
+        return fd
+
+    def close(self, fd):
+        self.calls["close"] += 1
+        super().close(fd)
+
+    def fsync(self, fd):
+        raise OSError(5, "Input/output error")
+
+
+def test_cufile_requests_use_the_handle_syscall_layer(tmp_path):
+    fds = open_fds()
+    px = FailingFsync()
+    h = FakeGds(block_size=4096, posix=px)
+    with pytest.raises(DeepNVMeIOError, match="fsync failed"):
+        h.submit_write(random_tensor(10_000, torch.uint8), str(tmp_path / "f"), fsync=True).result()
+    assert h.fake_cufile.handles == {} and open_fds() == fds
+    assert px.calls["open"] == px.calls["close"] >= 1
+    h.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        h.sync_pwrite(random_tensor(10, torch.uint8), str(tmp_path / "f"))
+
+
+def test_the_cufile_engine_refuses_submit_many():
+    from deepnvme.config import IOConfig
+    from deepnvme.io.cufile import BufferRegistry, CuFileMover
+    from deepnvme.io.engine import Engine
+    engine = Engine(IOConfig(), mover=CuFileMover(FakeCuFile(), BufferRegistry()))
+    assert engine.name == "cufile"
+    with pytest.raises(ValueError, match="submit_many is not supported by the cufile mover"):
+        engine.submit_many(True, "unused", [])
+    engine.close()
 
 
 @pytest.fixture

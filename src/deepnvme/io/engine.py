@@ -25,7 +25,7 @@ import logging
 import os
 import queue
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -35,8 +35,9 @@ from ..errors import ConfigError, DeepNVMeIOError, ShortTransferError
 from ..memory.pinned import BufferPool
 from .kernel import KernelQueue, kernel_worker
 from .movers import EngineProbe, Mover, probe_engines, queue_factory, select_engine
-from .op import Batch, Op, Transfer
-from .plan import PAGE_SIZE, Alignment, Chunk, Kind, plan_transfer
+from .batch import submit_many as _submit_batch
+from .op import Op, Transfer
+from .plan import Alignment, Kind, plan_transfer
 from .posix import POSIX, Posix
 from .._workers import WorkerGroup
 
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 _CLOSED = "this handle/engine is closed; create a new one"
 
 
-_GATHER = 256  # single-chunk batch members gathered into one op
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 _fallback_logged: set[str] = set()
 
@@ -116,110 +116,11 @@ class Engine:
     def submit_many(self, write: bool, target: str, items: list[tuple[int, int, int, Any]], *,
                     validate: bool = False, fsync: bool | None = None) -> Future[int]:
         """Start one request per ``(address, size, file_offset, keepalive)`` item, all on file
-        ``target``, opened once.
-
-        The future's result is the total byte count; the first failure fails it once every
-        item has ended. ``fsync`` (writes) runs once, after the last item. Plain tuples, not
-        :class:`Transfer` objects: a batch of small reads can hold a hundred thousand items,
-        and only those that need planning get a Transfer.
-        """
-        self._workers.check_open()
+        ``target``, opened once; see :func:`deepnvme.io.batch.submit_many`."""
         if self.mover is not None:
             raise ValueError(f"submit_many is not supported by the {self.name} mover")
-        if not items:
-            done: Future[int] = Future()
-            done.set_result(0)
-            return done
-        address, size, offset, keep = items[0]
-        batch = Batch(Transfer(write=write, address=address, size=size, target=target,
-                               file_offset=offset, keepalive=keep),
-                      validate, self.config.fsync if fsync is None else fsync)
-        batch.future.set_running_or_notify_cancel()
-        try:
-            alignment = self._open_batch(batch, items)
-        except BaseException as exc:
-            batch.close_fds(self.posix)
-            batch.future.set_exception(exc)
-            return batch.future
-        gathered, single = self._split_batch(items, alignment, validate)
-        ops = [self._gathered(batch, gathered[i:i + _GATHER])
-               for i in range(0, len(gathered), _GATHER)]
-        ops += [self._member(batch, Transfer(write=write, address=a, size=n, target=target,
-                                             file_offset=o, keepalive=k), validate, alignment)
-                for a, n, o, k in single]
-        batch.remaining = len(ops)
-        # planned first, admitted at once: planning while workers run only makes the two
-        # fight over the GIL (measured slower for 100k small reads)
-        self._admit(ops, batch)
-        return batch.future
-
-    def _split_batch(self, items: list[tuple[int, int, int, Any]], alignment: Alignment | None,
-                     validate: bool) -> tuple[list[tuple[int, int, int, Any]],
-                                          list[tuple[int, int, int, Any]]]:
-        """Items that are one aligned O_DIRECT chunk each (the small random reads of data
-        loading and inference) are gathered, many per op; the rest get an op each."""
-        if alignment is None or validate:
-            return [], items
-        edge, mem, block = max(alignment.offset, PAGE_SIZE), alignment.memory, self.config.block_size
-        gathered, single = [], []
-        for item in items:
-            address, size, offset, _ = item
-            if 0 < size <= block and not (offset % edge or size % edge or address % mem):
-                gathered.append(item)
-            else:
-                single.append(item)
-        return gathered, single
-
-    def _member(self, batch: Batch, t: Transfer, validate: bool,
-                alignment: Alignment | None) -> Op:
-        op = Op(t, validate, False, batch=batch)
-        op.chunks = plan_transfer(size=t.size, file_offset=t.file_offset, address=t.address,
-                                  block_size=self.config.block_size, alignment=alignment)
-        op.fd_direct, op.fd_buffered, op.remaining = (batch.fd_direct, batch.fd_buffered,
-                                                      len(op.chunks))
-        return op
-
-    @staticmethod
-    def _gathered(batch: Batch, part: list[tuple[int, int, int, Any]]) -> Op:
-        """One op over many single-chunk items: its chunks' ``buf_offset`` are absolute
-        addresses (the op's own address is 0) and it keeps the items' buffers alive."""
-        first = batch.transfer
-        carrier = Transfer(write=first.write, address=0, size=sum(item[1] for item in part),
-                           target=first.target, file_offset=part[0][2], keepalive=part)
-        op = Op(carrier, False, False, batch=batch)
-        direct = Kind.DIRECT
-        op.chunks = [Chunk(a, o, n, direct) for a, n, o, _ in part]
-        op.fd_direct, op.fd_buffered, op.remaining = (batch.fd_direct, batch.fd_buffered,
-                                                      len(op.chunks))
-        return op
-
-    def _open_batch(self, batch: Batch, items: list[tuple[int, int, int, Any]]
-                    ) -> Alignment | None:
-        """Check every item, open the file once (both descriptors where edges need the
-        buffered one) and return the O_DIRECT alignment."""
-        first = batch.transfer
-        for _, size, offset, _ in items:
-            if offset < 0:
-                raise DeepNVMeIOError("negative file offset", path=first.name, offset=offset,
-                                      size=size, errno=errno.EINVAL)
-        alignment = self._open(batch)
-        if not first.write:
-            fd = batch.fd_direct if batch.fd_direct >= 0 else batch.fd_buffered
-            self._check_inside(first.name, items, self.posix.file_size(fd))
-        if batch.fd_buffered < 0 and alignment is not None:
-            edge = max(alignment.offset, PAGE_SIZE)
-            if any(offset % edge or size % edge for _, size, offset, _ in items):
-                batch.fd_buffered = self._reopen_buffered(batch)
-        return alignment
-
-    @staticmethod
-    def _check_inside(name: str, items: list[tuple[int, int, int, Any]], file_size: int) -> None:
-        for _, size, offset, _ in items:
-            if offset + size > file_size:
-                raise ShortTransferError(
-                    f"read past end of file: the file has {file_size} bytes but the request "
-                    f"ends at {offset + size}", path=name, offset=offset, size=size,
-                    transferred=0)
+        return _submit_batch(self, write, target, items, validate=validate,
+                             fsync=self.config.fsync if fsync is None else fsync)
 
     def _admit(self, ops: list[Op], owner: Op) -> None:
         """Queue ``ops``' chunks (an op without chunks completes at once). If the workers

@@ -262,13 +262,14 @@ def measure(op: str, spec: dict[str, Any], args: argparse.Namespace, path: str, 
 def run_rounds(args: argparse.Namespace, items: list[tuple[str, str, dict[str, Any]]], path: str,
                notes: list[str]) -> Samples:
     """Every item once per round, the order rotated by one each round. A DeepSpeed failure drops
-    its column with a note; a deepnvme or fio failure stops the run."""
+    that DeepSpeed row (its label) with a note, keeping the others; a deepnvme or fio failure
+    stops the run."""
     results: Samples = {}
     dropped: set[str] = set()
     for rnd in range(args.reps):
         shift = rnd % len(items)
         for label, kind, spec in items[shift:] + items[:shift]:
-            if spec["tool"] == "deepspeed" and "deepspeed" in dropped:
+            if label in dropped:
                 continue
             for op in ("write", "read") if kind == "seq" else ("randread",):
                 try:
@@ -276,14 +277,13 @@ def run_rounds(args: argparse.Namespace, items: list[tuple[str, str, dict[str, A
                 except WorkerFailed as exc:
                     if spec["tool"] != "deepspeed":
                         raise
-                    notes.append(f"DeepSpeed column dropped in round {rnd + 1}: {exc}")
-                    dropped.add("deepspeed")
+                    notes.append(f"{label} dropped in round {rnd + 1}: {exc}")
+                    dropped.add(label)
                     break
                 results.setdefault(label, {}).setdefault(op, []).append(sample)
         print(f"round {rnd + 1}/{args.reps} done", file=sys.stderr, flush=True)
-    if "deepspeed" in dropped:
-        for label in [k for k in results if k.startswith("DeepSpeed")]:
-            del results[label]
+    for label in dropped:
+        results.pop(label, None)
     return results
 
 

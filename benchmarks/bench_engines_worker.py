@@ -23,6 +23,7 @@ from typing import Any
 
 RESULT_TAG = "BENCH_ENGINES_RESULT "
 RAND_BLOCK = 4096
+DS_RAND_BATCH = 512  # DeepSpeed random reads per wait() (see DeepSpeedTool.read_at)
 
 
 class DeepnvmeTool:
@@ -109,13 +110,17 @@ class DeepSpeedTool:
         return _moved(self.handle.sync_pread(buf, path), buf.numel(), "sync_pread")
 
     def read_at(self, items: list[tuple[Any, int]], path: str) -> int:
-        """One async_pread per item (each opens the file), then one wait() for all."""
-        for t, off in items:
-            if self.handle.async_pread(t, path, off) != 0:
-                raise RuntimeError("aio_handle.async_pread refused a read")
-        done = self.handle.wait()
-        if done != len(items):
-            raise RuntimeError(f"aio_handle.wait() reported {done} of {len(items)} reads")
+        """One async_pread per item, wait() after every DS_RAND_BATCH of them: each
+        async_pread opens the file and keeps it open until wait(), so 65,536 at once run out of
+        file descriptors (async_pread then fails, and the handle aborts on exit)."""
+        for start in range(0, len(items), DS_RAND_BATCH):
+            part = items[start:start + DS_RAND_BATCH]
+            for t, off in part:
+                if self.handle.async_pread(t, path, off) != 0:
+                    raise RuntimeError("aio_handle.async_pread refused a read")
+            done = self.handle.wait()
+            if done != len(part):
+                raise RuntimeError(f"aio_handle.wait() reported {done} of {len(part)} reads")
         return sum(t.numel() for t, _ in items)
 
     def close(self) -> None:

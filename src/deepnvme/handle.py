@@ -22,6 +22,7 @@ from ._buffers import check_io_tensor
 from ._deepspeed_args import async_flag, example_arg, write_target
 from .config import IOConfig, resolve_config
 from .errors import DeepNVMeIOError, UnsupportedBufferError
+from .io.batch import Items
 from .io.engine import Engine, Transfer
 from .io.posix import POSIX, Posix
 from .memory import pinned
@@ -145,7 +146,12 @@ class AioHandle:
         target = os.fspath(path)
         if not isinstance(target, str):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        entries = []
+        # three lists of ints and a list of buffers, no object per item: see deepnvme.io.batch
+        addresses: list[int] = []
+        sizes: list[int] = []
+        offsets: list[int] = []
+        buffers: list[torch.Tensor] = []
+        tensor_type = torch.Tensor
         for i, item in enumerate(items):
             try:
                 buffer, offset = item
@@ -153,13 +159,17 @@ class AioHandle:
                 raise TypeError(f"items[{i}] must be a (tensor, file_offset) pair, got "
                                 f"{type(item).__name__}") from None
             # fast path for the common case; anything else gets the full check and its message
-            if not (type(buffer) is torch.Tensor and buffer.is_cpu and buffer.is_contiguous()):
+            if not (type(buffer) is tensor_type and buffer.is_cpu and buffer.is_contiguous()):
                 if self._check_buffer(buffer):
                     raise UnsupportedBufferError(
                         f"items[{i}]: read_many/write_many take CPU tensors; got one on "
                         f"{buffer.device}: use submit_read/submit_write for device tensors")
-            entries.append((buffer.data_ptr(), buffer.nbytes, int(offset), buffer))
-        return self._engine.submit_many(write, target, entries, validate=validate, fsync=fsync)
+            addresses.append(buffer.data_ptr())
+            sizes.append(buffer.nbytes)
+            offsets.append(int(offset))
+            buffers.append(buffer)
+        return self._engine.submit_many(write, target, Items(addresses, sizes, offsets, buffers),
+                                        validate=validate, fsync=fsync)
 
     def _submit(self, write: bool, buffer: torch.Tensor, target: str | int, offset: int,
                 validate: bool, fsync: bool | None = None, *, track: bool) -> Future[int]:

@@ -35,6 +35,7 @@ from ..errors import ConfigError, DeepNVMeIOError, ShortTransferError
 from ..memory.pinned import BufferPool
 from .kernel import KernelQueue, kernel_worker
 from .movers import EngineProbe, Mover, probe_engines, queue_factory, select_engine
+from .batch import Items
 from .batch import submit_many as _submit_batch
 from .op import Op, Transfer
 from .plan import Alignment, Kind, plan_transfer
@@ -113,10 +114,10 @@ class Engine:
         self._admit([op], op)
         return op.future
 
-    def submit_many(self, write: bool, target: str, items: list[tuple[int, int, int, Any]], *,
-                    validate: bool = False, fsync: bool | None = None) -> Future[int]:
-        """Start one request per ``(address, size, file_offset, keepalive)`` item, all on file
-        ``target``, opened once; see :func:`deepnvme.io.batch.submit_many`."""
+    def submit_many(self, write: bool, target: str, items: Items, *, validate: bool = False,
+                    fsync: bool | None = None) -> Future[int]:
+        """Start one request per item, all on file ``target``, opened once; see
+        :mod:`deepnvme.io.batch`."""
         if self.mover is not None:
             raise ValueError(f"submit_many is not supported by the {self.name} mover")
         return _submit_batch(self, write, target, items, validate=validate,

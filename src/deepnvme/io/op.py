@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -86,7 +86,7 @@ class Op:
     def __init__(self, transfer: Transfer, validate: bool, fsync: bool, *,
                  batch: "Batch | None" = None) -> None:
         self.transfer = transfer
-        self.chunks: list[Chunk] = []
+        self.chunks: Sequence[Chunk] = []
         self.next = 0
         self.remaining = 0
         self.error: BaseException | None = None

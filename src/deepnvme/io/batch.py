@@ -48,18 +48,18 @@ class Items:
 class _GatheredChunks(Sequence[Chunk]):
     """The chunks of a gathered request, made one at a time as the engine hands them out."""
 
-    __slots__ = ("items", "index")
+    __slots__ = ("items", "order")
 
-    def __init__(self, items: Items, index: list[int]) -> None:
-        self.items, self.index = items, index
+    def __init__(self, items: Items, order: list[int]) -> None:
+        self.items, self.order = items, order
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.order)
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self.index)))]
-        j, items = self.index[i], self.items
+            return [self[j] for j in range(*i.indices(len(self.order)))]
+        j, items = self.order[i], self.items
         return Chunk(items.addresses[j], items.offsets[j], items.sizes[j], Kind.DIRECT)
 
 

@@ -169,6 +169,15 @@ class _Worker:
             self.bounce[tag] = None
         self._release(tag, op)
 
+    def abandon(self, tag: int, op: "Op", exc: BaseException) -> None:
+        """End the chunk in slot ``tag`` with ``exc`` as its request's error."""
+        op.fail(exc)
+        bounce = self.bounce[tag]
+        if bounce is not None:
+            self.spare.append(bounce)
+            self.bounce[tag] = None
+        self._release(tag, op)
+
     def _release(self, tag: int, op: "Op") -> None:
         self.op[tag] = self.chunk[tag] = None
         self.free.append(tag)
@@ -186,12 +195,7 @@ class _Worker:
         """The queue itself failed: fail every chunk held, so no request waits forever."""
         for tag, op in enumerate(self.op):
             if op is not None:
-                op.fail(exc)
-                bounce = self.bounce[tag]
-                if bounce is not None:
-                    self.spare.append(bounce)
-                    self.bounce[tag] = None
-                self._release(tag, op)
+                self.abandon(tag, op, exc)
         while self.waiting:
             op, _ = self.waiting.popleft()
             op.fail(exc)
@@ -231,12 +235,7 @@ def _complete(w: _Worker, tag: int, res: int) -> None:
     except Exception as exc:  # noqa: BLE001 - recorded on the request, raised by its future
         op = w.op[tag]
         if op is not None:
-            op.fail(exc)
-            bounce = w.bounce[tag]
-            if bounce is not None:
-                w.spare.append(bounce)
-                w.bounce[tag] = None
-            w._release(tag, op)
+            w.abandon(tag, op, exc)
 
 
 def _run(w: _Worker, engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]",

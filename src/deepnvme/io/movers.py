@@ -99,7 +99,7 @@ def select_engine(requested: str) -> str:
             raise ConfigError(f"engine {requested!r} is not available here: {probe.detail}; "
                               "use engine='auto' to pick the fastest that is")
         return requested
-    passed = []
+    passed: list[str] = []
     for probe in probe_engines():
         if probe.available:
             if passed and probe.name not in _fallback_logged:

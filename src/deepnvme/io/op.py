@@ -99,7 +99,7 @@ class Op:
         self.session: Session | None = None
         self.validate = validate
         self.fsync = fsync
-        self.lock = threading.Lock() if batch is None else batch.lock
+        self.lock: threading.Lock = threading.Lock() if batch is None else batch.lock
         self.batch = batch
 
     def fail(self, exc: BaseException) -> None:

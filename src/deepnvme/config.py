@@ -4,8 +4,10 @@ Precedence, highest first: an explicit argument, a scoped :func:`override`, the 
 (``DEEPNVME_*``), the table's default. A handle snapshots its :class:`IOConfig` once, at
 construction, so worker threads never read mutable process state.
 
-Memory bound of one handle: ``intra_op_parallelism x block_size`` bytes of bounce buffers
-(allocated only when a transfer needs one), plus the caller's own buffers.
+Memory bound of one handle: bounce buffers, allocated only when a transfer's memory address is
+not aligned for O_DIRECT: ``intra_op_parallelism x min(queue_depth, 4) x block_size`` bytes with a
+kernel engine (io_uring, aio), ``intra_op_parallelism x block_size`` with ``threads``; plus the
+caller's own buffers.
 """
 
 from __future__ import annotations

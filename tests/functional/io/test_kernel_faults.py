@@ -17,6 +17,7 @@ from deepnvme.io import movers
 
 from ...conftest import AVAILABLE_ENGINES, open_fds, random_tensor, same_bytes
 from ...fakes import install_faulty_queue
+from .test_faults import assert_enospc_surfaces
 
 KERNEL_ENGINES = [e for e in ("io_uring", "aio") if e in AVAILABLE_ENGINES]
 ENGINE_SPECIFIC = True  # not re-run per engine by conftest: each test names its engine
@@ -59,20 +60,9 @@ def test_eintr_and_eagain_are_retried(tmp_path, monkeypatch, kernel):
 
 def test_enospc_names_file_offset_errno_and_surfaces_at_wait(tmp_path, monkeypatch, kernel):
     install_faulty_queue(monkeypatch, kernel, fail_write_at=65536)
-    path = str(tmp_path / "f")
     with make(kernel) as h:
-        t = random_tensor(200_000, torch.uint8)
-        with pytest.raises(DeepNVMeIOError) as info:
-            h.sync_pwrite(t, path)
-        e = info.value
-        assert e.errno == errno.ENOSPC and isinstance(e, OSError)
-        assert e.path == path and e.offset >= 65536 and e.size > 0
-        assert kernel in str(e) and f"offset {e.offset}" in str(e)
-        assert h.async_pwrite(t, path) == 0
-        with pytest.raises(DeepNVMeIOError) as again:
-            h.wait()
-        assert again.value.errno == errno.ENOSPC
-        assert h.wait() == 0
+        assert_enospc_surfaces(h, str(tmp_path / "f"), random_tensor(200_000, torch.uint8),
+                               said=kernel)
 
 
 def test_eio_on_read(tmp_path, monkeypatch, kernel):

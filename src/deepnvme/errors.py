@@ -81,6 +81,13 @@ class ShortTransferError(DeepNVMeIOError):
                          path=path, offset=offset, size=size, errno=_errno.EIO)
         self.transferred = transferred
 
+    @classmethod
+    def past_end(cls, *, path: str | None, offset: int, size: int,
+                 file_size: int) -> "ShortTransferError":
+        """The error for a read that would end past the end of the file (refused up front)."""
+        return cls(f"read past end of file: the file has {file_size} bytes but the request "
+                   f"ends at {offset + size}", path=path, offset=offset, size=size, transferred=0)
+
 
 class ValidationError(DeepNVMeIOError):
     """``validate=True`` re-read the file and found bytes different from the buffer."""

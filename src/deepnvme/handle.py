@@ -127,9 +127,10 @@ class AioHandle:
                   ) -> Future[int]:
         """Start reading many ``(buffer, file_offset)`` items of one file, opened once.
 
-        Every item goes through the engine like a request of its own (split into chunks, all
-        in flight together up to the window); the future's result is the total byte count, or
-        the first failure once every item has ended. CPU buffers only.
+        Items that are one aligned O_DIRECT chunk each are gathered many to a request; others
+        are planned like any request (split into chunks); all are in flight together up to
+        the window. The future's result is the total byte count, or the first failure once
+        every item has ended. CPU buffers only.
         """
         return self._submit_many(False, path, items, validate, None)
 

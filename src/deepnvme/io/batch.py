@@ -157,6 +157,5 @@ def _check_inside(name: str, items: Items, end: int, file_size: int) -> None:
         return
     for size, offset in zip(items.sizes, items.offsets):  # name the first item past the end
         if offset + size > file_size:
-            raise ShortTransferError(
-                f"read past end of file: the file has {file_size} bytes but the request ends "
-                f"at {offset + size}", path=name, offset=offset, size=size, transferred=0)
+            raise ShortTransferError.past_end(path=name, offset=offset, size=size,
+                                              file_size=file_size)

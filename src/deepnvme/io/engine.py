@@ -169,10 +169,8 @@ class Engine:
             fd = op.fd_direct if op.fd_direct >= 0 else op.fd_buffered
             file_size = self.posix.file_size(fd)
             if t.file_offset + t.size > file_size:
-                raise ShortTransferError(
-                    f"read past end of file: the file has {file_size} bytes but the request "
-                    f"ends at {t.file_offset + t.size}", path=t.name, offset=t.file_offset,
-                    size=t.size, transferred=0)
+                raise ShortTransferError.past_end(path=t.name, offset=t.file_offset,
+                                                  size=t.size, file_size=file_size)
         mover = self.mover  # with one: plain block_size chunks, on the session's descriptor
         op.chunks = plan_transfer(size=t.size, file_offset=t.file_offset, address=t.address,
                                   block_size=self.config.block_size,
@@ -277,9 +275,6 @@ class Engine:
             pool = self._bounce[size] = BufferPool(size, self.config.intra_op_parallelism)
             return pool
 
-    def _chunk_done(self, op: Op) -> None:
-        self._chunks_done([op])
-
     def _chunks_done(self, ops: list[Op]) -> None:
         """One chunk of each of ``ops`` ended (an op appears once per chunk)."""
         last = []
@@ -340,7 +335,7 @@ def _worker(engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]",
             op.run(chunk, engine.posix, engine._borrow_bounce)
         else:
             mover.run_chunk(op, chunk)
-        engine._chunk_done(op)
+        engine._chunks_done([op])
         del engine, op, chunk, item
 
 

@@ -91,7 +91,7 @@ class _Worker:
 
     def start(self, op: "Op", chunk: Chunk) -> bool:
         """Queue ``chunk``; False if it must wait for a bounce buffer."""
-        if op.error is not None or (op.batch is not None and op.batch.error is not None):
+        if op.stopped:
             self.finished.append(op)
             return True
         t = op.transfer

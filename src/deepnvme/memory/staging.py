@@ -258,10 +258,8 @@ class StagingPipeline:
         except OSError:
             return  # the engine reports the open error with its own wording
         if req.file_offset + req.size > size:
-            raise ShortTransferError(
-                f"read past end of file: the file has {size} bytes but the request ends at "
-                f"{req.file_offset + req.size}", path=req.name, offset=req.file_offset,
-                size=req.size, transferred=0)
+            raise ShortTransferError.past_end(path=req.name, offset=req.file_offset,
+                                              size=req.size, file_size=size)
 
     def _staged(self, ring: list[torch.Tensor], i: int, c: StagedChunk) -> torch.Tensor:
         return ring[i % len(ring)][c.slot_offset:c.slot_offset + c.length]

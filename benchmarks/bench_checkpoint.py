@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 
 import deepnvme
 from deepnvme.checkpoint import wait_for_releases
-from deepnvme.dcp import NVMeStorageReader, NVMeStorageWriter
+from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import describe_machine, ensure_fio, fio  # noqa: E402

@@ -48,7 +48,7 @@ def deepnvme_read(handle: deepnvme.AioHandle, buf: torch.Tensor, path: str) -> f
 
 
 def python_write(buf: torch.Tensor, path: str) -> float:
-    view = deepnvme._buffers.byte_view(buf)
+    view = deepnvme.memory.views.byte_view(buf)
     t0 = time.perf_counter()
     with open(path, "r+b", buffering=0) as f:
         f.write(view)
@@ -57,7 +57,7 @@ def python_write(buf: torch.Tensor, path: str) -> float:
 
 
 def python_read(buf: torch.Tensor, path: str) -> float:
-    view = deepnvme._buffers.byte_view(buf)
+    view = deepnvme.memory.views.byte_view(buf)
     evict(path)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 import deepnvme
-from deepnvme.checkpoint import atomic
+from deepnvme.io import durable as atomic
 from deepnvme.config import parse_size
 from deepnvme.memory import copy as copy_mod
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import deepnvme  # noqa: E402
-from deepnvme.offload import NVMeOptimizer  # noqa: E402
+from deepnvme.optim import NVMeOptimizer  # noqa: E402
 
 
 def status(field: str) -> int:

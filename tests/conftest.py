@@ -21,13 +21,9 @@ AVAILABLE_ENGINES = tuple(p.name for p in probe_engines() if p.available)
 # Tests under these paths run once per available engine: every handle they build with
 # engine "auto" (the default, explicit IOConfigs included) uses that engine.
 _PER_ENGINE = ("tests/conformance/", "tests/functional/io/", "tests/unit/io/",
-               "tests/functional/test_handle_runtime.py", "tests/functional/test_staged_handle.py",
-               "tests/functional/test_gds_handle.py", "tests/functional/swap/",
-               "tests/functional/offload/", "tests/functional/memory/",
-               "tests/functional/checkpoint/test_save_load.py",
-               "tests/functional/checkpoint/test_async_save.py",
-               "tests/functional/test_handle_batches.py", "tests/functional/handles/",
-               "tests/functional/test_deepspeed_keywords.py")
+               "tests/functional/handles/", "tests/functional/swap/", "tests/functional/optim/",
+               "tests/functional/memory/", "tests/functional/checkpoint/test_save_load.py",
+               "tests/functional/checkpoint/test_async_save.py")
 
 
 def pytest_generate_tests(metafunc):

@@ -274,7 +274,7 @@ class _FakeOrder:
 
 def fake_gds_handle_class():
     """A GdsHandle whose cuFile path serves CPU tensors through :class:`FakeCuFile`."""
-    from deepnvme.gds import GdsHandle
+    from deepnvme.handles.gds import GdsHandle
 
     class FakeGdsHandle(GdsHandle):
         _STAGED_DEVICE_TYPES = ("cpu",)

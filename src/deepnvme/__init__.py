@@ -4,18 +4,17 @@ Importing this package starts no threads, touches no CUDA state and reads no env
 variables; all of that happens when a handle is first used.
 """
 
-from ._buffers import cast_to_byte_tensor
 from .checkpoint import (AsyncCheckpointer, AsyncSaveHandle, CheckpointFormatError,
                          DistributedSaveError, async_save, clean_temp_files, load,
                          load_safetensors, save, save_distributed, save_safetensors)
 from .config import IOConfig, override, resolve_config
 from .errors import (ConfigError, DeepNVMeError, DeepNVMeIOError, ShortTransferError,
                      UnsupportedBufferError, ValidationError)
-from .gds import GdsHandle, gds_status
-from .handle import AioHandle
+from .handles import AioHandle, GdsHandle, gds_status
 from .io.movers import EngineProbe, probe_engines
+from .memory.views import cast_to_byte_tensor
 from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
-from .offload import NVMeOptimizer
+from .optim import NVMeOptimizer
 from .swap import SwapBufferError, SwapError, TensorSwapper
 from . import inference  # deepnvme.inference.offload / load_offloaded (imports no transformers)
 

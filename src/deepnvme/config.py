@@ -24,6 +24,7 @@ from typing import Any, Callable
 from .errors import ConfigError
 
 __all__ = ["IOConfig", "Setting", "SETTINGS", "ENGINE_NAMES", "resolve_config", "override",
+           "CHECKPOINT_DEFAULTS", "checkpoint_config",
            "parse_size", "settings_markdown"]
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,27 @@ def resolve_config(explicit: Mapping[str, Any] | IOConfig | None = None, *,
 
 
 _noted: set[str] = set()
+
+
+CHECKPOINT_DEFAULTS: Mapping[str, int] = {"intra_op_parallelism": 4, "queue_depth": 32}
+"""The checkpoint profile: settings the checkpoint features use where the resolved config
+still has the library default."""
+
+
+def checkpoint_config(config: IOConfig | Mapping[str, Any] | None) -> IOConfig:
+    """Resolve ``config``; settings left at the library default take :data:`CHECKPOINT_DEFAULTS`.
+
+    Checkpoints are large transfers: a few threads keep the disk busy while bounce-buffer
+    copies (tensor memory is rarely O_DIRECT-aligned) run on another core.
+    """
+    if isinstance(config, IOConfig):
+        return config
+    cfg = resolve_config(config)
+    base = IOConfig()
+    given = dict(config or {})
+    changes = {k: v for k, v in CHECKPOINT_DEFAULTS.items()
+               if given.get(k) is None and getattr(cfg, k) == getattr(base, k)}
+    return cfg.replace(**changes)
 
 
 def _note_no_effect(name: str) -> None:

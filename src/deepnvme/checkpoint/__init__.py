@@ -1,12 +1,12 @@
 """FastPersist checkpoints: torch.save/safetensors-compatible files at the storage's speed."""
 
-from .async_save import AsyncCheckpointer, AsyncSaveHandle, async_save
-from .atomic import clean_temp_files, wait_for_releases
+from .async_saver import AsyncCheckpointer, AsyncSaveHandle, async_save
+from ..io.durable import clean_temp_files, wait_for_releases
 from .distributed import DistributedSaveError, save_distributed
-from .format import CheckpointFormatError
-from .load import load
+from ..formats.torchzip import CheckpointFormatError
+from .loader import load
 from .safetensors import load_safetensors, save_safetensors
-from .save import save
+from .saver import save
 
 __all__ = [
     "AsyncCheckpointer",

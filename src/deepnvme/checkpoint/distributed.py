@@ -19,10 +19,13 @@ import torch.distributed as dist
 
 from ..config import IOConfig
 from ..errors import DeepNVMeError
-from ..handle import AioHandle
-from . import _io, atomic
-from .format import RecordSpan, check_sizes, split_byte_ranges
-from .save import StorageLayout, pickle_skeleton, write_skeleton
+from ..handles.aio import AioHandle
+from ..config import checkpoint_config
+from ..io import durable
+from ..io.file import reserve
+from ..memory.views import storage_bytes
+from ..formats.torchzip import RecordSpan, check_sizes, split_byte_ranges
+from .saver import StorageLayout, pickle_skeleton, write_skeleton
 
 __all__ = ["save_distributed", "DistributedSaveError"]
 
@@ -42,18 +45,18 @@ def save_distributed(obj: Any, path: str | os.PathLike[str], *, group: Any = Non
     path = os.fspath(path)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    cfg = _io.checkpoint_config(config)
+    cfg = checkpoint_config(config)
     error: BaseException | None = None
     header: list[Any] = [None]
     if rank == 0:
-        tmp = atomic.temp_name(path)
+        tmp = durable.temp_name(path)
         try:
-            atomic.check_target_dir(path)
+            durable.check_target_dir(path)
             layout = write_skeleton(obj, tmp)
-            _io.reserve(tmp, os.path.getsize(tmp))
+            reserve(tmp, os.path.getsize(tmp))
             header[0] = (tmp, {k: span for k, (_, span) in layout.items.items()})
         except BaseException as exc:  # reported to every rank below
-            atomic.remove_quietly(tmp)
+            durable.remove_quietly(tmp)
             error = exc
             header[0] = ("", repr(exc))
     dist.broadcast_object_list(header, src=src, group=group)
@@ -74,12 +77,12 @@ def save_distributed(obj: Any, path: str | os.PathLike[str], *, group: Any = Non
     ok = all(flags)
     if ok and rank == 0:
         try:
-            atomic.commit(tmp, path, fsync_file=True)
+            durable.commit(tmp, path, fsync_file=True)
         except BaseException as exc:
-            atomic.remove_quietly(tmp)
+            durable.remove_quietly(tmp)
             error = exc
     elif not ok and rank == 0:
-        atomic.remove_quietly(tmp)
+        durable.remove_quietly(tmp)
     done = [ok and not (rank == 0 and error is not None)]
     dist.broadcast_object_list(done, src=src, group=group)
     if not done[0]:
@@ -94,7 +97,7 @@ def _write_share(layout: StorageLayout, spans: dict[str, RecordSpan], rank: int,
     items = []
     for piece in pieces:
         storage, _ = layout.items[piece.key]
-        data = _io.storage_bytes(storage)[piece.start:piece.start + piece.length]
+        data = storage_bytes(storage)[piece.start:piece.start + piece.length]
         items.append((data, piece.file_offset))
     with AioHandle(config=cfg) as handle:
-        _io.write_at(handle, tmp, items, fsync=True)
+        handle.write_many(tmp, items, fsync=True).result()

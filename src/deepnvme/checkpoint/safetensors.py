@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-from ..config import IOConfig
-from ..handle import AioHandle
+from ..config import IOConfig, checkpoint_config
+from ..handles.aio import AioHandle
 from ..io.plan import align_up
-from ..io.posix import POSIX, Posix
-from . import _io, atomic
-from .format import CheckpointFormatError
+from ..io import durable
+from ..io.file import reserve
+from ..memory.views import aligned_empty, storage_bytes
+from ..formats.torchzip import CheckpointFormatError
 
 __all__ = ["save_safetensors", "load_safetensors"]
 
@@ -70,29 +71,28 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | N
     padded = align_up(8 + len(raw), _ALIGN) - 8
     raw += b" " * (padded - len(raw))
     start = 8 + len(raw)
-    items = [(_io.storage_bytes(t.untyped_storage())[t.storage_offset() * t.element_size():]
+    items = [(storage_bytes(t.untyped_storage())[t.storage_offset() * t.element_size():]
               [:t.numel() * t.element_size()].cpu(), start + off) for _, t, off in placed]
     return struct.pack("<Q", len(raw)) + raw, items
 
 
 def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
                      metadata: Mapping[str, str] | None = None, *,
-                     config: IOConfig | Mapping[str, Any] | None = None,
-                     _posix: Posix = POSIX) -> None:
+                     config: IOConfig | Mapping[str, Any] | None = None) -> None:
     """Write ``tensors`` to a ``.safetensors`` file; blocks until it is durable (atomic replace).
 
     Readable by ``safetensors.torch.load_file``. Tensors must be contiguous and must not share
     memory (the package's rules); CUDA tensors are copied to the CPU first.
     """
     path = os.fspath(path)
-    cfg = _io.checkpoint_config(config)
+    cfg = checkpoint_config(config)
     head, items = _header(tensors, metadata)
     header = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     size = len(head) + sum(t.numel() for t, _ in items)
-    with atomic.atomic_target(path) as tmp:
-        _io.reserve(tmp, size, posix=_posix)
-        with AioHandle(config=cfg, posix=_posix) as handle:
-            _io.write_at(handle, tmp, [(header, 0), *items], fsync=True, posix=_posix)
+    with durable.atomic_target(path) as tmp:
+        reserve(tmp, size)
+        with AioHandle(config=cfg) as handle:
+            handle.write_many(tmp, [(header, 0), *items], fsync=True).result()
 
 
 def _parse(path: str, f: Any, size: int) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -133,8 +133,7 @@ def _check_entry(path: str, name: str, e: Any, data_len: int) -> tuple[torch.dty
 
 
 def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = "cpu", *,
-                     config: IOConfig | Mapping[str, Any] | None = None,
-                     _posix: Posix = POSIX) -> dict[str, torch.Tensor]:
+                     config: IOConfig | Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Read a ``.safetensors`` file (the package's or ours) into a dict of tensors on ``device``.
 
     Blocks. Reads run in parallel with O_DIRECT into aligned CPU buffers, then move to
@@ -142,7 +141,7 @@ def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = 
     :class:`CheckpointFormatError`.
     """
     path = os.fspath(path)
-    cfg = _io.checkpoint_config(config)
+    cfg = checkpoint_config(config)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         start, header, _ = _parse(path, f, size)
@@ -155,11 +154,11 @@ def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = 
     out: dict[str, torch.Tensor] = {}
     items = []
     for name, (dtype, shape, begin, end) in entries.items():
-        buf = _io.aligned_empty(end - begin, start + begin)
+        buf = aligned_empty(end - begin, start + begin)
         items.append((buf, start + begin))
         out[name] = buf.view(dtype).reshape(shape) if end > begin else torch.empty(shape, dtype=dtype)
-    with AioHandle(config=cfg, posix=_posix) as handle:
-        _io.read_at(handle, path, items, posix=_posix)
+    with AioHandle(config=cfg) as handle:
+        handle.read_many(path, items).result()
     if torch.device(device).type != "cpu":
         out = {k: v.to(device) for k, v in out.items()}
     return out

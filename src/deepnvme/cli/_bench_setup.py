@@ -64,7 +64,7 @@ def _check_random(o: BenchOptions, size: int) -> None:
 def _check_devices(o: BenchOptions) -> list[str]:
     notes: list[str] = []
     if o.gds:
-        from ..gds import gds_status
+        from ..handles.gds import gds_status
 
         status = gds_status()
         if not status.available:

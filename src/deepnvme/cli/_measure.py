@@ -36,7 +36,7 @@ import torch
 
 from ..config import IOConfig
 from ..errors import DeepNVMeError, DeepNVMeIOError, ValidationError
-from ..handle import AioHandle
+from ..handles.aio import AioHandle
 from ..io.posix import evict_page_cache as evict
 from ._engines import in_flight
 
@@ -210,7 +210,7 @@ class Measurer:
         self.scrub = scrub
         self._items: list[tuple[torch.Tensor, int]] = []
         if gds:
-            from ..gds import GdsHandle
+            from ..handles.gds import GdsHandle
 
             self.handle: AioHandle = GdsHandle(config=config)
         else:

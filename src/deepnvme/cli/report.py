@@ -83,7 +83,7 @@ def _software() -> list[Check]:
 
 def _gds_check() -> Check:
     """deepnvme's GdsHandle status (opens the cuFile driver where it can), with the fix."""
-    from ..gds import gds_status
+    from ..handles.gds import gds_status
 
     status = gds_status()
     if not status.available:

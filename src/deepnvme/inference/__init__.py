@@ -8,7 +8,7 @@ while the current one computes. :func:`run_generate` measures tokens/s of such a
 
 from ._streamer import StreamStats, WeightStreamer
 from .generate import GenerateResult, run_generate
-from .offload import offload, stream_stats, streamer_of
+from .install import offload, stream_stats, streamer_of
 from .pretrained import load_offloaded
 
 __all__ = ["GenerateResult", "StreamStats", "WeightStreamer", "load_offloaded", "offload",

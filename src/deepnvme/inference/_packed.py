@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .._buffers import cast_to_byte_tensor
-from ..checkpoint.atomic import atomic_target, commit, fsync_dir, remove_quietly, temp_name
-from ..handle import AioHandle
+from ..memory.views import cast_to_byte_tensor
+from ..io.durable import atomic_target, commit, fsync_dir, remove_quietly, temp_name
+from ..handles.aio import AioHandle
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 from ._layout import BlockPlan, Span, plan_packed_block
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..config import IOConfig
-from ..handle import AioHandle
+from ..handles.aio import AioHandle
 from ..memory.pinned import BufferPool
 from ._blocks import placeholder
 from ._layout import BlockPlan

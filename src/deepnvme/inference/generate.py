@@ -162,7 +162,7 @@ def run_generate(model_dir: str, *, offload_dir: str | None = None, mode: str = 
                  seed: int = 0) -> GenerateResult:
     """Load the model in ``model_dir`` (``mode="deepnvme"``: streamed with
     :func:`load_offloaded`; ``"memory"``: fully in memory) and time one greedy generation."""
-    from .offload import stream_stats, streamer_of
+    from .install import stream_stats, streamer_of
     from .pretrained import load_offloaded
 
     torch_dtype = parse_dtype(dtype)

@@ -19,13 +19,13 @@ from torch import nn
 
 from ..config import IOConfig
 from ..errors import DeepNVMeError
-from ..handle import AioHandle
+from ..handles.aio import AioHandle
 from ._blocks import ParamGroup, group_parameters, placeholder
 from ._layout import BlockPlan, TensorRecord, plan_block_reads
 from ._packed import load_manifest, write_packed
 from ._safetensors import CheckpointTensor, read_checkpoint_index
 from ._streamer import StreamedBlock
-from .offload import install, resolve_blocks
+from .install import install, resolve_blocks
 
 __all__ = ["load_offloaded"]
 

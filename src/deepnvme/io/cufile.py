@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._buffers import cast_to_byte_tensor
+from ..memory.views import cast_to_byte_tensor
 from ..config import IOConfig
 from ..errors import DeepNVMeIOError, ShortTransferError
 from .engine import Engine
@@ -244,8 +244,8 @@ def _wrap(exc: BaseException, call: str, t: Transfer, offset: int, size: int
 
 class CuFileIO:
     """Device tensors <-> files through an :class:`Engine` with the cuFile mover: the route
-    :class:`~deepnvme.gds.GdsHandle` takes for CUDA tensors. Same ``submit``/``close`` as
-    :class:`~deepnvme.memory.staging.StagingPipeline`, so the handle treats both alike. It only
+    :class:`~deepnvme.handles.gds.GdsHandle` takes for CUDA tensors. Same ``submit``/``close`` as
+    :class:`~deepnvme.io.staging.StagingPipeline`, so the handle treats both alike. It only
     builds requests; the engine coordinates them. Thread-safe."""
 
     def __init__(self, config: IOConfig, cufile: Any, order: DeviceOrder,

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from .._buffers import byte_view
+from ..memory.views import byte_view
 from ..config import IOConfig
 from ..errors import ConfigError, DeepNVMeIOError, ShortTransferError
 from ..memory.pinned import BufferPool
@@ -40,7 +40,7 @@ from .batch import submit_many as _submit_batch
 from .op import Op, Transfer
 from .plan import Alignment, Kind, plan_transfer
 from .posix import POSIX, Posix
-from .._workers import WorkerGroup
+from .workers import WorkerGroup
 
 # Transfer is defined in .op, the probes in .movers
 __all__ = ["Engine", "Transfer", "EngineProbe", "probe_engines"]

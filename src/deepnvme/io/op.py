@@ -1,7 +1,9 @@
 """One request's coordinator: runs its chunks, keeps the first error, completes its future.
 
 Guarantees: the first error wins and chunks not yet started are skipped once it is set; the
-caller's buffer (``Transfer.keepalive``) is referenced until the future completes; descriptors
+caller's buffer (``Transfer.keepalive``) is referenced until the request ends and released
+just before its future completes (a caller it wakes may resize or free that memory at once,
+while a worker thread still holds the finished request for a moment); descriptors
 the request opened are closed exactly once, before the future completes; an fsync or
 validation failure fails the request like an I/O error does. A mover's per-request
 :class:`Session` (e.g. a cuFile handle on the request's descriptor) is closed once, before the
@@ -160,6 +162,7 @@ class Op:
             self.close_fds(posix)
         if self.batch is not None:
             return
+        t.keepalive = None
         if self.error is not None:
             self.future.set_exception(self.error)
         else:
@@ -234,6 +237,9 @@ class Batch(Op):
                                                            offset=None, size=self.total))
         finally:
             self.close_fds(posix)
+        keepalive, t.keepalive = t.keepalive, None
+        if isinstance(keepalive, list):  # the handle's list of the items' tensors, shared by
+            keepalive.clear()            # every member: the buffers are free once it is empty
         if self.error is not None:
             self.future.set_exception(self.error)
         else:

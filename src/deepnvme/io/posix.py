@@ -6,11 +6,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import ctypes.util
 import errno
 import fcntl
 import os
+from collections.abc import Iterator
 
 from ..errors import DeepNVMeIOError, ShortTransferError
 from .plan import Alignment
@@ -156,3 +159,21 @@ def evict_page_cache(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+_CURRENT: contextvars.ContextVar[Posix] = contextvars.ContextVar("deepnvme_posix", default=POSIX)
+
+
+def current() -> Posix:
+    """The syscall layer new handles use in this context: :data:`POSIX` unless :func:`injected`."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def injected(posix: Posix) -> Iterator[Posix]:
+    """Make handles created inside the ``with`` block (in this thread or task) use ``posix``:
+    the seam through which tests fake short transfers, EINTR, EAGAIN and ENOSPC."""
+    token = _CURRENT.set(posix)
+    try:
+        yield posix
+    finally:
+        _CURRENT.reset(token)

@@ -2,7 +2,7 @@
 
 from .copy import ParallelCopy, copy_bytes
 from .pinned import BufferPool, free_cpu_locked_tensor, is_pinned, locked_bytes, new_cpu_locked_tensor
-from .staging import CudaCopier, DeviceCopier, StagingPipeline
+from ..io.staging import CudaCopier, DeviceCopier, StagingPipeline
 
 __all__ = ["BufferPool", "CudaCopier", "DeviceCopier", "ParallelCopy", "StagingPipeline",
            "copy_bytes", "free_cpu_locked_tensor", "is_pinned", "locked_bytes",

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from .._buffers import cast_to_byte_tensor, check_io_tensor
+from ..memory.views import cast_to_byte_tensor, check_io_tensor
 from ..config import IOConfig
-from ..handle import AioHandle
+from ..handles.aio import AioHandle
 from ..memory.pinned import BufferPool
 from . import _dirs
 from ._slot import SwapBufferError, SwapError, _done, _Slot

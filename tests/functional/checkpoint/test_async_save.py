@@ -65,26 +65,26 @@ def test_missing_directory_fails_at_call(tmp_path):
 
 def test_background_thread_does_the_writing(tmp_path):
     seen = []
-    from deepnvme.checkpoint import _io
-    real = _io.write_at
+    from deepnvme.handles.aio import AioHandle
+    real = AioHandle.write_many
 
     def spy(*args, **kwargs):
         seen.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    _io.write_at = spy
+    AioHandle.write_many = spy
     try:
         with deepnvme.AsyncCheckpointer() as ck:
             ck.save({"a": torch.ones(1000)}, tmp_path / "ck.pt").wait()
     finally:
-        _io.write_at = real
+        AioHandle.write_many = real
     assert seen == ["deepnvme-async-save"]
 
 
 def _enospc_once(monkeypatch):
     """The first background reserve fails with ENOSPC; later ones work."""
-    from deepnvme.checkpoint import _io
-    real, calls = _io.reserve, []
+    from deepnvme.checkpoint import async_saver
+    real, calls = async_saver.reserve, []
 
     def reserve(path, size, **kwargs):
         calls.append(path)
@@ -92,7 +92,7 @@ def _enospc_once(monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         return real(path, size, **kwargs)
 
-    monkeypatch.setattr(_io, "reserve", reserve)
+    monkeypatch.setattr(async_saver, "reserve", reserve)
 
 
 def _wait_done(handle, timeout=10.0):
@@ -126,7 +126,7 @@ def test_close_logs_a_failure_nobody_waited_for(tmp_path, monkeypatch, caplog):
 
 def test_close_during_a_snapshot_fails_that_save_cleanly(tmp_path, monkeypatch):
     import sys
-    module = sys.modules["deepnvme.checkpoint.async_save"]
+    module = sys.modules["deepnvme.checkpoint.async_saver"]
     real = module.write_skeleton
     entered, release = threading.Event(), threading.Event()
 
@@ -192,7 +192,7 @@ def test_snapshot_reuses_the_arena_and_grows_it(tmp_path, monkeypatch):
 
 
 def test_failed_arena_growth_gives_back_no_freed_arena(tmp_path, monkeypatch):
-    module = __import__("sys").modules["deepnvme.checkpoint.async_save"]
+    module = __import__("sys").modules["deepnvme.checkpoint.async_saver"]
     with deepnvme.AsyncCheckpointer() as ck:
         ck.save(_state(1000, 1.0), tmp_path / "small.pt").wait()
         real_new = module.new_cpu_locked_tensor

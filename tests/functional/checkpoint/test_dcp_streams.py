@@ -14,11 +14,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from deepnvme.checkpoint._io import checkpoint_config
-from deepnvme.handle import AioHandle
+from deepnvme.config import checkpoint_config
+from deepnvme.handles.aio import AioHandle
 from deepnvme.io.posix import Posix
-import deepnvme.dcp as ddcp
-from deepnvme.dcp import NVMeStorageReader, NVMeStorageWriter, _EngineFileSystem
+import deepnvme.checkpoint.dcp as ddcp
+from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter, _EngineFileSystem
 
 
 def test_write_stream_commits_on_close_and_discards_on_error(tmp_path):
@@ -151,7 +151,7 @@ def test_failed_metadata_commit_keeps_the_previous_metadata(tmp_path, monkeypatc
     def failing_fsync(path):
         raise OSError(errno.EIO, "Input/output error (injected fsync)")
 
-    from deepnvme.checkpoint import atomic
+    from deepnvme.io import durable as atomic
     monkeypatch.setattr(atomic, "fsync_path", failing_fsync)  # only the .metadata commit fsyncs by path
     with pytest.raises(CheckpointException, match="injected fsync"):
         dcp.save({"w": torch.full((1000,), 2.0)}, storage_writer=NVMeStorageWriter(ckpt), no_dist=True)

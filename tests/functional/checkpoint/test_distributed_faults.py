@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import deepnvme
-from deepnvme.checkpoint import atomic
+from deepnvme.io import durable as atomic
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.checkpoint import atomic
+from deepnvme.io.posix import injected
+from deepnvme.io import durable as atomic
 from deepnvme.io.posix import Posix
 
 
@@ -74,7 +75,8 @@ def test_failed_recycled_save_keeps_the_previous_checkpoint(tmp_path):
     deepnvme.save(_state(1000, 2.0), path, recycle=True)
     disk = _TempFilesFull()
     with pytest.raises(OSError) as info:
-        deepnvme.save(_state(1000, 3.0), path, recycle=True, _posix=disk)
+        with injected(disk):
+            deepnvme.save(_state(1000, 3.0), path, recycle=True)
     assert info.value.errno == errno.ENOSPC
     assert _same(torch.load(path, weights_only=True), _state(1000, 2.0))
     assert sorted(os.listdir(tmp_path)) == ["ck.pt"]  # the spare was used up, nothing left over

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import deepnvme
-from deepnvme.checkpoint.format import CheckpointFormatError
+from deepnvme.io.posix import injected
+from deepnvme.formats.torchzip import CheckpointFormatError
 from deepnvme.io.posix import Posix
 
 
@@ -95,7 +96,8 @@ def test_enospc_keeps_previous_file(tmp_path):
     path = str(tmp_path / "m.safetensors")
     deepnvme.save_safetensors({"a": torch.ones(10_000)}, path)
     with pytest.raises(OSError) as info:
-        deepnvme.save_safetensors({"a": torch.zeros(10_000)}, path, _posix=_NoSpace())
+        with injected(_NoSpace()):
+            deepnvme.save_safetensors({"a": torch.zeros(10_000)}, path)
     assert info.value.errno == errno.ENOSPC
     assert torch.equal(load_file(path)["a"], torch.ones(10_000))
     assert os.listdir(tmp_path) == ["m.safetensors"]

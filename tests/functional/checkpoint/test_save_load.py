@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.checkpoint.format import CheckpointFormatError
+from deepnvme.io.posix import injected
+from deepnvme.formats.torchzip import CheckpointFormatError
 from deepnvme.io.posix import Posix
 
 
@@ -174,7 +175,8 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, err, on):
     old = {"a": torch.arange(50_000)}
     deepnvme.save(old, path)
     with pytest.raises(OSError) as info:
-        deepnvme.save({"a": torch.zeros(50_000, dtype=torch.int64)}, path, _posix=_Failing(err, on))
+        with injected(_Failing(err, on)):
+            deepnvme.save({"a": torch.zeros(50_000, dtype=torch.int64)}, path)
     assert info.value.errno == err
     assert "ck.pt" in str(info.value)
     assert os.listdir(tmp_path) == ["ck.pt"]  # no temporary file left
@@ -191,8 +193,8 @@ def test_save_replaces_atomically_and_is_idempotent(tmp_path):
 
 def test_zip64_offsets_beyond_4gib(tmp_path):
     """A >4 GiB checkpoint: records past 4 GiB are found and filled (sparse file, lazy memory)."""
-    from deepnvme.checkpoint import _io
-    from deepnvme.checkpoint.save import write_skeleton, write_storages
+    from deepnvme.config import checkpoint_config
+    from deepnvme.checkpoint.saver import write_skeleton, write_storages
 
     big = torch.empty((5 << 30) + 3, dtype=torch.uint8)  # never touched: no memory committed
     tail = torch.arange(1000, dtype=torch.float32)
@@ -200,7 +202,7 @@ def test_zip64_offsets_beyond_4gib(tmp_path):
     layout = write_skeleton({"big": big, "tail": tail}, path)
     spans = {st.nbytes(): span for st, span in layout.items.values()}
     assert spans[4000].offset > (5 << 30) and spans[4000].offset % 4096 == 0
-    with deepnvme.AioHandle(config=_io.checkpoint_config(None)) as h:
+    with deepnvme.AioHandle(config=checkpoint_config(None)) as h:
         key = next(k for k, (st, _) in layout.items.items() if st.nbytes() == 4000)
         write_storages(h, path, layout, [key])
     back = torch.load(path, weights_only=True, mmap=True)
@@ -219,7 +221,7 @@ def test_clean_temp_files(tmp_path):
 
 def test_load_falls_back_to_torch_load_without_torch_internals(tmp_path, monkeypatch, caplog):
     import sys
-    load_mod = sys.modules["deepnvme.checkpoint.load"]  # the package attribute is the function
+    load_mod = sys.modules["deepnvme.checkpoint.loader"]  # the package attribute is the function
     state = {"w": torch.randn(100, 10), "n": 3}
     deepnvme.save(state, tmp_path / "ck.pt")
     assert load_mod._torch_internals_available()  # this torch has them all

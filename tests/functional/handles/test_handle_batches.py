@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import random
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import deepnvme
 from deepnvme.errors import DeepNVMeIOError, ShortTransferError, UnsupportedBufferError
 
-from ..conftest import open_fds, random_tensor, same_bytes
+from ...conftest import open_fds, random_tensor, same_bytes
 
 
 @pytest.fixture
@@ -94,3 +95,19 @@ def test_a_failed_batch_leaks_no_descriptor(h, tmp_path):
             h.read_many(path, [(torch.empty(4096, dtype=torch.uint8), 4096 * i)
                                for i in range(3)]).result()
     assert open_fds() == before
+
+
+def test_buffers_are_released_before_the_future_completes(tmp_path, io_engine):
+    """A caller woken by the future may resize the memory at once (a BytesIO's export): no
+    worker still references the items' tensors (this raced when they were released later)."""
+    stream = io.BytesIO(b"x" * 8192)
+    path = str(tmp_path / "f")
+    with deepnvme.AioHandle(engine=io_engine) as h:
+        for i in range(200):
+            view = stream.getbuffer()
+            data = torch.frombuffer(view, dtype=torch.uint8)
+            single = torch.frombuffer(view, dtype=torch.uint8)
+            h.write_many(path, [(data, 0)], fsync=False).result()
+            h.submit_write(single, path, offset=0).result()
+            del data, single, view
+            stream.write(b"y")  # BufferError if any export of the buffer is still alive

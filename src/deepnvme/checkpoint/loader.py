@@ -21,10 +21,10 @@ import torch
 
 from ..config import IOConfig
 from ..errors import DeepNVMeIOError
-from ..handle import AioHandle
-from ..io.posix import POSIX, Posix
-from . import _io
-from .format import (CheckpointFormatError, RecordSpan, batch_small_records, read_record_spans,
+from ..handles.aio import AioHandle, wait_all
+from ..config import checkpoint_config
+from ..memory.views import aligned_empty
+from ..formats.torchzip import (CheckpointFormatError, RecordSpan, batch_small_records, read_record_spans,
                      storage_spans)
 
 __all__ = ["load"]
@@ -67,7 +67,7 @@ def _prefetch(handle: AioHandle, path: str, spans: dict[str, RecordSpan]
     futures: dict[str, Future[int]] = {}
     for group in batch_small_records(spans):
         start, end = spans[group[0]].offset, spans[group[-1]].end
-        region = _io.aligned_empty(end - start, start)
+        region = aligned_empty(end - start, start)
         fut = handle.submit_read(region, path, offset=start) if end > start else None
         whole = region.untyped_storage()
         base = region.data_ptr() - whole.data_ptr()
@@ -84,7 +84,7 @@ def _prefetch(handle: AioHandle, path: str, spans: dict[str, RecordSpan]
 
 
 def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only: bool = True,
-         config: IOConfig | Mapping[str, Any] | None = None, _posix: Posix = POSIX) -> Any:
+         config: IOConfig | Mapping[str, Any] | None = None) -> Any:
     """Load a ``torch.save`` file like ``torch.load(path, map_location, weights_only=...)``.
 
     Blocks until every tensor is in memory. With ``weights_only=True`` (the default) PyTorch's
@@ -98,7 +98,7 @@ def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only
     (``torch.load`` does not check them either), so flipped bytes inside tensor data go unseen.
     """
     path = os.fspath(path)
-    cfg = _io.checkpoint_config(config)
+    cfg = checkpoint_config(config)
     if not _torch_internals_available():
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     try:
@@ -112,12 +112,12 @@ def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only
     except FileNotFoundError as exc:
         raise DeepNVMeIOError.from_oserror(exc, op="open for load", path=path, offset=0,
                                            size=0) from None
-    with AioHandle(config=cfg, posix=_posix) as handle:
+    with AioHandle(config=cfg) as handle:
         buffers, futures = _prefetch(handle, path, spans)
         try:
             return _rebuild(path, buffers, futures, map_location, weights_only)
         finally:
-            _io.wait_all(set(futures.values()))  # no read may target a buffer after this
+            wait_all(set(futures.values()))  # no read may target a buffer after this
 
 
 _INTERNALS = (("torch._C", "PyTorchFileReader"), ("torch.serialization", "_load"),

@@ -12,23 +12,23 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from ._buffers import check_io_tensor
+from ..memory.views import check_io_tensor
 from ._deepspeed_args import async_flag, example_arg, write_target
-from .config import IOConfig, resolve_config
-from .errors import DeepNVMeIOError, UnsupportedBufferError
-from .io.batch import Items
-from .io.engine import Engine, Transfer
-from .io.posix import POSIX, Posix
-from .memory import pinned
-from .memory.staging import CudaCopier, DeviceCopier, StagingPipeline
+from ..config import IOConfig, resolve_config
+from ..errors import DeepNVMeIOError, UnsupportedBufferError
+from ..io.batch import Items
+from ..io.engine import Engine, Transfer
+from ..io.posix import Posix, current
+from ..memory import pinned
+from ..io.staging import CudaCopier, DeviceCopier, StagingPipeline
 
-__all__ = ["AioHandle"]
+__all__ = ["AioHandle", "wait_all"]
 
 log = logging.getLogger(__name__)
 _DEEPSPEED_SECTOR = 512  # DeepSpeed's assumed O_DIRECT alignment, the unit of get_alignment()
@@ -42,7 +42,7 @@ class AioHandle:
     contiguous CPU tensors of any dtype; ``nbytes`` of the tensor is the transfer size. A
     buffer must stay untouched until its op completes (the handle keeps it alive until then).
 
-    CUDA tensors go through a pipeline of pinned staging buffers (:mod:`deepnvme.memory.staging`):
+    CUDA tensors go through a pipeline of pinned staging buffers (:mod:`deepnvme.io.staging`):
     same return values, futures and errors; an op completes once its device copies are
     synchronised, so the data is ready on every stream. Staging memory, allocated on the first
     CUDA op: ``3 x (max(8 MiB, block_size x intra_op_parallelism) + alignment)`` pinned bytes.
@@ -54,7 +54,7 @@ class AioHandle:
     def __init__(self, block_size: int | None = None, queue_depth: int | None = None,
                  single_submit: bool | None = None, overlap_events: bool | None = None,
                  intra_op_parallelism: int | None = None, *, engine: str | None = None,
-                 config: IOConfig | None = None, posix: Posix = POSIX) -> None:
+                 config: IOConfig | None = None, posix: Posix | None = None) -> None:
         explicit = {"block_size": block_size, "queue_depth": queue_depth,
                     "single_submit": single_submit, "overlap_events": overlap_events,
                     "intra_op_parallelism": intra_op_parallelism, "engine": engine}
@@ -63,7 +63,7 @@ class AioHandle:
             self.config = config.replace(**explicit) if explicit else config
         else:
             self.config = resolve_config(explicit)
-        self._engine = Engine(self.config, posix=posix)
+        self._engine = Engine(self.config, posix=posix if posix is not None else current())
         self._lock = threading.Lock()
         self._pending: list[Future[int]] = []
         self._staging_pipeline: StagingPipeline | None = None
@@ -224,6 +224,15 @@ class AioHandle:
                                                          self._new_copier(), **self._staging_options())
             return self._staging_pipeline
 
+    def drain(self) -> None:
+        """Block until every request submitted through this handle so far has ended, tracked
+        or not (``submit_*``, ``*_many``, staged). Errors stay on their futures; raises nothing."""
+        with self._lock:
+            staging = self._staging_pipeline
+        if staging is not None:
+            staging.drain()
+        self._engine.drain()
+
     def wait(self) -> int:
         """Block until all pending async ops finish; return how many completed since the last
         wait (0 if none). If any failed, raise the first failure after all have finished."""
@@ -319,7 +328,7 @@ class AioHandle:
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
         """True for page-locked memory: CUDA-pinned, or locked by deepnvme (any handle or
-        :class:`~deepnvme.compat.PinMemoryBuilder`), views included."""
+        :class:`~deepnvme.handles.deepspeed.PinMemoryBuilder`), views included."""
         return pinned.is_pinned(buffer)
 
     # --- lifetime --------------------------------------------------------------------------
@@ -371,3 +380,16 @@ def _submit_to(engine: Engine, write: bool, buffer: torch.Tensor, target: str | 
                         size=buffer.numel() * buffer.element_size(),
                         target=target, file_offset=offset, keepalive=buffer)
     return engine.submit(transfer, validate=validate, fsync=fsync)
+
+
+def wait_all(futures: Iterable[Future[int] | None]) -> None:
+    """Wait for every future (so no buffer is released while in flight); raise the first error."""
+    first: BaseException | None = None
+    for fut in futures:
+        if fut is None:
+            continue
+        exc = fut.exception()
+        if exc is not None and first is None:
+            first = exc
+    if first is not None:
+        raise first

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..config import IOConfig
-from ..handle import AioHandle
+from ..handles.aio import AioHandle
 from ..swap import SwapBufferError, SwapError, TensorSwapper
 from ._layout import StateLayout, bound_bytes, partition, plan_layout
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 import weakref
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 import deepnvme
 from deepnvme.errors import DeepNVMeIOError, UnsupportedBufferError
 
-from ..conftest import open_fds, random_tensor, same_bytes
+from ...conftest import open_fds, random_tensor, same_bytes
 
 
 def test_blocking_calls_release_the_gil(tmp_path):
@@ -244,7 +243,7 @@ def test_closed_handle_refuses_work(tmp_path):
 def test_close_racing_a_submit_refuses_the_submit(tmp_path, monkeypatch):
     """Regression: close() used to drain before refusing new work, so an op admitted during
     the drain hung (its chunks went to stopped workers) or restarted workers nobody stopped."""
-    from deepnvme._workers import WorkerGroup
+    from deepnvme.io.workers import WorkerGroup
     h = deepnvme.AioHandle(intra_op_parallelism=2)
     h.sync_pwrite(torch.zeros(10), str(tmp_path / "a"))
     seen = []

@@ -1,5 +1,5 @@
 """Optimizer state offload to NVMe (ZeRO-Infinity style) for any torch optimizer."""
 
-from .optimizer import NVMeOptimizer
+from .nvme_optimizer import NVMeOptimizer
 
 __all__ = ["NVMeOptimizer"]

@@ -8,9 +8,9 @@ from typing import overload
 
 import torch
 
-from .errors import UnsupportedBufferError
+from ..errors import UnsupportedBufferError
 
-__all__ = ["cast_to_byte_tensor", "byte_view", "check_io_tensor"]
+__all__ = ["cast_to_byte_tensor", "byte_view", "check_io_tensor", "storage_bytes", "aligned_empty"]
 
 
 @overload
@@ -57,3 +57,24 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray(0))
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor aliasing a storage's bytes (CUDA storages are copied to CPU)."""
+    if storage.device.type != "cpu":
+        storage = storage.cpu()
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def aligned_empty(nbytes: int, file_offset: int = 0, alignment: int = 4096) -> torch.Tensor:
+    """An uninitialised uint8 tensor whose address is congruent to ``file_offset`` modulo ``alignment``.
+
+    Its storage is exactly ``nbytes`` long (a view of a slightly larger allocation), so
+    O_DIRECT reads of the data at ``file_offset`` land in it without bounce buffers. Below
+    64 KiB a plain allocation is returned (such reads are not worth aligning).
+    """
+    if nbytes < 64 * 1024:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8).untyped_storage()
+    pad = (file_offset - raw.data_ptr()) % alignment
+    return torch.empty(0, dtype=torch.uint8).set_(raw[pad:pad + nbytes])

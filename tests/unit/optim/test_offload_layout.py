@@ -4,7 +4,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deepnvme.offload._layout import ALIGN, bound_bytes, partition, plan_layout
+from deepnvme.optim._layout import ALIGN, bound_bytes, partition, plan_layout
 
 
 def test_partition_cuts_at_the_limit_and_never_splits_items():

@@ -25,12 +25,15 @@ from typing import Any
 import torch
 
 from ..config import IOConfig
-from ..handle import AioHandle
+from ..handles.aio import AioHandle
 from ..io.plan import align_up
 from ..memory.copy import ParallelCopy
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
-from . import _io, atomic
-from .save import write_skeleton
+from ..config import checkpoint_config
+from ..io import durable
+from ..io.file import reserve
+from ..memory.views import storage_bytes
+from .saver import write_skeleton
 
 __all__ = ["AsyncCheckpointer", "AsyncSaveHandle", "async_save"]
 
@@ -79,7 +82,7 @@ class AsyncCheckpointer:
                  config: IOConfig | Mapping[str, Any] | None = None) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        self.config = _io.checkpoint_config(config)
+        self.config = checkpoint_config(config)
         self.max_in_flight = max_in_flight
         self._arenas: queue.Queue[torch.Tensor | None] = queue.Queue()
         for _ in range(max_in_flight):
@@ -103,9 +106,9 @@ class AsyncCheckpointer:
             if self._closed:
                 raise RuntimeError("AsyncCheckpointer is closed")
             self._start()
-        atomic.check_target_dir(path)
+        durable.check_target_dir(path)
         arena = self._arenas.get()  # waits while max_in_flight saves are pending
-        tmp = (atomic.take_spare(path) if recycle else None) or atomic.temp_name(path)
+        tmp = (durable.take_spare(path) if recycle else None) or durable.temp_name(path)
         try:
             layout = write_skeleton(obj, tmp)
             need = sum(align_up(span.size, _ALIGN) for _, span in layout.items.values())
@@ -116,13 +119,13 @@ class AsyncCheckpointer:
                 arena = new_cpu_locked_tensor(max(need, 1), torch.uint8)
             items = _snapshot(arena, layout)
         except BaseException:
-            atomic.remove_quietly(tmp)
+            durable.remove_quietly(tmp)
             self._arenas.put(arena)
             raise
         future = _SaveFuture()
         with self._lock:
             if self._closed:  # close() ran during the snapshot: the writer thread is gone
-                atomic.remove_quietly(tmp)
+                durable.remove_quietly(tmp)
                 del items
                 free_cpu_locked_tensor(arena)
                 raise RuntimeError("AsyncCheckpointer was closed while this save was starting")
@@ -145,11 +148,11 @@ class AsyncCheckpointer:
                 return
             tmp, path, recycle, arena, items, future = job
             try:
-                _io.reserve(tmp, os.path.getsize(tmp))
-                _io.write_at(handle, tmp, items, fsync=True)
-                atomic.commit(tmp, path, fsync_file=False, keep_spare=recycle)
+                reserve(tmp, os.path.getsize(tmp))
+                handle.write_many(tmp, items, fsync=True).result()
+                durable.commit(tmp, path, fsync_file=False, keep_spare=recycle)
             except BaseException as exc:  # delivered to wait()
-                atomic.remove_quietly(tmp)
+                durable.remove_quietly(tmp)
                 future.set_exception(exc)
             else:
                 future.set_result(None)
@@ -210,7 +213,7 @@ def _snapshot(arena: torch.Tensor, layout: Any) -> list[tuple[torch.Tensor, int]
     for storage, span in layout.items.values():
         dst = arena[pos:pos + span.size]
         if span.size:
-            copy.add(dst, _io.storage_bytes(storage))
+            copy.add(dst, storage_bytes(storage))
         items.append((dst, span.offset))
         pos += align_up(span.size, _ALIGN)
     copy.finish()

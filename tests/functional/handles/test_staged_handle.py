@@ -11,9 +11,9 @@ import torch
 import deepnvme
 from deepnvme.errors import DeepNVMeIOError, FileNotFoundIOError, ShortTransferError, UnsupportedBufferError
 
-from ..conftest import random_tensor, same_bytes
-from ..fakes import FakeStagedHandle, fake_gds_handle_class
-from .io.test_faults import FaultyPosix
+from ...conftest import random_tensor, same_bytes
+from ...fakes import FakeStagedHandle, fake_gds_handle_class
+from ..io.test_faults import FaultyPosix
 
 KINDS = {"direct": deepnvme.AioHandle, "staged": FakeStagedHandle}
 

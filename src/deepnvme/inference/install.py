@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..config import IOConfig
-from ..handle import AioHandle
+from ..handles.aio import AioHandle
 from ._blocks import ParamGroup, find_blocks, group_parameters, placeholder
 from ._packed import write_packed
 from ._streamer import StreamedBlock, StreamStats, WeightStreamer
@@ -24,7 +24,7 @@ def streamer_of(model: nn.Module) -> WeightStreamer:
     """The :class:`WeightStreamer` that :func:`offload` or :func:`load_offloaded` installed."""
     streamer = getattr(model, _ATTR, None)
     if streamer is None:
-        raise ValueError(f"{type(model).__name__} is not offloaded; call deepnvme.inference.offload first")
+        raise ValueError(f"{type(model).__name__} is not offloaded; call deepnvme.inference.install first")
     return streamer
 
 

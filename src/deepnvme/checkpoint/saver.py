@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from ..config import IOConfig
-from ..handle import AioHandle
-from ..io.posix import POSIX, Posix
-from . import _io, atomic
-from .format import (STORAGE_ALIGNMENT, RecordSpan, batch_small_records, check_sizes,
+from ..config import IOConfig, checkpoint_config
+from ..handles.aio import AioHandle
+from ..io import durable
+from ..io.file import read_buffered, reserve
+from ..memory.views import aligned_empty, storage_bytes
+from ..formats.torchzip import (STORAGE_ALIGNMENT, RecordSpan, batch_small_records, check_sizes,
                      read_record_spans, storage_spans)
 
 __all__ = ["save", "write_skeleton", "pickle_skeleton", "StorageLayout"]
@@ -104,7 +105,7 @@ def write_skeleton(obj: Any, path: str) -> StorageLayout:
 
 
 def write_storages(handle: AioHandle, path: str, layout: StorageLayout, keys: list[str] | None = None,
-                   *, fsync: bool = True, posix: Posix = POSIX) -> None:
+                   *, fsync: bool = True) -> None:
     """Write the bytes of the storages ``keys`` (default: all) into their records. Blocks.
 
     Large storages are written straight from tensor memory; runs of small ones are gathered,
@@ -116,22 +117,22 @@ def write_storages(handle: AioHandle, path: str, layout: StorageLayout, keys: li
     for group in batch_small_records(spans):
         if len(group) == 1:
             storage, span = chosen[group[0]]
-            items.append((_io.storage_bytes(storage), span.offset))
+            items.append((storage_bytes(storage), span.offset))
             continue
         start, end = spans[group[0]].offset, spans[group[-1]].end
-        region = _io.aligned_empty(end - start, start)
-        _io.read_buffered(path, region, start, posix=posix)
+        region = aligned_empty(end - start, start)
+        read_buffered(path, region, start)
         for key in group:
             storage, span = chosen[key]
             if span.size:
-                region[span.offset - start:span.end - start].copy_(_io.storage_bytes(storage))
+                region[span.offset - start:span.end - start].copy_(storage_bytes(storage))
         items.append((region, start))
-    _io.write_at(handle, path, items, fsync=fsync, posix=posix)
+    handle.write_many(path, items, fsync=fsync).result()
 
 
 def save(obj: Any, path: str | os.PathLike[str], *,
          config: IOConfig | Mapping[str, Any] | None = None, recycle: bool = False,
-         _posix: Posix = POSIX) -> None:
+         ) -> None:
     """Save ``obj`` to ``path`` like ``torch.save``; blocks until the file is durable.
 
     The result loads with plain ``torch.load(path, weights_only=True)`` (and ``mmap=True``).
@@ -140,14 +141,14 @@ def save(obj: Any, path: str | os.PathLike[str], *,
     failures, naming file/offset/size) is raised. Tensors must not be modified until it
     returns (use :func:`deepnvme.async_save` to overlap with training). ``recycle=True``
     keeps the replaced file as a spare that the next save to ``path`` overwrites (faster
-    than a new file; costs a second copy on disk; see :mod:`deepnvme.checkpoint.atomic`).
+    than a new file; costs a second copy on disk; see :mod:`deepnvme.io.durable`).
     Do not recycle while anything still reads or maps an older version of ``path``
     (``torch.load(mmap=True)`` results): the save after next overwrites its blocks in place.
     """
     path = os.fspath(path)
-    cfg = _io.checkpoint_config(config)
-    with atomic.atomic_target(path, recycle=recycle) as tmp:
+    cfg = checkpoint_config(config)
+    with durable.atomic_target(path, recycle=recycle) as tmp:
         layout = write_skeleton(obj, tmp)
-        _io.reserve(tmp, os.path.getsize(tmp), posix=_posix)
-        with AioHandle(config=cfg, posix=_posix) as handle:
-            write_storages(handle, tmp, layout, posix=_posix)
+        reserve(tmp, os.path.getsize(tmp))
+        with AioHandle(config=cfg) as handle:
+            write_storages(handle, tmp, layout)

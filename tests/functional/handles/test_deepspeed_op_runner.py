@@ -11,7 +11,8 @@ import tarfile
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
+ENGINE_SPECIFIC = True  # runs a subprocess; the engine it uses is not this process's
 RUNNER = ROOT / "tools" / "run_deepspeed_op_tests.py"
 
 # Written the way DeepSpeed's op tests are: only DeepSpeed's import paths, nothing of deepnvme's.

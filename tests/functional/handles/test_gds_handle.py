@@ -12,18 +12,18 @@ import torch
 
 import deepnvme
 from deepnvme.errors import DeepNVMeIOError, FileNotFoundIOError, ShortTransferError, ValidationError
-from deepnvme.gds import GdsHandle, GdsUnavailableError, gds_status
+from deepnvme.handles.gds import GdsHandle, GdsUnavailableError, gds_status
 from deepnvme.io.posix import Posix
 
-from ..conftest import open_fds, random_tensor, same_bytes
-from ..fakes import FakeCuFile, FakeCuFileError, fake_gds_handle_class
+from ...conftest import open_fds, random_tensor, same_bytes
+from ...fakes import FakeCuFile, FakeCuFileError, fake_gds_handle_class
 
 FakeGds = fake_gds_handle_class()
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 
 
 def test_import_loads_no_binding_and_starts_no_threads():
-    code = ("import sys, threading, deepnvme, deepnvme.gds; "
+    code = ("import sys, threading, deepnvme, deepnvme.handles.gds; "
             "h = deepnvme.GdsHandle(); "
             "assert 'cuda.bindings.cufile' not in sys.modules, 'binding imported'; "
             "assert threading.active_count() == 1, threading.enumerate()")
@@ -287,7 +287,7 @@ def test_the_cufile_engine_refuses_submit_many():
 
 @pytest.fixture
 def fresh_driver(monkeypatch):
-    from deepnvme import gds
+    from deepnvme.handles import gds
     monkeypatch.setattr(gds._Driver, "_module", None)
     monkeypatch.setattr(gds._Driver, "_mode", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -12,11 +12,11 @@ import torch
 
 import deepnvme
 from deepnvme import compat
-from deepnvme.gds import GdsHandle
+from deepnvme.handles.gds import GdsHandle
 from deepnvme.memory.pinned import locked_bytes
 
-from ..conftest import random_tensor, same_bytes
-from ..fakes import fake_gds_handle_class
+from ...conftest import random_tensor, same_bytes
+from ...fakes import fake_gds_handle_class
 
 HANDLES = {
     "aio": lambda: compat.AsyncIOBuilder().load().aio_handle(8192, 8, False, False, 2),

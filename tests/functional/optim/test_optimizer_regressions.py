@@ -9,7 +9,7 @@ import torch
 
 import deepnvme
 from deepnvme.io.posix import Posix
-from deepnvme.offload import NVMeOptimizer
+from deepnvme.optim import NVMeOptimizer
 from deepnvme.swap import SwapError
 
 from ...concurrency import call_in_thread

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from deepnvme.checkpoint import _io, atomic
+from deepnvme.io import durable as atomic
+from deepnvme.io import file as io_file
 from deepnvme.errors import DeepNVMeIOError
 from deepnvme.io.posix import Posix
 
@@ -109,7 +110,7 @@ def test_reserve_waits_for_pending_releases_then_retries(tmp_path, monkeypatch):
     path = tmp_path / "f"
     path.touch()
     posix = _FullUntilReleased(failures=1)
-    _io.reserve(str(path), 1 << 20, posix=posix)
+    io_file.reserve(str(path), 1 << 20, posix=posix)
     assert waited == [True] and posix.calls == 2
     assert os.stat(path).st_size == 1 << 20
 
@@ -119,7 +120,7 @@ def test_reserve_still_full_after_releases_names_the_file(tmp_path, monkeypatch)
     path = tmp_path / "f"
     path.touch()
     with pytest.raises(DeepNVMeIOError) as info:
-        _io.reserve(str(path), 1 << 20, posix=_FullUntilReleased(failures=2))
+        io_file.reserve(str(path), 1 << 20, posix=_FullUntilReleased(failures=2))
     assert info.value.errno == errno.ENOSPC
     assert str(path) in str(info.value) and str(1 << 20) in str(info.value)
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from deepnvme.errors import DeepNVMeIOError, ShortTransferError
 from deepnvme.memory import pinned
-from deepnvme.memory.staging import StagingPipeline, plan_staged_chunks
+from deepnvme.io.staging import StagingPipeline, plan_staged_chunks
 
 from ...conftest import random_tensor, same_bytes
 from ...fakes import FakeCopier, FakeFileIO

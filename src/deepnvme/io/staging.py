@@ -34,10 +34,10 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .._buffers import cast_to_byte_tensor
+from ..memory.views import cast_to_byte_tensor
 from ..errors import DeepNVMeIOError, ShortTransferError
-from .._workers import WorkerGroup
-from .pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
+from .workers import WorkerGroup
+from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 
 __all__ = ["DeviceCopier", "CudaCopier", "StagingPipeline", "StagedChunk", "plan_staged_chunks",
            "SubmitIO"]

@@ -57,6 +57,8 @@ def nonnegative_int(text: str) -> int:
 
 def positive_size(text: str) -> int:
     """A byte size with an optional K/M/G/T suffix, at least 1 byte."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     try:
         value = parse_size(text)
     except ConfigError as exc:

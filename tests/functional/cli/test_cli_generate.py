@@ -42,7 +42,7 @@ def _one_line_error(code: int, out: str, err: str, message: str) -> None:
     (("--gen-len", "0"), "argument --gen-len: must be >= 1, got 0"),
     (("--prefetch", "-1"), "argument --prefetch: must be >= 0, got -1"),
     (("--block-size", "0"), "argument --block-size: must be at least 1 byte"),
-    (("--block-size=-1M",), "argument --block-size: cannot parse size '-1M'"),
+    (("--block-size=-1M",), "argument --block-size: must be at least 1 byte, got '-1M'"),
     (("--queue-depth", "0"), "argument --queue-depth: must be >= 1, got 0"),
     (("--parallelism", "-2"), "argument --parallelism: must be >= 1, got -2"),
     (("--device", "tpu"), "--device 'tpu' is not a device"),

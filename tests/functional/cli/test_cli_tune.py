@@ -278,3 +278,12 @@ def test_tune_force_overwrites_an_existing_output(run_cli, tmp_path) -> None:
     assert code == 0, err
     with AioHandle.from_config(json.loads(out_file.read_text())):
         pass
+
+
+def test_tune_unparsable_space_files_are_one_line(run_cli, tmp_path) -> None:
+    pytest.importorskip("yaml")
+    for name, text in (("bad.yaml", "engine: [threads\n"), ("bad.json", "{")):
+        (tmp_path / name).write_text(text)
+        code, out, err = run_cli("tune", "--dir", str(tmp_path), "--space", str(tmp_path / name))
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert "not valid " + name.split(".")[1].upper() in err

@@ -163,7 +163,8 @@ def test_tune_sweeps_single_submit_when_the_space_lists_both(run_cli, tmp_path) 
     assert "ss" in header and "engine" in header and "ss = single_submit" in out
     assert "single_submit is not swept" not in out
     code, out, err = run_cli("tune", "--dir", str(tmp_path), *SMALL, "--space", str(space),
-                             "--exhaustive", "--output", str(out_file), "--json")
+                             "--exhaustive", "--output", str(out_file), "--force", "--json")
+    assert code == 0, err  # --force: the first run's file is replaced
     data = json.loads(out)
     assert [(t["engine"], t["single_submit"]) for t in data["trials"]] == [
         (engine, False), (engine, True)]

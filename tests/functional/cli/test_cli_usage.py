@@ -57,3 +57,13 @@ def test_tune_budget_must_be_positive(run_cli, tmp_path) -> None:
         code, out, err = run_cli("tune", "--dir", str(tmp_path), f"--budget={bad}")
         assert code == 2 and out == "" and err.count("\n") == 1
         assert err.startswith("deepnvme tune: error: argument --budget: "), err
+
+
+def test_bench_gpu_without_cuda_is_one_line(run_cli, monkeypatch, leftovers, tmp_path) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run_cli("bench", "--gpu", "--dir", str(tmp_path), "--io-size", "1M")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("deepnvme bench: error: --gpu needs a CUDA device"), err
+    assert leftovers(tmp_path) == []

@@ -17,8 +17,7 @@ from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cp
 from .optim import NVMeOptimizer
 from .swap import SwapBufferError, SwapError, TensorSwapper
 from . import inference  # deepnvme.inference.offload / load_offloaded (imports no transformers)
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "AioHandle",

@@ -97,5 +97,17 @@ def render_bench(result: BenchResult, console: Console) -> None:
     if result.compared:
         say(f"  'deepnvme is' = deepnvme ({result.engines[0]})'s median rate / the row's "
             "(2.00x = twice as fast)")
+    if result.validated is not None:
+        say(f"  {_validated(result)}")
     for note in result.notes:
         say(f"  note: {note}")
+
+
+def _validated(result: BenchResult) -> str:
+    """The --validate line: how many transfers were compared with the written data."""
+    writes, reads = result.validated or (0, 0)
+    what = (f"{reads} random-read passes (every {fmt_size(result.random_size)} block)"
+            if result.random_size else f"{writes} writes and {reads} reads")
+    skipped = " (fio's transfers are not checked)" if "fio" in result.tools else ""
+    return (f"validated: {what} of {fmt_size(result.io_size)} compared byte-for-byte against "
+            f"the written data, warm-up included{skipped}")

@@ -64,7 +64,10 @@ def load_space(path: str) -> TuneSpace:
         except ImportError:
             raise ConfigError("reading a YAML space needs PyYAML (pip install pyyaml); "
                               "or write the space as JSON") from None
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from None
     else:
         try:
             data = json.loads(text)

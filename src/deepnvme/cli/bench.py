@@ -22,8 +22,9 @@ import dataclasses
 import os
 from typing import Any
 
-from ..config import IOConfig, parse_size, resolve_config
+from ..config import IOConfig, resolve_config
 from ..errors import ConfigError, DeepNVMeError
+from ._args import nonnegative_int, positive_int, positive_size
 from ._bench_setup import check_options, make_paths, pick_engines, pick_tools
 from ._bench_view import render_bench
 from ._engines import parse_engines
@@ -154,6 +155,7 @@ class BenchResult:
     gds: bool = False
     engines: tuple[str, ...] = ()
     random_size: int | None = None
+    validated: tuple[int, int] | None = None  # --validate: (writes, reads) checked, all procs
 
     def get(self, tool: str, op: str, engine: str | None = None) -> OpStats | None:
         """The row of ``tool`` and ``op`` (deepnvme: of ``engine``, default the first)."""
@@ -193,7 +195,9 @@ class BenchResult:
                 "handle": "GdsHandle" if self.gds else "AioHandle",
                 "device": "cuda" if self.gpu or self.gds else "cpu",
                 "tools": list(self.tools), "results": [o.to_dict() for o in self.ops],
-                "speedup": speedup, "notes": list(self.notes)}
+                "speedup": speedup, "notes": list(self.notes),
+                "validated": None if self.validated is None else
+                dict(zip(("writes", "reads"), self.validated))}
 
 
 def parse_dir_map(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -250,7 +254,16 @@ def run_bench(options: BenchOptions, *, progress: Any = None) -> BenchResult:
                        options.gpu or options.gds, tools,
                        _aggregate(steps, lanes(tools, engines), samples, options),
                        tuple(notes), gds=options.gds, engines=engines,
-                       random_size=options.random_size)
+                       random_size=options.random_size, validated=_validated(steps, options))
+
+
+def _validated(steps: tuple[Step, ...], o: BenchOptions) -> tuple[int, int] | None:
+    """(writes, reads) that --validate compared with the pattern: every step but fio's, in
+    every process (a mismatch raises, so reaching here means all matched)."""
+    if not o.validate:
+        return None
+    checked = [s for s in steps if s.tool != "fio"]
+    return (sum(s.write for s in checked) * o.procs, sum(not s.write for s in checked) * o.procs)
 
 
 def _run_notes(o_direct: bool, pinned: bool, o: BenchOptions) -> list[str]:
@@ -315,15 +328,15 @@ def add_bench_parser(subparsers: Any) -> None:
                    help="directory for the temporary files (repeatable; default: .)")
     b.add_argument("--dir-map", default=None, metavar="DIR:GPU,...",
                    help="directories with the GPU each one feeds (several devices)")
-    b.add_argument("--io-size", type=parse_size, default=parse_size("1G"), metavar="SIZE",
+    b.add_argument("--io-size", type=positive_size, default=1 << 30, metavar="SIZE",
                    help="bytes per transfer and process, K/M/G suffixes (default: 1G)")
     b.add_argument("--read", action="store_true", help="measure reads (default: reads and writes)")
     b.add_argument("--write", action="store_true", help="measure writes (default: both)")
-    b.add_argument("--block-size", type=parse_size, default=None, metavar="SIZE",
+    b.add_argument("--block-size", type=positive_size, default=None, metavar="SIZE",
                    help="bytes per chunk/syscall (default: 1M or DEEPNVME_BLOCK_SIZE)")
-    b.add_argument("--queue-depth", type=int, default=None, metavar="N",
+    b.add_argument("--queue-depth", type=positive_int, default=None, metavar="N",
                    help="chunks in flight per handle (default: 128); also fio's --iodepth")
-    b.add_argument("--parallelism", type=int, default=None, metavar="N",
+    b.add_argument("--parallelism", type=positive_int, default=None, metavar="N",
                    help="intra_op_parallelism: I/O threads per handle")
     b.add_argument("--engine", default=None, metavar="NAME[,NAME...]",
                    help="deepnvme's I/O engines to sweep, one row each: auto, io_uring, aio, "
@@ -331,16 +344,16 @@ def add_bench_parser(subparsers: Any) -> None:
     b.add_argument("--random", action="store_true",
                    help="random reads: every --random-size block of the --io-size file once per "
                         "loop, in random order; IOPS, MB/s, latency")
-    b.add_argument("--random-size", type=parse_size, default=None, metavar="SIZE",
+    b.add_argument("--random-size", type=positive_size, default=None, metavar="SIZE",
                    help="bytes per random read: 4K to 64K in steps of 4K (default: 4K)")
     b.add_argument("--single-submit", action="store_true",
                    help="submit chunks one per call (io_uring/aio), as ds_io's")
     b.add_argument("--sequential-requests", action="store_true",
                    help="accepted for ds_io parity (overlap_events=False)")
-    b.add_argument("--loops", type=int, default=3, help="timed loops (default: 3)")
-    b.add_argument("--warmup-loops", type=int, default=1, help="untimed loops first (default: 1)")
+    b.add_argument("--loops", type=positive_int, default=3, help="timed loops (default: 3)")
+    b.add_argument("--warmup-loops", type=nonnegative_int, default=1, help="untimed loops first (default: 1)")
     b.add_argument("--validate", action="store_true", help="check every byte written and read")
-    b.add_argument("--procs", type=int, default=1,
+    b.add_argument("--procs", type=positive_int, default=1,
                    help="processes at once, barrier-synchronised, one file each")
     b.add_argument("--gpu", action="store_true", help="GPU buffers (staged through host memory)")
     b.add_argument("--gds", action="store_true", help="GPUDirect Storage")

@@ -1,8 +1,9 @@
 """deepnvme: check the environment (report), measure the storage path (bench), pick handle
-settings (tune).
+settings (tune), time generation with weights streamed from disk (generate).
 
 Exit codes: 0 success; 1 ``report`` found a FAIL; 2 a usage, configuration or I/O error
-(the message says what to change); 130 interrupted (Ctrl-C).
+(one line on stderr that says what to change; no command at all prints this help there);
+130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .._version import __version__
 from ..errors import DeepNVMeError
+from ._args import CliParser
 from .bench import add_bench_parser
 from .generate import add_generate_parser
 from .report import add_report_parser
@@ -28,10 +31,12 @@ SUBCOMMANDS: list[Callable[[Any], Any]] = [add_report_parser, add_bench_parser, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepnvme", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The ``deepnvme`` parser with every subcommand of :data:`SUBCOMMANDS` registered."""
+    parser = CliParser(prog="deepnvme", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"deepnvme {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for register in SUBCOMMANDS:
         register(sub)
     return parser
@@ -40,13 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``deepnvme`` command line with ``argv`` (default: ``sys.argv[1:]``); returns
     the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad argument (already printed)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    if args.command is None:  # a usage error, as argparse treats a missing argument
+        parser.print_help(sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except (DeepNVMeError, OSError) as exc:
-        print(f"deepnvme {args.command}: error: {exc}", file=sys.stderr)
+    except (DeepNVMeError, OSError) as exc:  # UsageError, ConfigError, I/O errors: one line
+        message = " ".join(str(exc).split())
+        print(f"deepnvme {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"deepnvme {args.command}: interrupted; temporary files removed", file=sys.stderr)

@@ -32,10 +32,14 @@ _NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "9p", "ceph", "glusterfs", "lustre
 
 @dataclasses.dataclass(frozen=True)
 class Check:
+    """One line of the report; ``data`` holds its facts as numbers and booleans for ``--json``
+    (``value`` is the text for people)."""
+
     name: str
     status: str
     value: str
     hint: str = ""
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +53,14 @@ class Report:
         """True when no check FAILed."""
         return all(c.status != FAIL for c in self.checks)
 
+    @property
+    def facts(self) -> dict[str, Any]:
+        """Every check's ``data`` in one mapping (bytes, counts and booleans, typed)."""
+        return {k: v for c in self.checks for k, v in c.data.items()}
+
     def to_dict(self) -> dict[str, Any]:
         auto = next((e.name for e in self.engines if e.auto), None)
-        return {"directory": self.directory, "ok": self.ok,
+        return {"directory": self.directory, "ok": self.ok, "facts": self.facts,
                 "checks": [dataclasses.asdict(c) for c in self.checks],
                 "engines": [e.to_dict() for e in self.engines], "auto_engine": auto}
 
@@ -65,19 +74,22 @@ def _software() -> list[Check]:
               "" if py >= (3, 10) else "deepnvme needs Python 3.10 or newer"),
         Check("torch", OK, torch.__version__),
         Check("deepnvme", OK, f"{__version__} ({os.path.dirname(os.path.dirname(__file__))})"),
-        Check("cpus", OK, f"{os.cpu_count()} (intra_op_parallelism above this rarely helps)"),
+        Check("cpus", OK, f"{os.cpu_count()} (intra_op_parallelism above this rarely helps)",
+              data={"cpus": os.cpu_count()}),
     ]
     if torch.cuda.is_available():
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-        checks.append(Check("cuda", OK, f"{torch.cuda.device_count()} device(s): {names}"))
+        checks.append(Check("cuda", OK, f"{torch.cuda.device_count()} device(s): {names}",
+                            data={"cuda_devices": torch.cuda.device_count()}))
     else:
         checks.append(Check("cuda", WARN, f"not available (torch {torch.__version__})",
                             "CPU tensors work; for GPU tensors install a CUDA build of torch "
-                            "and the NVIDIA driver"))
+                            "and the NVIDIA driver", data={"cuda_devices": 0}))
     checks.append(_gds_check())
     fio = shutil.which("fio")
     checks.append(Check("fio", OK if fio else WARN, fio or "not found",
-                        "" if fio else "'deepnvme bench --compare' also times fio: apt-get install fio"))
+                        "" if fio else "'deepnvme bench --compare' also times fio: apt-get install fio",
+                        data={"fio": fio is not None}))
     return checks
 
 
@@ -86,14 +98,17 @@ def _gds_check() -> Check:
     from ..handles.gds import gds_status
 
     status = gds_status()
+    data = {"gds": status.available}
     if not status.available:
         return Check("gpudirect storage", WARN, f"not available: {status.detail}",
                      "GPU tensors are staged through pinned host memory; for GPUDirect install "
-                     "NVIDIA GDS (nvidia-fs driver, libcufile) and pip install 'deepnvme[gds]'")
+                     "NVIDIA GDS (nvidia-fs driver, libcufile) and pip install 'deepnvme[gds]'",
+                     data)
     if status.mode != "nvidia-fs":
         return Check("gpudirect storage", WARN, f"usable in {status.mode} mode: {status.detail}",
-                     "load the nvidia-fs kernel module (modprobe nvidia_fs) for direct DMA")
-    return Check("gpudirect storage", OK, f"usable in {status.mode} mode: {status.detail}")
+                     "load the nvidia-fs kernel module (modprobe nvidia_fs) for direct DMA", data)
+    return Check("gpudirect storage", OK, f"usable in {status.mode} mode: {status.detail}",
+                 data=data)
 
 
 _ENGINE_HINTS = {
@@ -148,7 +163,7 @@ def _memlock_checks() -> list[Check]:
     checks = [Check("RLIMIT_MEMLOCK", OK if big else WARN, text,
                     "" if big else "buffers above this size are not page-locked: raise it with "
                     "'ulimit -l unlimited' or memlock in /etc/security/limits.conf (containers: "
-                    "--ulimit memlock=-1)")]
+                    "--ulimit memlock=-1)", _memlock_data(soft, hard))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         t = new_cpu_locked_tensor(16 * mmap.PAGESIZE)
@@ -156,8 +171,21 @@ def _memlock_checks() -> list[Check]:
     free_cpu_locked_tensor(t)
     checks.append(Check("mlock", OK if locked else WARN,
                         "works" if locked else "refused for a 64 KiB buffer",
-                        "" if locked else "raise RLIMIT_MEMLOCK (see above)"))
+                        "" if locked else "raise RLIMIT_MEMLOCK (see above)",
+                        data={"mlock": locked}))
     return checks
+
+
+def _memlock_data(soft: int, hard: int) -> dict[str, Any]:
+    """RLIMIT_MEMLOCK in bytes, None where unlimited."""
+    def size(limit: int) -> int | None:
+        return None if limit == resource.RLIM_INFINITY else limit
+
+    return {"memlock_soft_bytes": size(soft), "memlock_hard_bytes": size(hard),
+            "memlock_unlimited": soft == resource.RLIM_INFINITY}
+
+
+_ALIGN_UNKNOWN = {"dio_alignment_memory_bytes": None, "dio_alignment_offset_bytes": None}
 
 
 def _probe_o_direct(directory: str) -> tuple[Check, Check]:
@@ -171,8 +199,8 @@ def _probe_o_direct(directory: str) -> tuple[Check, Check]:
         except OSError as exc:
             return (Check("O_DIRECT", WARN, f"refused ({exc.strerror})",
                           "reads and writes go through the page cache; put files on a local "
-                          "ext4/xfs filesystem for O_DIRECT"),
-                    Check("dio alignment", WARN, "n/a (no O_DIRECT)"))
+                          "ext4/xfs filesystem for O_DIRECT", {"o_direct": False}),
+                    Check("dio alignment", WARN, "n/a (no O_DIRECT)", data=_ALIGN_UNKNOWN))
         try:
             os.pwritev(dfd, [buf], 0)
             os.preadv(dfd, [buf], 0)
@@ -184,30 +212,34 @@ def _probe_o_direct(directory: str) -> tuple[Check, Check]:
             os.close(dfd)
     except OSError as exc:
         return (Check("O_DIRECT", WARN, f"open works but I/O fails ({exc.strerror})",
-                      "deepnvme falls back to buffered I/O here"), Check("dio alignment", WARN, "n/a"))
+                      "deepnvme falls back to buffered I/O here", {"o_direct": False}),
+                Check("dio alignment", WARN, "n/a", data=_ALIGN_UNKNOWN))
     finally:
         buf.close()
         os.unlink(path)
     if align is None:
         a = Check("dio alignment", OK, "not reported by the kernel (statx DIOALIGN needs Linux 6.1+); "
-                  "4096 B assumed")
+                  "4096 B assumed", data=_ALIGN_UNKNOWN)
     else:
-        a = Check("dio alignment", OK, f"memory {align.memory} B, file offset {align.offset} B")
-    return Check("O_DIRECT", OK, "accepted"), a
+        a = Check("dio alignment", OK, f"memory {align.memory} B, file offset {align.offset} B",
+                  data={"dio_alignment_memory_bytes": align.memory,
+                        "dio_alignment_offset_bytes": align.offset})
+    return Check("O_DIRECT", OK, "accepted", data={"o_direct": True}), a
 
 
 def _dir_checks(directory: str) -> list[Check]:
     if not os.path.isdir(directory):
         return [Check("directory", FAIL, f"{directory} does not exist",
-                      "pass an existing directory with --dir")]
+                      "pass an existing directory with --dir", {"writable": False})]
     try:
         fd, path = tempfile.mkstemp(prefix=".deepnvme-report-", dir=directory)
         os.close(fd)
         os.unlink(path)
     except OSError as exc:
         return [Check("directory", FAIL, f"{directory}: cannot create files ({exc.strerror})",
-                      "use a directory you can write to (--dir)")]
-    checks = [Check("directory", OK, f"{os.path.abspath(directory)} (writable)")]
+                      "use a directory you can write to (--dir)", {"writable": False})]
+    checks = [Check("directory", OK, f"{os.path.abspath(directory)} (writable)",
+                    data={"writable": True})]
     mount = mount_of(directory)
     if mount is None:
         checks.append(Check("filesystem", WARN, "unknown (no /proc/self/mountinfo)"))
@@ -218,12 +250,14 @@ def _dir_checks(directory: str) -> list[Check]:
         elif mount.fstype in _NETWORK_FS or mount.fstype.startswith("fuse"):
             fs_status, fs_hint = WARN, "network/FUSE filesystem: local NVMe is much faster"
         checks.append(Check("filesystem", fs_status,
-                            f"{mount.fstype} on {mount.mountpoint} from {mount.source}", fs_hint))
+                            f"{mount.fstype} on {mount.mountpoint} from {mount.source}", fs_hint,
+                            {"fstype": mount.fstype}))
     checks.extend(_probe_o_direct(directory))
     st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize
     checks.append(Check("free space", OK if free >= 2 * GB else WARN, f"{free / GB:.1f} GB",
-                        "" if free >= 2 * GB else "'deepnvme bench' needs --io-size x --procs free"))
+                        "" if free >= 2 * GB else "'deepnvme bench' needs --io-size x --procs free",
+                        {"free_bytes": free}))
     checks.extend(_device_checks(mount.dev if mount else None))
     return checks
 
@@ -240,7 +274,7 @@ def _device_checks(dev: str | None) -> list[Check]:
                             "yes" if info.rotational else "no (SSD/NVMe)",
                             ("virtual disks often report rotational=1 whatever backs them"
                              if virt else "a spinning disk: expect ~0.2 GB/s, not NVMe speed")
-                            if info.rotational else ""))
+                            if info.rotational else "", {"rotational": info.rotational}))
     if info.scheduler is not None:
         slow = info.scheduler in ("bfq", "cfq")
         checks.append(Check("io scheduler", WARN if slow else OK, info.scheduler,

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -26,9 +28,10 @@ from typing import Any
 
 import torch
 
-from ..config import IOConfig, parse_size, resolve_config
+from ..config import IOConfig, resolve_config
 from ..errors import ConfigError, DeepNVMeError
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
+from ._args import check_writable, positive_float, positive_int, positive_size
 from ._engines import engine_statuses
 from ._measure import Measurer, fill_pattern, remove
 from ._render import GB, write_json_durably
@@ -36,8 +39,8 @@ from ._search import Point, coordinate_search, grid
 from ._tune_space import (DIMENSIONS, TuneSpace, complete, default_space, load_space, runnable,
                           start_point)
 
-__all__ = ["TuneSpace", "Trial", "TuneResult", "default_space", "load_space", "run_tune",
-           "add_tune_parser"]
+__all__ = ["TuneSpace", "Trial", "TuneResult", "TuneInterrupted", "default_space", "load_space",
+           "run_tune", "add_tune_parser"]
 
 OBJECTIVES = ("combined", "write", "read")
 
@@ -92,6 +95,7 @@ class TuneResult:
     budget: float
     budget_exhausted: bool
     notes: tuple[str, ...]
+    interrupted: bool = False  # Ctrl-C ended the sweep: the winners are the best so far
 
     def deepspeed_config(self) -> dict[str, dict[str, Any]]:
         """The DeepSpeed ``{"aio": {...}}`` section of the winner for :attr:`objective`."""
@@ -104,7 +108,17 @@ class TuneResult:
                 "best": {k: v.to_dict() for k, v in self.best.items()},
                 "objective": self.objective, "config": self.deepspeed_config(),
                 "output": self.output, "elapsed_s": self.elapsed, "budget_s": self.budget,
-                "budget_exhausted": self.budget_exhausted, "notes": list(self.notes)}
+                "budget_exhausted": self.budget_exhausted, "interrupted": self.interrupted,
+                "notes": list(self.notes)}
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the sweep, after at least one trial: ``result`` holds the best
+    configuration found so far (already written to its ``output``)."""
+
+    def __init__(self, result: TuneResult) -> None:
+        super().__init__("tune interrupted")
+        self.result = result
 
 
 class _Trials:
@@ -159,7 +173,8 @@ def run_tune(directory: str = ".", *, space: TuneSpace | None = None, io_size: i
     Settings ``space`` leaves out take the default candidates; engines this system cannot
     run are dropped (with a note), and ``space_size`` counts what remains. Writes the winner
     for ``objective`` to ``output`` (durably) when given. The temporary file is removed
-    before this returns or raises.
+    before this returns or raises. Ctrl-C after the first trial writes the best so far and
+    raises :class:`TuneInterrupted` carrying that result.
     """
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -167,6 +182,8 @@ def run_tune(directory: str = ".", *, space: TuneSpace | None = None, io_size: i
         raise ConfigError("--io-size and --loops must be >= 1 and --budget > 0")
     if not os.path.isdir(directory):
         raise DeepNVMeError(f"directory {directory!r} does not exist; pass one with --dir")
+    if output is not None:
+        check_writable(output, "--output")  # before the sweep, not after it
     statuses = engine_statuses()
     space = runnable(complete(space) if space else default_space(), statuses)
     with warnings.catch_warnings():  # allocate first: a failure here leaves no temp file
@@ -179,32 +196,54 @@ def run_tune(directory: str = ".", *, space: TuneSpace | None = None, io_size: i
         raise DeepNVMeError(f"cannot create a file in {directory!r} ({exc.strerror}); pass a "
                             "writable directory with --dir") from None
     os.close(fd)
+    interrupted = False
     try:
         fill_pattern(buf, seed=0)
         _warm_up(path, buf)
         trials = _Trials(path, buf, loops, budget, on_trial)
-        _sweep(space, trials, exhaustive, auto=next(e.name for e in statuses if e.auto))
+        try:
+            _sweep(space, trials, exhaustive, auto=next(e.name for e in statuses if e.auto))
+        except KeyboardInterrupt:
+            if not trials.cache:
+                raise
+            interrupted = True
     finally:
         remove(path)
         free_cpu_locked_tensor(buf)
+    result = _result(directory, space, trials, objective, output, interrupted)
+    if output is not None:
+        _write_config(result, output)
+    if interrupted:
+        raise TuneInterrupted(result)
+    return result
+
+
+def _result(directory: str, space: TuneSpace, trials: _Trials, objective: str,
+            output: str | None, interrupted: bool) -> TuneResult:
+    """The winners among the trials measured, with notes on why the sweep stopped."""
     done = tuple(trials.cache.values())
     if not done:
         raise DeepNVMeError("no configuration could be measured")
-    best = {obj: max(done, key=lambda t, o=obj: t.score(o)) for obj in OBJECTIVES}
+    best = {obj: max(done, key=operator.methodcaller("score", obj)) for obj in OBJECTIVES}
     notes = list(space.notes)
     if trials.exhausted:
-        notes.append(f"the {budget:g} s budget ran out after {len(done)} configurations; "
+        notes.append(f"the {trials.budget:g} s budget ran out after {len(done)} configurations; "
                      "raise --budget to search further")
-    result = TuneResult(os.path.abspath(directory), io_size, loops, space.size, done, best,
-                        objective, output, time.perf_counter() - trials.started, budget,
-                        trials.exhausted, tuple(notes))
-    if output is not None:
-        data = result.deepspeed_config()
-        write_json_durably(output, data)
-        with open(output) as f:  # the file must round-trip through the runtime's reader
-            if IOConfig.from_deepspeed(json.load(f)) != best[objective].config():
-                raise DeepNVMeError(f"{output} does not read back as the chosen settings")
-    return result
+    if interrupted:
+        notes.append(f"interrupted (Ctrl-C) after {len(done)} configurations: the winners are "
+                     "the best found so far")
+    return TuneResult(os.path.abspath(directory), trials.buf.numel(), trials.loops, space.size,
+                      done, best, objective, output, time.perf_counter() - trials.started,
+                      trials.budget, trials.exhausted, tuple(notes), interrupted)
+
+
+def _write_config(result: TuneResult, output: str) -> None:
+    """Write the winner's DeepSpeed config durably and check that it reads back as chosen."""
+    best = result.best[result.objective]
+    write_json_durably(output, result.deepspeed_config())
+    with open(output) as f:  # the file must round-trip through the runtime's reader
+        if IOConfig.from_deepspeed(json.load(f)) != best.config():
+            raise DeepNVMeError(f"{output} does not read back as the chosen settings")
 
 
 def _warm_up(path: str, buf: torch.Tensor) -> None:
@@ -242,10 +281,10 @@ def add_tune_parser(subparsers: Any) -> None:
     t.add_argument("--dir", default=".", help="directory for the temporary file (default: .)")
     t.add_argument("--space", default=None, metavar="FILE",
                    help="JSON/YAML file of candidate values per setting (default: built in)")
-    t.add_argument("--io-size", type=parse_size, default=parse_size("256M"), metavar="SIZE",
+    t.add_argument("--io-size", type=positive_size, default=256 << 20, metavar="SIZE",
                    help="bytes per transfer (default: 256M)")
-    t.add_argument("--loops", type=int, default=2, help="transfers per config and op (default: 2)")
-    t.add_argument("--budget", type=float, default=120.0, metavar="SECONDS",
+    t.add_argument("--loops", type=positive_int, default=2, help="transfers per config and op (default: 2)")
+    t.add_argument("--budget", type=positive_float, default=120.0, metavar="SECONDS",
                    help="stop measuring new configurations after this long (default: 120)")
     t.add_argument("--objective", choices=OBJECTIVES, default="combined",
                    help="which winner goes to --output (default: combined)")
@@ -255,32 +294,57 @@ def add_tune_parser(subparsers: Any) -> None:
                    help="where to write the DeepSpeed {\"aio\": ...} config (default: "
                         "deepnvme_aio.json); '-' to skip")
     t.add_argument("--plot", default=None, metavar="PNG", help="draw GB/s per configuration")
+    t.add_argument("--force", action="store_true",
+                   help="overwrite an existing --output or --plot file (default: refuse)")
     t.add_argument("--json", action="store_true", help="print JSON instead of tables")
     t.set_defaults(func=_cmd_tune)
 
 
 def _cmd_tune(args: Any) -> int:
-    from ._render import print_json, progress_bar, stdout_console
-    from ._tune_view import plot_tune, render_tune, require_matplotlib
+    from ._tune_view import require_matplotlib
 
-    if args.plot:
-        require_matplotlib()  # fail before a long sweep, not after it
-    space = load_space(args.space) if args.space else default_space()
     output = None if args.output == "-" else args.output
+    if output is not None:  # fail before a long sweep, not after it
+        check_writable(output, "--output", force=args.force)
+    if args.plot:
+        check_writable(args.plot, "--plot", force=args.force)
+        require_matplotlib()
+    space = load_space(args.space) if args.space else default_space()
+    try:
+        result = _run_with_progress(args, space, output)
+    except TuneInterrupted as stop:
+        _show(stop.result, args)
+        saved = f"; the best so far is written to {output}" if output else ""
+        print(f"deepnvme tune: interrupted{saved}", file=sys.stderr)
+        return 130
+    _show(result, args)
+    return 0
+
+
+def _run_with_progress(args: Any, space: TuneSpace, output: str | None) -> TuneResult:
+    """run_tune with a progress bar of the budget spent."""
+    from ._render import progress_bar
+
     with progress_bar("deepnvme tune (budget s)", args.budget) as progress:
         def on_trial(trial: Trial, seconds: float) -> None:
             if progress is not None:
                 progress.advance(progress.task_ids[0], seconds)
 
-        result = run_tune(args.dir, space=space, io_size=args.io_size, loops=args.loops,
-                          budget=args.budget, objective=args.objective,
-                          exhaustive=args.exhaustive, output=output, on_trial=on_trial)
+        return run_tune(args.dir, space=space, io_size=args.io_size, loops=args.loops,
+                        budget=args.budget, objective=args.objective,
+                        exhaustive=args.exhaustive, output=output, on_trial=on_trial)
+
+
+def _show(result: TuneResult, args: Any) -> None:
+    """Draw --plot, then print the result as JSON or tables."""
+    from ._render import print_json, stdout_console
+    from ._tune_view import plot_tune, render_tune
+
     if args.plot:
         plot_tune(result, args.plot)
     if args.json:
         print_json(result.to_dict())
-    else:
-        render_tune(result, stdout_console())
-        if args.plot:
-            stdout_console().print(f"  plot written to {args.plot}")
-    return 0
+        return
+    render_tune(result, stdout_console())
+    if args.plot:
+        stdout_console().print(f"  plot written to {args.plot}")

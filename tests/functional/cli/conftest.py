@@ -38,15 +38,16 @@ def run_json(run_cli):
     return run
 
 
-def _spawn(*argv: str, **kwargs) -> subprocess.Popen:
+def _spawn(*argv: str, module: str = "deepnvme.cli.main", **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, "-m", "deepnvme.cli.main", *argv], env=env,
+    return subprocess.Popen([sys.executable, "-m", module, *argv], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
 @pytest.fixture
 def spawn():
-    """Start ``python -m deepnvme.cli.main ARGV`` with this checkout's src first on the path."""
+    """Start ``python -m deepnvme.cli.main ARGV`` (or ``module=``) with this checkout's src
+    first on the path."""
     return _spawn
 
 

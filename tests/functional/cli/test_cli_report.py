@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 
 import torch
 
@@ -98,3 +99,34 @@ def test_report_shows_an_unavailable_engine_with_why_and_a_hint(run_cli, monkeyp
     assert "kernel.io_uring_disabled" in checks["engine io_uring"]["hint"]
     assert "DEEPNVME_ENGINE=threads" in checks["engine auto"]["value"]
     assert code == 0 and data["ok"] is True  # a missing engine is a WARN, not a FAIL
+
+
+def test_report_json_gives_numbers_and_booleans_as_json_types(run_cli, tmp_path) -> None:
+    code, out, _ = run_cli("report", "--dir", str(tmp_path), "--json")
+    assert code == 0
+    facts = json.loads(out)["facts"]
+    assert type(facts["free_bytes"]) is int and facts["free_bytes"] > 0
+    st = os.statvfs(tmp_path)
+    assert abs(facts["free_bytes"] - st.f_bavail * st.f_frsize) < 1 << 30
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    inf = resource.RLIM_INFINITY
+    assert facts["memlock_unlimited"] is (soft == inf)
+    assert facts["memlock_soft_bytes"] == (None if soft == inf else soft)
+    assert facts["memlock_hard_bytes"] == (None if hard == inf else hard)
+    assert facts["cpus"] == os.cpu_count() and facts["writable"] is True
+    assert facts["cuda_devices"] == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    for key in ("mlock", "o_direct", "gds", "fio"):
+        assert type(facts[key]) is bool, key
+    for key in ("dio_alignment_memory_bytes", "dio_alignment_offset_bytes"):
+        assert facts[key] is None or (type(facts[key]) is int and facts[key] > 0), key
+    if "rotational" in facts:
+        assert type(facts["rotational"]) is bool
+    assert not [k for k, v in facts.items() if isinstance(v, str) and v.strip().isdigit()]
+    checks = {c["name"]: c for c in json.loads(out)["checks"]}
+    assert checks["free space"]["data"] == {"free_bytes": facts["free_bytes"]}
+    assert checks["O_DIRECT"]["data"] == {"o_direct": facts["o_direct"]}
+
+
+def test_report_json_on_a_missing_dir_says_not_writable(run_cli, tmp_path) -> None:
+    code, out, _ = run_cli("report", "--dir", str(tmp_path / "nope"), "--json")
+    assert code == 1 and json.loads(out)["facts"]["writable"] is False

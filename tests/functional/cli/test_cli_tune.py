@@ -106,23 +106,30 @@ def test_tune_bad_space_and_dir(run_cli, tmp_path) -> None:
     assert code == 2 and "does not exist" in err
 
 
-def test_tune_ctrl_c_removes_its_temporary_file(spawn, leftovers, tmp_path) -> None:
+def test_tune_ctrl_c_removes_its_temporary_file_and_saves_the_best_so_far(
+        spawn, leftovers, tmp_path) -> None:
     import os
     import signal
     import time
 
     out_file = tmp_path / "aio.json"
-    proc = spawn("tune", "--dir", str(tmp_path), "--io-size", "16M", "--budget", "120",
-                 "--exhaustive", "--output", str(out_file), start_new_session=True)
+    # the exhaustive grid (200+ configurations of 3 x 8M transfers) takes far longer than 2 s
+    proc = spawn("tune", "--dir", str(tmp_path), "--io-size", "8M", "--loops", "3",
+                 "--budget", "600", "--exhaustive", "--output", str(out_file),
+                 start_new_session=True)
     deadline = time.monotonic() + 60
     while not leftovers(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leftovers(tmp_path)
-    time.sleep(1.0)
+    time.sleep(2.0)  # the warm-up and the first trials are done
     os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert leftovers(tmp_path) == [] and not out_file.exists()
+    assert leftovers(tmp_path) == []
+    assert f"deepnvme tune: interrupted; the best so far is written to {out_file}" in err
+    assert "interrupted (Ctrl-C) after" in out and "best combined" in out
+    with AioHandle.from_config(json.loads(out_file.read_text())) as h:
+        assert h.engine in [p.name for p in probe_engines() if p.available]
 
 
 def test_failed_buffer_allocation_leaves_no_temp_file(tmp_path, monkeypatch):
@@ -156,7 +163,8 @@ def test_tune_sweeps_single_submit_when_the_space_lists_both(run_cli, tmp_path) 
     assert "ss" in header and "engine" in header and "ss = single_submit" in out
     assert "single_submit is not swept" not in out
     code, out, err = run_cli("tune", "--dir", str(tmp_path), *SMALL, "--space", str(space),
-                             "--exhaustive", "--output", str(out_file), "--json")
+                             "--exhaustive", "--output", str(out_file), "--force", "--json")
+    assert code == 0, err  # --force: the first run's file is replaced
     data = json.loads(out)
     assert [(t["engine"], t["single_submit"]) for t in data["trials"]] == [
         (engine, False), (engine, True)]
@@ -195,3 +203,88 @@ def test_tune_space_rejects_unknown_engines(run_cli, tmp_path) -> None:
     space.write_text(json.dumps({"engine": ["threads", "spdk"]}))
     code, _, err = run_cli("tune", "--dir", str(tmp_path), "--space", str(space))
     assert code == 2 and "engine 'spdk' is not one of" in err and err.count("\n") == 1
+
+
+def _interrupt_after(monkeypatch, trials: int) -> None:
+    """Ctrl-C (a KeyboardInterrupt) when the sweep asks for configuration ``trials + 1``."""
+    from deepnvme.cli import tune as tune_mod
+
+    measure = tune_mod._Trials.get
+
+    def get(self, point):
+        if point not in self.cache and len(self.cache) == trials:
+            raise KeyboardInterrupt
+        return measure(self, point)
+
+    monkeypatch.setattr(tune_mod._Trials, "get", get)
+
+
+def test_tune_ctrl_c_writes_and_prints_the_best_so_far(run_cli, monkeypatch, tmp_path) -> None:
+    _interrupt_after(monkeypatch, 3)
+    out_file = tmp_path / "aio.json"
+    code, out, err = run_cli("tune", "--dir", str(tmp_path), *SMALL, "--output", str(out_file),
+                             "--json")
+    assert code == 130
+    assert err == f"deepnvme tune: interrupted; the best so far is written to {out_file}\n"
+    data = json.loads(out)
+    assert data["interrupted"] is True and len(data["trials"]) == 3
+    assert any("interrupted (Ctrl-C) after 3 configurations" in n for n in data["notes"])
+    best = max(data["trials"], key=lambda t: t["combined_GBps"])
+    assert data["best"]["combined"] == best
+    assert json.loads(out_file.read_text()) == data["config"]
+    assert data["config"]["aio"]["block_size"] == best["block_size"]
+
+
+def test_tune_ctrl_c_before_any_trial_writes_nothing(run_cli, monkeypatch, leftovers,
+                                                     tmp_path) -> None:
+    _interrupt_after(monkeypatch, 0)
+    out_file = tmp_path / "aio.json"
+    code, out, err = run_cli("tune", "--dir", str(tmp_path), *SMALL, "--output", str(out_file))
+    assert code == 130 and out == "" and "interrupted" in err
+    assert not out_file.exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("option, target, message", [
+    ("--output", "{tmp}", "is a directory; give a file name"),
+    ("--output", "{tmp}/missing/aio.json", "does not exist"),
+    ("--output", "{tmp}/old.json", "already exists; add --force to overwrite it"),
+    ("--output", "/proc/aio.json", "cannot create files in '/proc'"),
+    ("--plot", "{tmp}", "is a directory; give a file name"),
+    ("--plot", "{tmp}/missing/tune.png", "does not exist"),
+    ("--plot", "{tmp}/old.json", "already exists; add --force to overwrite it"),
+])
+def test_tune_checks_its_output_paths_before_sweeping(run_cli, monkeypatch, tmp_path, option,
+                                                      target, message) -> None:
+    from deepnvme.cli import tune as tune_mod
+
+    def no_sweep(*args, **kwargs):
+        raise AssertionError("swept before checking the output paths")
+
+    monkeypatch.setattr(tune_mod, "_sweep", no_sweep)
+    (tmp_path / "old.json").write_text("keep me")
+    argv = ["tune", "--dir", str(tmp_path), *SMALL, option, target.format(tmp=tmp_path)]
+    if option == "--plot":
+        argv += ["--output", str(tmp_path / "aio.json")]
+    code, out, err = run_cli(*argv)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"deepnvme tune: error: {option} ") and message in err, err
+    assert (tmp_path / "old.json").read_text() == "keep me"
+
+
+def test_tune_force_overwrites_an_existing_output(run_cli, tmp_path) -> None:
+    out_file = tmp_path / "aio.json"
+    out_file.write_text("old")
+    code, _, err = run_cli("tune", "--dir", str(tmp_path), *SMALL, "--budget", "5",
+                           "--output", str(out_file), "--force", "--json")
+    assert code == 0, err
+    with AioHandle.from_config(json.loads(out_file.read_text())):
+        pass
+
+
+def test_tune_unparsable_space_files_are_one_line(run_cli, tmp_path) -> None:
+    pytest.importorskip("yaml")
+    for name, text in (("bad.yaml", "engine: [threads\n"), ("bad.json", "{")):
+        (tmp_path / name).write_text(text)
+        code, out, err = run_cli("tune", "--dir", str(tmp_path), "--space", str(tmp_path / name))
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert "not valid " + name.split(".")[1].upper() in err

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.atomic import create_temp
 from ..config import IOConfig, parse_size, resolve_config
 from ..errors import ConfigError, DeepNVMeError
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
@@ -35,6 +35,7 @@ from ._render import GB, write_json_durably
 from ._search import Point, coordinate_search, grid
 from ._tune_space import (DIMENSIONS, TuneSpace, complete, default_space, load_space, runnable,
                           start_point)
+from .clean import remove_leftovers
 
 __all__ = ["TuneSpace", "Trial", "TuneResult", "default_space", "load_space", "run_tune",
            "add_tune_parser"]
@@ -167,18 +168,18 @@ def run_tune(directory: str = ".", *, space: TuneSpace | None = None, io_size: i
         raise ConfigError("--io-size and --loops must be >= 1 and --budget > 0")
     if not os.path.isdir(directory):
         raise DeepNVMeError(f"directory {directory!r} does not exist; pass one with --dir")
+    remove_leftovers([directory])
     statuses = engine_statuses()
     space = runnable(complete(space) if space else default_space(), statuses)
     with warnings.catch_warnings():  # allocate first: a failure here leaves no temp file
         warnings.simplefilter("ignore", RuntimeWarning)
         buf = new_cpu_locked_tensor(io_size)
     try:
-        fd, path = tempfile.mkstemp(prefix=".deepnvme-tune-", dir=directory)
+        path = create_temp(directory, "deepnvme-tune")
     except OSError as exc:
         free_cpu_locked_tensor(buf)
         raise DeepNVMeError(f"cannot create a file in {directory!r} ({exc.strerror}); pass a "
                             "writable directory with --dir") from None
-    os.close(fd)
     try:
         fill_pattern(buf, seed=0)
         _warm_up(path, buf)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ._buffers import byte_view
 from .checkpoint import _io, atomic
 from .config import IOConfig
 from .handle import AioHandle
@@ -124,7 +125,7 @@ class _MemoryReadStream(io.RawIOBase):
             if start <= self._pos < start + buf.numel():
                 if fut is not None:
                     fut.result()
-                return self._views.setdefault(start, memoryview(buf.numpy())), self._pos - start
+                return self._views.setdefault(start, byte_view(buf)), self._pos - start
         return memoryview(b""), 0
 
     def slice(self, offset: int, length: int) -> "_MemoryReadStream":

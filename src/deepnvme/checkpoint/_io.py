@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._buffers import byte_view
 from ..config import IOConfig, resolve_config
 from ..errors import DeepNVMeIOError
 from ..handle import AioHandle
@@ -17,10 +18,19 @@ from ..io.posix import POSIX, Posix
 from . import atomic
 
 __all__ = ["CHECKPOINT_DEFAULTS", "checkpoint_config", "storage_bytes", "aligned_empty",
-           "write_at", "read_at"]
+           "write_at", "read_at", "as_path"]
 
 CHECKPOINT_DEFAULTS: Mapping[str, int] = {"intra_op_parallelism": 4, "queue_depth": 32}
 """Checkpoint I/O settings used where the resolved config still has the library default."""
+
+
+def as_path(path: object, func: str, accepted: str = "a str or os.PathLike file path") -> str:
+    """``path`` as a str for ``func``; anything else is a TypeError saying what is accepted."""
+    if isinstance(path, (str, os.PathLike)):
+        name = os.fspath(path)
+        if isinstance(name, str):
+            return name
+    raise TypeError(f"{func}: path must be {accepted}, got {type(path).__name__} {path!r}")
 
 
 def checkpoint_config(config: IOConfig | Mapping[str, Any] | None) -> IOConfig:
@@ -98,7 +108,7 @@ def read_buffered(path: str, buffer: torch.Tensor, offset: int, *, posix: Posix 
     fd = posix.open(path, write=False, direct=False)
     try:
         if buffer.numel():
-            posix.read_fully(fd, memoryview(buffer.numpy()), offset, path=path)
+            posix.read_fully(fd, byte_view(buffer), offset, path=path)
     finally:
         posix.close(fd)
 

@@ -98,7 +98,7 @@ class AsyncCheckpointer:
         ``recycle``: as for :func:`deepnvme.save` (overwrite ``path``'s spare file, keep the
         replaced file as the next spare).
         """
-        path = os.fspath(path)
+        path = atomic.resolve_target(_io.as_path(path, "deepnvme.async_save"))
         with self._lock:
             if self._closed:
                 raise RuntimeError("AsyncCheckpointer is closed")

@@ -39,7 +39,7 @@ def save_distributed(obj: Any, path: str | os.PathLike[str], *, group: Any = Non
     Each rank writes about ``1 / world_size`` of the storage bytes. Blocks until the file is
     durable under its final name on all ranks. Loads with plain ``torch.load``.
     """
-    path = os.fspath(path)
+    path = atomic.resolve_target(_io.as_path(path, "deepnvme.save_distributed"))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     cfg = _io.checkpoint_config(config)

@@ -314,8 +314,9 @@ class TempFile(NamedTuple):
     reason: str  # why it is stale or kept, for ``deepnvme clean``
 
 
-def find_temp_files(directory: str) -> list[TempFile]:
+def find_temp_files(directory: str | os.PathLike[str]) -> list[TempFile]:
     """Every deepnvme temporary file in ``directory``, each judged stale or kept (sorted)."""
+    directory = os.fspath(directory)
     found = []
     here = host_tag()
     for name in sorted(os.listdir(directory)):
@@ -333,7 +334,7 @@ def find_temp_files(directory: str) -> list[TempFile]:
     return found
 
 
-def clean_temp_files(directory: str, *, dry_run: bool = False) -> list[str]:
+def clean_temp_files(directory: str | os.PathLike[str], *, dry_run: bool = False) -> list[str]:
     """Remove temporary files left in ``directory`` by killed deepnvme processes; return their paths.
 
     Only files whose writer (the pid in the name) no longer exists on this machine are

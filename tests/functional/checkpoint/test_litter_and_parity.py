@@ -136,7 +136,7 @@ def test_pathlike_everywhere(tmp_path):
     s = tmp_path / "a.safetensors"
     deepnvme.save_safetensors(_state(6.0), s)
     assert torch.equal(deepnvme.load_safetensors(s)["w"], _state(6.0)["w"])
-    assert deepnvme.clean_temp_files(str(tmp_path)) == []
+    assert deepnvme.clean_temp_files(tmp_path) == []
 
 
 @pytest.mark.parametrize("kind", ["save", "async_save", "save_safetensors", "recycle"])

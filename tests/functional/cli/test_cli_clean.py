@@ -76,6 +76,18 @@ def test_sigkill_leftovers_removed_by_clean_then_absent_for_next_bench(spawn, le
     assert leftovers(tmp_path) == []
 
 
+def test_killed_bench_leaves_no_worker_behind(spawn, leftovers, run_cli, tmp_path) -> None:
+    proc = spawn("bench", "--dir", str(tmp_path), *BIG, "--procs", "2")
+    _wait_for_files(leftovers, tmp_path, 2)
+    time.sleep(1.0)
+    proc.kill()  # only the parent: its two workers must not go on writing
+    proc.communicate(timeout=60)
+    assert len(leftovers(tmp_path)) == 2
+    assert run_cli("clean", str(tmp_path))[0] == 0
+    time.sleep(3.0)  # an orphaned worker would recreate its file before each write
+    assert leftovers(tmp_path) == []
+
+
 def test_next_bench_removes_a_killed_bench_files(spawn, leftovers, run_json, tmp_path) -> None:
     proc = spawn("bench", "--dir", str(tmp_path), *BIG, start_new_session=True)
     _wait_for_files(leftovers, tmp_path, 1)

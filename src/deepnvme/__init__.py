@@ -4,6 +4,18 @@ Importing this package starts no threads, touches no CUDA state and reads no env
 variables; all of that happens when a handle is first used.
 """
 
+import importlib.util
+import warnings
+
+with warnings.catch_warnings():
+    if importlib.util.find_spec("numpy") is None:
+        # torch's import warns "Failed to initialize NumPy" when NumPy is absent; deepnvme
+        # never uses NumPy, so on the base install that warning is noise. A NumPy that is
+        # installed but broken still warns.
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy",
+                                category=UserWarning)
+    import torch  # noqa: F401  (first imported here, under the filter above)
+
 from .checkpoint import (AsyncCheckpointer, AsyncSaveHandle, CheckpointFormatError,
                          DistributedSaveError, async_save, clean_temp_files, load,
                          load_safetensors, save, save_distributed, save_safetensors)
@@ -16,7 +28,7 @@ from .memory.views import cast_to_byte_tensor
 from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
 from .optim import NVMeOptimizer
 from .swap import SwapBufferError, SwapError, TensorSwapper
-from . import inference  # deepnvme.inference.offload / load_offloaded (imports no transformers)
+from . import inference  # deepnvme.inference.install / load_offloaded (imports no transformers)
 from ._version import __version__
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""DeepSpeed-compatible entry point: ``from deepnvme.compat import AsyncIOBuilder`` in place of
+"""DeepSpeed-compatible entry point: ``from deepnvme.handles.deepspeed import AsyncIOBuilder`` in place of
 ``from deepspeed.ops.op_builder import AsyncIOBuilder``. The shapes live in
 :mod:`deepnvme.handles.deepspeed`; this public path stays stable."""
 

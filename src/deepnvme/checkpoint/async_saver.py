@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ._paths import as_path
 from ..config import IOConfig
 from ..handles.aio import AioHandle
 from ..io.plan import align_up
@@ -101,7 +102,7 @@ class AsyncCheckpointer:
         ``recycle``: as for :func:`deepnvme.save` (overwrite ``path``'s spare file, keep the
         replaced file as the next spare).
         """
-        path = os.fspath(path)
+        path = durable.resolve_target(as_path(path, "deepnvme.async_save"))
         with self._lock:
             if self._closed:
                 raise RuntimeError("AsyncCheckpointer is closed")

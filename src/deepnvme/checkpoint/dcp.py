@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..config import checkpoint_config
-from ..io import durable
-from ..memory.views import aligned_empty
-from ..config import IOConfig
-from ..handles.aio import AioHandle
+from ...config import checkpoint_config
+from ...io import durable
+from ...memory.views import aligned_empty, byte_view
+from ...config import IOConfig
+from ...handles.aio import AioHandle
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 
@@ -126,7 +126,7 @@ class _MemoryReadStream(io.RawIOBase):
             if start <= self._pos < start + buf.numel():
                 if fut is not None:
                     fut.result()
-                return self._views.setdefault(start, memoryview(buf.numpy())), self._pos - start
+                return self._views.setdefault(start, byte_view(buf)), self._pos - start
         return memoryview(b""), 0
 
     def slice(self, offset: int, length: int) -> "_MemoryReadStream":

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ._paths import as_path
 from ..config import IOConfig
 from ..errors import DeepNVMeError
 from ..handles.aio import AioHandle
@@ -42,7 +43,7 @@ def save_distributed(obj: Any, path: str | os.PathLike[str], *, group: Any = Non
     Each rank writes about ``1 / world_size`` of the storage bytes. Blocks until the file is
     durable under its final name on all ranks. Loads with plain ``torch.load``.
     """
-    path = os.fspath(path)
+    path = durable.resolve_target(as_path(path, "deepnvme.save_distributed"))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     cfg = checkpoint_config(config)

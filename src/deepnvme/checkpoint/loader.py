@@ -15,10 +15,11 @@ import pickle
 import sys
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from ._paths import as_path
 from ..config import IOConfig
 from ..errors import DeepNVMeIOError
 from ..handles.aio import AioHandle, wait_all
@@ -83,7 +84,8 @@ def _prefetch(handle: AioHandle, path: str, spans: dict[str, RecordSpan]
     return buffers, futures
 
 
-def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only: bool = True,
+def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
+         weights_only: bool = True, mmap: bool | None = None,
          config: IOConfig | Mapping[str, Any] | None = None) -> Any:
     """Load a ``torch.save`` file like ``torch.load(path, map_location, weights_only=...)``.
 
@@ -96,8 +98,19 @@ def load(path: str | os.PathLike[str], map_location: Any = None, *, weights_only
     Buffers: each large storage gets its own 4096-aligned allocation; runs of small storages
     share one (like ``mmap=True``, such storages cannot be resized). Not checked: record CRCs
     (``torch.load`` does not check them either), so flipped bytes inside tensor data go unseen.
+
+    ``mmap=True`` is ``torch.load(..., mmap=True)`` itself: storages map the file, nothing is
+    read up front, so deepnvme's parallel reads have nothing to do. A readable binary file
+    object (``io.BytesIO``, ``open(..., "rb")``) is also handed to ``torch.load``.
     """
-    path = os.fspath(path)
+    if not isinstance(path, (str, os.PathLike)) and hasattr(path, "read"):
+        log.debug("deepnvme.load: %r is a file object, not a path: read by torch.load", path)
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    path = as_path(path, "deepnvme.load",
+                   "a str or os.PathLike file path, or a readable binary file object")
+    if mmap:
+        log.debug("deepnvme.load: mmap=True for %s: the file is mapped by torch.load", path)
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
     cfg = checkpoint_config(config)
     if not _torch_internals_available():
         return torch.load(path, map_location=map_location, weights_only=weights_only)

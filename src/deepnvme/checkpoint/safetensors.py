@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ._paths import as_path
 from ..config import IOConfig, checkpoint_config
 from ..handles.aio import AioHandle
 from ..io.plan import align_up
@@ -84,7 +85,7 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLik
     Readable by ``safetensors.torch.load_file``. Tensors must be contiguous and must not share
     memory (the package's rules); CUDA tensors are copied to the CPU first.
     """
-    path = os.fspath(path)
+    path = as_path(path, "deepnvme.save_safetensors")
     cfg = checkpoint_config(config)
     head, items = _header(tensors, metadata)
     header = torch.frombuffer(bytearray(head), dtype=torch.uint8)
@@ -140,7 +141,7 @@ def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = 
     ``device`` if it is not the CPU. Truncated or inconsistent files raise
     :class:`CheckpointFormatError`.
     """
-    path = os.fspath(path)
+    path = as_path(path, "deepnvme.load_safetensors")
     cfg = checkpoint_config(config)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size

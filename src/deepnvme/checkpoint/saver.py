@@ -11,14 +11,16 @@ The storage records carry a zero CRC, exactly as ``torch.save`` under ``skip_dat
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from ._paths import as_path
 from ..config import IOConfig, checkpoint_config
 from ..handles.aio import AioHandle
 from ..io import durable
@@ -28,6 +30,8 @@ from ..formats.torchzip import (STORAGE_ALIGNMENT, RecordSpan, batch_small_recor
                      read_record_spans, storage_spans)
 
 __all__ = ["save", "write_skeleton", "pickle_skeleton", "StorageLayout"]
+
+log = logging.getLogger(__name__)
 
 
 class _CapturingPickleModule(types.SimpleNamespace):
@@ -130,7 +134,7 @@ def write_storages(handle: AioHandle, path: str, layout: StorageLayout, keys: li
     handle.write_many(path, items, fsync=fsync).result()
 
 
-def save(obj: Any, path: str | os.PathLike[str], *,
+def save(obj: Any, path: str | os.PathLike[str] | IO[bytes], *,
          config: IOConfig | Mapping[str, Any] | None = None, recycle: bool = False,
          ) -> None:
     """Save ``obj`` to ``path`` like ``torch.save``; blocks until the file is durable.
@@ -144,8 +148,18 @@ def save(obj: Any, path: str | os.PathLike[str], *,
     than a new file; costs a second copy on disk; see :mod:`deepnvme.io.durable`).
     Do not recycle while anything still reads or maps an older version of ``path``
     (``torch.load(mmap=True)`` results): the save after next overwrites its blocks in place.
+
+    When ``path`` is a symlink, the file it points to is replaced and the link stays (as with
+    ``torch.save``). A writable binary file object (``io.BytesIO``, ``open(..., "wb")``) is
+    handed to ``torch.save`` itself: no parallel I/O and no atomic replace for those.
     """
-    path = os.fspath(path)
+    if not isinstance(path, (str, os.PathLike)) and hasattr(path, "write"):
+        log.debug("deepnvme.save: %r is a file object, not a path: written by torch.save "
+                  "(no parallel O_DIRECT I/O, no atomic replace)", path)
+        torch.save(obj, path)
+        return
+    path = as_path(path, "deepnvme.save",
+                   "a str or os.PathLike file path, or a writable binary file object")
     cfg = checkpoint_config(config)
     with durable.atomic_target(path, recycle=recycle) as tmp:
         layout = write_skeleton(obj, tmp)

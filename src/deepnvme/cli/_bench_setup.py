@@ -4,11 +4,11 @@ boundary (errors say the fix), the tools and engines to run, the temporary files
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..io.durable import create_temp
 from ..errors import ConfigError, DeepNVMeError
 from ._engines import engine_statuses, require_engines
 from ._measure import fio_path
@@ -130,17 +130,20 @@ def pick_tools(o: BenchOptions, notes: list[str]) -> tuple[str, ...]:
 
 
 def make_paths(dirs: tuple[str, ...], procs: int) -> list[str]:
-    """One new empty temporary file per process (``dirs`` round-robin); all or none."""
+    """One new empty temporary file per process (``dirs`` round-robin); all or none.
+
+    Named like a save's temporary files (with this process's pid), so ``deepnvme clean`` and
+    the next bench remove any that a killed run leaves.
+    """
     paths: list[str] = []
     try:
         for i in range(procs):
             d = dirs[i % len(dirs)]
             try:
-                fd, path = tempfile.mkstemp(prefix=f".deepnvme-bench-{i}-", dir=d)
+                path = create_temp(d, f"deepnvme-bench-{i}")
             except OSError as exc:
                 raise DeepNVMeError(f"cannot create a file in {d!r} ({exc.strerror}); pass a "
                                     "writable directory with --dir") from None
-            os.close(fd)
             paths.append(path)
     except BaseException:
         for p in paths:

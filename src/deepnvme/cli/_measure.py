@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..memory.views import byte_view
 from ..config import IOConfig
 from ..errors import DeepNVMeError, DeepNVMeIOError, ValidationError
 from ..handles.aio import AioHandle
@@ -117,7 +118,7 @@ def fill_pattern(buf: torch.Tensor, seed: int) -> None:
 
 def check_file(path: str, expected: torch.Tensor) -> None:
     """Compare the file's bytes with ``expected`` (buffered reads, untimed); raise on a mismatch."""
-    mv = memoryview(expected.numpy())
+    mv = byte_view(expected)
     with open(path, "rb", buffering=0) as f:
         for start in range(0, len(mv), _CHECK_BLOCK):
             n = min(_CHECK_BLOCK, len(mv) - start)
@@ -288,7 +289,7 @@ class Measurer:
 
     def _python_write(self) -> None:
         self._stage_out()
-        view = memoryview(self.buf.numpy())
+        view = byte_view(self.buf)
         with open(self.path, "wb", buffering=0) as f:
             done = 0
             while done < len(view):
@@ -300,7 +301,7 @@ class Measurer:
             os.fsync(f.fileno())
 
     def _python_read(self) -> None:
-        view = memoryview(self.buf.numpy())
+        view = byte_view(self.buf)
         with open(self.path, "rb", buffering=0) as f:
             done = 0
             while done < len(view):

@@ -8,11 +8,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rich.console import Console
+
+from ..io.durable import temp_name
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
@@ -75,11 +76,9 @@ def write_json_durably(path: str, data: Any) -> None:
     """Write JSON to ``path`` via a temporary file in the same directory, fsync, rename, fsync dir;
     a failure leaves any previous file untouched."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=directory)
+    tmp = temp_name(path)  # named like a save's: ``deepnvme clean`` removes it after a kill
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(data, indent=2) + "\n")
             f.flush()

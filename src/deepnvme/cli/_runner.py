@@ -10,9 +10,13 @@ happens (errors, Ctrl-C).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import logging
 import multiprocessing as mp
+import os
 import queue as queue_mod
+import signal
 import threading
 import warnings
 from collections.abc import Callable
@@ -27,7 +31,10 @@ from ._measure import Measurer, RandomReads, Timing, check_file, fill_pattern, p
 
 __all__ = ["Step", "WorkerSpec", "Sample", "Ready", "lanes", "plan_steps", "run_workers"]
 
+log = logging.getLogger(__name__)
+
 _BARRIER_TIMEOUT_S = 900.0
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +160,22 @@ def _validate(step: Step, path: str, buf: torch.Tensor, device_buf: torch.Tensor
                               offset=bad, size=expected.numel())
 
 
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this worker when the bench process dies (Linux), so a killed
+    bench leaves no orphan writing into files that ``deepnvme clean`` judges abandoned."""
+    parent = mp.parent_process()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            log.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    except (OSError, AttributeError) as exc:  # not Linux: workers stop at the barrier timeout
+        log.debug("no parent-death signal for bench workers: %s", exc)
+    if parent is not None and os.getppid() != parent.pid:  # the parent died before prctl
+        os._exit(1)
+
+
 def _child(spec: WorkerSpec, q: Any, barrier: Any) -> None:
+    _die_with_parent()
     try:
         run_worker(spec, q.put, barrier)
         q.put(("done", spec.index))

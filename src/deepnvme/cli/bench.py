@@ -31,6 +31,7 @@ from ._engines import parse_engines
 from ._render import GB, Stats, print_json, progress_bar, stdout_console
 from ._runner import Ready, Sample, Step, WorkerSpec, lanes, plan_steps, run_workers
 from ._system import mount_of
+from .clean import remove_leftovers
 
 __all__ = ["BenchOptions", "OpStats", "BenchResult", "run_bench", "parse_dir_map",
            "add_bench_parser"]
@@ -218,6 +219,7 @@ def run_bench(options: BenchOptions, *, progress: Any = None) -> BenchResult:
     """Run the benchmark described by ``options``; blocking. ``progress`` is an optional rich
     ``Progress`` whose first task is advanced once per timed transfer (per process).
     Temporary files are removed before this returns or raises (Ctrl-C included)."""
+    remove_leftovers(options.dirs)
     notes = check_options(options)
     tools = pick_tools(options, notes)
     engines = pick_engines(options, notes)

@@ -13,12 +13,12 @@ import platform
 import resource
 import shutil
 import sys
-import tempfile
 import warnings
 from typing import Any
 
 import torch
 
+from ..io.durable import create_temp
 from ..io.posix import O_DIRECT, POSIX
 from ._engines import EngineStatus, engine_statuses
 from ._render import GB, fmt_size, print_json
@@ -190,8 +190,7 @@ _ALIGN_UNKNOWN = {"dio_alignment_memory_bytes": None, "dio_alignment_offset_byte
 
 def _probe_o_direct(directory: str) -> tuple[Check, Check]:
     """Write and read one aligned block with O_DIRECT in ``directory``; report the alignment."""
-    fd, path = tempfile.mkstemp(prefix=".deepnvme-report-", dir=directory)
-    os.close(fd)
+    path = create_temp(directory, "deepnvme-report")
     buf = mmap.mmap(-1, 4096)
     try:
         try:
@@ -232,9 +231,7 @@ def _dir_checks(directory: str) -> list[Check]:
         return [Check("directory", FAIL, f"{directory} does not exist",
                       "pass an existing directory with --dir", {"writable": False})]
     try:
-        fd, path = tempfile.mkstemp(prefix=".deepnvme-report-", dir=directory)
-        os.close(fd)
-        os.unlink(path)
+        os.unlink(create_temp(directory, "deepnvme-report"))
     except OSError as exc:
         return [Check("directory", FAIL, f"{directory}: cannot create files ({exc.strerror})",
                       "use a directory you can write to (--dir)", {"writable": False})]

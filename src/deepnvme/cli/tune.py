@@ -20,7 +20,6 @@ import operator
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from ..config import IOConfig, resolve_config
+from ..io.durable import create_temp
 from ..errors import ConfigError, DeepNVMeError
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 from ._args import check_writable, positive_float, positive_int, positive_size
@@ -38,6 +38,7 @@ from ._render import GB, write_json_durably
 from ._search import Point, coordinate_search, grid
 from ._tune_space import (DIMENSIONS, TuneSpace, complete, default_space, load_space, runnable,
                           start_point)
+from .clean import remove_leftovers
 
 __all__ = ["TuneSpace", "Trial", "TuneResult", "TuneInterrupted", "default_space", "load_space",
            "run_tune", "add_tune_parser"]
@@ -184,18 +185,18 @@ def run_tune(directory: str = ".", *, space: TuneSpace | None = None, io_size: i
         raise DeepNVMeError(f"directory {directory!r} does not exist; pass one with --dir")
     if output is not None:
         check_writable(output, "--output")  # before the sweep, not after it
+    remove_leftovers([directory])
     statuses = engine_statuses()
     space = runnable(complete(space) if space else default_space(), statuses)
     with warnings.catch_warnings():  # allocate first: a failure here leaves no temp file
         warnings.simplefilter("ignore", RuntimeWarning)
         buf = new_cpu_locked_tensor(io_size)
     try:
-        fd, path = tempfile.mkstemp(prefix=".deepnvme-tune-", dir=directory)
+        path = create_temp(directory, "deepnvme-tune")
     except OSError as exc:
         free_cpu_locked_tensor(buf)
         raise DeepNVMeError(f"cannot create a file in {directory!r} ({exc.strerror}); pass a "
                             "writable directory with --dir") from None
-    os.close(fd)
     interrupted = False
     try:
         fill_pattern(buf, seed=0)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..memory.views import cast_to_byte_tensor
+from ..memory.views import byte_view, cast_to_byte_tensor
 from ..config import IOConfig
 from ..errors import DeepNVMeIOError, ShortTransferError
 from .engine import Engine
@@ -134,7 +134,8 @@ class DeviceTransfer(Transfer):
     def buffer_bytes(self, start: int, length: int) -> bytes:
         with self.order.guard(self.tensor):
             part = cast_to_byte_tensor(self.tensor.detach())[start:start + length]
-            return part.cpu().numpy().tobytes()
+            host = part.cpu()  # kept alive while bytes() copies it (no NumPy needed)
+            return bytes(byte_view(host))
 
 
 class _Session:

@@ -1,8 +1,12 @@
 """Durable, atomic replacement of a file: temporary name in the same directory, fsync, rename, fsync dir.
 
-Temporary files are named ``.<final name>.deepnvme-tmp-<pid>-<random>``. They are removed after
-success and after any exception; only a crash (SIGKILL, power loss) can leave one behind.
-:func:`clean_temp_files` removes those whose writing process no longer exists.
+Temporary files are named ``.<final name>.deepnvme-tmp-<pid>-<host>-<random>`` (``<host>``: 8 hex
+digits naming this machine's pid namespace, so a directory shared between machines is safe).
+They are removed after success and after any exception, KeyboardInterrupt included; only a
+crash (SIGKILL, power loss) can leave one behind. :func:`clean_temp_files` removes those whose
+writing process, on this machine, no longer exists; the first temporary name a process makes
+in a directory cleans that directory (so the next save, bench or tune there removes them).
+The ``deepnvme`` command's bench, tune and report files use the same names.
 
 Replacing a file frees the old file's blocks, which is slow on filesystems mounted with
 ``discard`` (0.25-0.3 s for 1 GiB on the development machine's ext4). :func:`commit` keeps the
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import hashlib
 import logging
 import os
 import queue
@@ -30,20 +36,83 @@ import secrets
 import stat
 import threading
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from ..errors import DeepNVMeIOError
 
-__all__ = ["atomic_target", "commit", "fsync_dir", "temp_name", "clean_temp_files",
-           "check_target_dir", "wait_for_releases", "spare_name", "take_spare"]
+__all__ = ["atomic_target", "commit", "fsync_dir", "temp_name", "create_temp", "clean_temp_files",
+           "find_temp_files", "TempFile", "resolve_target", "check_target_dir",
+           "wait_for_releases", "spare_name", "take_spare"]
 
 log = logging.getLogger(__name__)
-_TMP_RE = re.compile(r"^\.(?P<final>.+)\.deepnvme-tmp-(?P<pid>\d+)-[0-9a-f]+$")
+# <host> is absent from names written before it was added: those are judged by pid alone
+_TMP_RE = re.compile(r"^\.(?P<final>.+)\.deepnvme-tmp-(?P<pid>\d+)-(?:(?P<host>[0-9a-f]{8})-)?"
+                     r"[0-9a-f]+$")
+_cleaned_dirs: set[str] = set()
+_cleaned_lock = threading.Lock()
+
+
+@functools.cache
+def host_tag() -> str:
+    """8 hex digits naming this pid namespace: boot id, pid-namespace inode and hostname.
+
+    Two machines sharing a directory (NFS, Lustre) get different tags, so neither judges the
+    other's temporary files by a pid that means nothing on its side.
+    """
+    parts = [os.uname().nodename]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError as exc:  # no /proc: the hostname alone tells machines apart
+        log.debug("deepnvme: host tag from the hostname only (%s)", exc)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
 
 
 def temp_name(path: str) -> str:
-    """A fresh temporary path next to ``path`` (same directory, so rename is atomic)."""
+    """A fresh temporary path next to ``path`` (same directory, so rename is atomic).
+
+    The first call for a directory also removes temporary files that dead processes left
+    there (:func:`clean_temp_files`); a failure to clean is logged, never raised.
+    """
     directory, base = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{base}.deepnvme-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    _clean_once(directory)
+    return os.path.join(directory, f".{base}.deepnvme-tmp-{os.getpid()}-{host_tag()}-"
+                                   f"{secrets.token_hex(4)}")
+
+
+def create_temp(directory: str, stem: str) -> str:
+    """Create a new empty file named like a save's temporary file for ``stem`` in ``directory``.
+
+    Used by the command line (bench, tune, report) so one cleaner handles every leftover.
+    """
+    while True:
+        path = temp_name(os.path.join(directory, stem))
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+        except FileExistsError:
+            continue
+        return path
+
+
+def resolve_target(path: str) -> str:
+    """The file a save to ``path`` must replace: the end of the symlink chain when ``path`` is
+    a symlink (``torch.save`` writes through symlinks and so do we), else ``path`` itself."""
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
+def _clean_once(directory: str) -> None:
+    with _cleaned_lock:
+        if directory in _cleaned_dirs:
+            return
+        _cleaned_dirs.add(directory)
+    try:
+        removed = clean_temp_files(directory)
+    except OSError as exc:
+        log.debug("deepnvme: could not look for stale temporary files in %s: %s", directory, exc)
+        return
+    for path in removed:
+        log.info("deepnvme: removed %s, left by a process that no longer exists", path)
 
 
 def check_target_dir(path: str) -> None:
@@ -219,11 +288,13 @@ def remove_quietly(path: str) -> None:
 def atomic_target(path: str, *, recycle: bool = False) -> Iterator[str]:
     """Yield a temporary path; on normal exit commit it to ``path``, on an exception remove it.
 
-    The previous file at ``path`` (if any) is untouched until the final rename. With
+    The previous file at ``path`` (if any) is untouched until the final rename; when ``path``
+    is a symlink, the file it points to is replaced and the link stays. With
     ``recycle``, the temporary file is ``path``'s spare when there is one (its old bytes are
     still there: the writer must overwrite or truncate them) and the replaced file becomes the
     next spare.
     """
+    path = resolve_target(path)
     check_target_dir(path)
     tmp = (take_spare(path) if recycle else None) or temp_name(path)
     try:
@@ -234,20 +305,52 @@ def atomic_target(path: str, *, recycle: bool = False) -> Iterator[str]:
         raise
 
 
-def clean_temp_files(directory: str) -> list[str]:
-    """Remove temporary files left in ``directory`` by crashed deepnvme saves; return their paths.
+class TempFile(NamedTuple):
+    """A deepnvme temporary file found in a directory, and whether it may be removed."""
 
-    Only files whose writer process (the pid in the name) no longer exists on this host are
-    removed, so a save in progress is never disturbed.
-    """
-    removed = []
+    path: str
+    pid: int
+    stale: bool  # its writer is gone: the pid is dead on this machine
+    reason: str  # why it is stale or kept, for ``deepnvme clean``
+
+
+def find_temp_files(directory: str | os.PathLike[str]) -> list[TempFile]:
+    """Every deepnvme temporary file in ``directory``, each judged stale or kept (sorted)."""
+    directory = os.fspath(directory)
+    found = []
+    here = host_tag()
     for name in sorted(os.listdir(directory)):
         m = _TMP_RE.match(name)
-        if m is None or _pid_alive(int(m.group("pid"))):
+        if m is None:
             continue
-        full = os.path.join(directory, name)
-        os.unlink(full)
-        removed.append(full)
+        pid, host = int(m.group("pid")), m.group("host")
+        path = os.path.join(directory, name)
+        if host is not None and host != here:
+            found.append(TempFile(path, pid, False, f"written on another machine ({host})"))
+        elif _pid_alive(pid):
+            found.append(TempFile(path, pid, False, f"process {pid} is running"))
+        else:
+            found.append(TempFile(path, pid, True, f"process {pid} no longer exists"))
+    return found
+
+
+def clean_temp_files(directory: str | os.PathLike[str], *, dry_run: bool = False) -> list[str]:
+    """Remove temporary files left in ``directory`` by killed deepnvme processes; return their paths.
+
+    Only files whose writer (the pid in the name) no longer exists on this machine are
+    removed, so a save or benchmark in progress is never disturbed. ``dry_run``: remove
+    nothing, return what would be removed.
+    """
+    removed = []
+    for entry in find_temp_files(directory):
+        if not entry.stale:
+            continue
+        if not dry_run:
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:  # another cleaner was first
+                continue
+        removed.append(entry.path)
     return removed
 
 

@@ -8,6 +8,7 @@ import errno
 import torch
 
 from ..errors import DeepNVMeIOError
+from ..memory.views import byte_view
 from . import durable
 from .posix import Posix, current
 
@@ -21,7 +22,7 @@ def read_buffered(path: str, buffer: torch.Tensor, offset: int, *, posix: Posix 
     fd = posix.open(path, write=False, direct=False)
     try:
         if buffer.numel():
-            posix.read_fully(fd, memoryview(buffer.numpy()), offset, path=path)
+            posix.read_fully(fd, byte_view(buffer), offset, path=path)
     finally:
         posix.close(fd)
 

@@ -13,14 +13,12 @@ import bisect
 import ctypes
 import ctypes.util
 import errno
-import logging
 import mmap
 import threading
 import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-
 from typing import Any
 
 import torch
@@ -28,7 +26,6 @@ import torch
 __all__ = ["PAGE_SIZE", "BufferPool", "free_cpu_locked_tensor", "free_locked_address", "is_pinned",
            "locked_bytes", "new_cpu_locked_tensor"]
 
-log = logging.getLogger(__name__)
 PAGE_SIZE = mmap.PAGESIZE
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -85,8 +82,7 @@ def _warn_unlocked(err: int, size: int) -> None:
         msg = (f"deepnvme: mlock of {size} bytes failed ({errno.errorcode.get(err, err)}: "
                "RLIMIT_MEMLOCK too low?); using aligned but unlocked memory. Raise the limit "
                "(ulimit -l unlimited, or memlock in /etc/security/limits.conf) to lock it.")
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)  # once, and not also logged
 
 
 def _dtype_of(dtype_or_example: torch.dtype | torch.Tensor) -> torch.dtype:

@@ -88,8 +88,7 @@ class TensorSwapper:
                 log.warning("%s: removed", msg)
             else:
                 warnings.warn(msg + "; pass stale='remove' to delete them", RuntimeWarning,
-                              stacklevel=2)
-                log.warning("%s", msg)
+                              stacklevel=2)  # the warning only: not also a log line
         self.directory = _dirs.create_private_dir(directory)
         self.buffer_bytes = int(buffer_bytes)
         self.buffer_count = int(buffer_count)

@@ -99,3 +99,15 @@ class ConfigError(DeepNVMeError, ValueError):
 
 class UnsupportedBufferError(DeepNVMeError, TypeError):
     """A tensor cannot be used as an I/O buffer (non-contiguous, wrong device ...)."""
+
+
+class SwapError(DeepNVMeIOError):
+    """A swap read or write failed; names the key, the file, the offset and the size."""
+
+
+class SwapBufferError(DeepNVMeError, RuntimeError):
+    """The swap buffer pool cannot serve a request: a tensor larger than a buffer, or every
+    buffer held by swapped-in keys that nobody released."""
+
+
+__all__ += ["SwapError", "SwapBufferError"]

@@ -31,7 +31,7 @@ import torch
 
 from ._deepspeed_args import example_arg
 from ...errors import DeepNVMeError
-from ..aio import AioHandle
+from ...aio import AioHandle
 from ...io.cufile import BufferRegistry, CudaOrder, CuFileIO, DeviceOrder
 
 __all__ = ["GdsHandle", "GdsStatus", "GdsUnavailableError", "gds_status"]

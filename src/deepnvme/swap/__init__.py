@@ -1,6 +1,6 @@
 """Tensor swapping between memory and files on fast storage (ZeRO-Infinity style)."""
 
-from ._slot import SwapBufferError, SwapError
+from ..errors import SwapBufferError, SwapError
 from .swapper import TensorSwapper
 
 __all__ = ["SwapBufferError", "SwapError", "TensorSwapper"]

@@ -13,6 +13,7 @@ crash during creation and is stale too.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -20,9 +21,13 @@ import secrets
 import shutil
 import socket
 import time
+import warnings
 from dataclasses import dataclass
 
-__all__ = ["PREFIX", "CREATING_PREFIX", "OWNER_FILE", "Owner", "create_private_dir", "find_stale_dirs", "remove_dir"]
+from ..errors import SwapError
+
+__all__ = ["PREFIX", "CREATING_PREFIX", "OWNER_FILE", "Owner", "create_private_dir", "find_stale_dirs",
+           "handle_stale_dirs", "remove_dir"]
 
 log = logging.getLogger(__name__)
 PREFIX = "deepnvme-swap-"
@@ -109,6 +114,28 @@ def find_stale_dirs(directory: str) -> list[str]:
         if owner is None or not owner_alive(owner):
             stale.append(path)
     return stale
+
+
+def handle_stale_dirs(directory: str, stale: str) -> list[str]:
+    """Find the stale swap directories in ``directory`` and act on them as ``stale`` says:
+    ``"warn"`` (a warning), ``"remove"`` (delete them) or ``"error"`` (raise SwapError)."""
+    found = find_stale_dirs(directory)
+    if not found:
+        return found
+    msg = (f"deepnvme: {len(found)} stale swap director{'y' if len(found) == 1 else 'ies'} "
+           f"from a crashed run in {directory}: {found}")
+    if stale == "error":
+        raise SwapError(msg + "; delete them or pass stale='remove'", path=directory,
+                        offset=None, size=None, errno=errno.EEXIST)
+    if stale == "remove":
+        for path in found:
+            remove_dir(path)
+        log.warning("%s: removed", msg)
+    else:
+        # stacklevel 3: the user's line that created the swapper
+        warnings.warn(msg + "; pass stale='remove' to delete them", RuntimeWarning,
+                      stacklevel=3)  # the warning only: not also a log line
+    return found
 
 
 def create_private_dir(directory: str) -> str:

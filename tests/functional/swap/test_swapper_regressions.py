@@ -124,13 +124,13 @@ def test_concurrent_swap_in_of_one_key_takes_one_buffer(tmp_path):
     with TensorSwapper(tmp_path, buffer_bytes=1 << 16, buffer_count=8, min_swap_bytes=0,
                        acquire_timeout=0.5) as s:
         s.swap_out("k", torch.arange(1000.0)).result()
-        acquire = s._pool.acquire
+        acquire = s._lender._pool.acquire
 
         def slow_acquire(*a, **kw):       # widen the window between the check and the set
             time.sleep(0.02)
             return acquire(*a, **kw)
 
-        s._pool.acquire = slow_acquire
+        s._lender._pool.acquire = slow_acquire
         for _ in range(5):
             barrier = threading.Barrier(2)
             results = []
@@ -152,13 +152,16 @@ def test_concurrent_swap_in_of_one_key_takes_one_buffer(tmp_path):
             assert s.buffers_in_use() == 0
 
 
-def test_swap_in_reuses_a_held_stale_buffer(tmp_path):
-    """new_buffer(k), swap_out(k, other), swap_in(k): the read goes into k's buffer, no second one."""
+def test_swap_in_after_a_new_value_reads_into_a_fresh_buffer(tmp_path):
+    """new_buffer(k), swap_out(k, other), swap_in(k): the read must not land in the new_buffer
+    the caller still holds; it takes a second buffer and release(k) gives both back."""
     with TensorSwapper(tmp_path, buffer_bytes=4096, buffer_count=2, min_swap_bytes=0) as s:
-        s.new_buffer("k", (16,), torch.float32)
+        mine = s.new_buffer("k", (16,), torch.float32)
+        mine.fill_(7.0)
         s.swap_out("k", torch.full((16,), 2.0)).result()
         assert s.swap_in("k").result().tolist() == [2.0] * 16
-        assert s.buffers_in_use() == 1
+        assert mine.tolist() == [7.0] * 16
+        assert s.buffers_in_use() == 2
         s.release("k")
         s.wait()
         assert s.buffers_in_use() == 0

@@ -77,15 +77,29 @@ def test_new_buffer_is_written_without_copy_and_reused(swapper):
     assert torch.equal(swapper.swap_in("n").result(), rand((100, 100), seed=3))
 
 
-def test_tensor_larger_than_a_buffer_names_the_sizes(swapper):
+def test_tensor_larger_than_a_buffer_fails_at_swap_out_and_changes_nothing(swapper):
+    """A tensor no buffer can hold is refused by swap_out itself (not later by swap_in): the
+    error names the key, both sizes and the setting; no I/O starts and the old value stays."""
     big = torch.zeros((1 << 20) // 4 + 1)
-    swapper.swap_out("big", big).result()  # writing needs no buffer
+    with pytest.raises(SwapBufferError, match=r"key 'big'.* 1048580 bytes .* 1048576 bytes.*"
+                                              r"buffer_bytes >= 1048580"):
+        swapper.swap_out("big", big)
+    assert "big" not in swapper and os.listdir(swapper.directory) == ["owner.json"]
+    old = rand(5000, seed=7)
+    swapper.swap_out("k", old).result()
+    with pytest.raises(SwapBufferError, match="key 'k'"):
+        swapper.swap_out("k", big)
+    assert swapper.nbytes("k") == 20000 and torch.equal(swapper.swap_in("k").result(), old)
     with pytest.raises(SwapBufferError, match=r"needs 1048580 bytes .* 1048576 bytes each"):
-        swapper.swap_in("big")
-    out = torch.empty_like(big)
-    swapper.swap_in("big", out=out).result()
+        swapper.new_buffer("n", big.shape, big.dtype)
     with pytest.raises(SwapBufferError, match="out has 4 bytes"):
-        swapper.swap_in("big", out=torch.empty(1))
+        swapper.swap_in("k", out=torch.empty(1))
+
+
+def test_tensor_kept_in_memory_may_exceed_a_buffer(tmp_path):
+    with TensorSwapper(tmp_path, buffer_bytes=1024, min_swap_bytes=1 << 20) as s:
+        s.swap_out("m", rand(4096)).result()            # 16 KiB: under min_swap_bytes, no file
+        assert torch.equal(s.swap_in("m").result(), rand(4096))
 
 
 def test_exhausted_pool_raises_at_once_when_nothing_is_released(swapper):

@@ -28,7 +28,7 @@ from .memory.views import cast_to_byte_tensor
 from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
 from .optim import NVMeOptimizer
 from .swap import SwapBufferError, SwapError, TensorSwapper
-from . import inference  # deepnvme.inference.install / load_offloaded (imports no transformers)
+from . import inference  # deepnvme.inference.offload / load_offloaded (imports no transformers)
 from ._version import __version__
 
 __all__ = [

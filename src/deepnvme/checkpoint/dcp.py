@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ...config import checkpoint_config
-from ...io import durable
-from ...memory.views import aligned_empty, byte_view
-from ...config import IOConfig
-from ...handles.aio import AioHandle
+from ..config import checkpoint_config
+from ..io import durable
+from ..memory.views import aligned_empty, byte_view
+from ..config import IOConfig
+from ..handles.aio import AioHandle
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 

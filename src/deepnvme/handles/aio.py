@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from ...memory.views import check_io_tensor
+from ..memory.views import check_io_tensor
 from ._deepspeed_args import async_flag, example_arg, write_target
-from ...config import IOConfig, resolve_config
-from ...errors import DeepNVMeIOError, UnsupportedBufferError
-from ...io.batch import Items
-from ...io.engine import Engine, Transfer
-from ...io.posix import Posix, current
-from ...memory import pinned
-from ...io.staging import CudaCopier, DeviceCopier, StagingPipeline
+from ..config import IOConfig, resolve_config
+from ..errors import DeepNVMeIOError, UnsupportedBufferError
+from ..io.batch import Items
+from ..io.engine import Engine, Transfer
+from ..io.posix import Posix, current
+from ..memory import pinned
+from ..io.staging import CudaCopier, DeviceCopier, StagingPipeline
 
 __all__ = ["AioHandle", "wait_all"]
 

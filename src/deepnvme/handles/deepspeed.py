@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from ...memory.views import cast_to_byte_tensor
-from ...aio import AioHandle
-from ...io.posix import O_DIRECT
-from ...memory import pinned
+from ..memory.views import cast_to_byte_tensor
+from .aio import AioHandle
+from ..io.posix import O_DIRECT
+from ..memory import pinned
 
 __all__ = ["AsyncIOBuilder", "GDSBuilder", "PinHandle", "PinMemoryBuilder", "UtilsBuilder"]
 
@@ -61,7 +61,7 @@ class GDSBuilder:
 
 def _gds_handle_class() -> Any:
     try:
-        from ... import gds
+        from . import gds
     except ImportError:
         return None
     return getattr(gds, "GdsHandle", None)

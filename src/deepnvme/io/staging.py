@@ -36,7 +36,7 @@ import torch
 
 from ..memory.views import cast_to_byte_tensor
 from ..errors import DeepNVMeIOError, ShortTransferError
-from ..memory.workers import WorkerGroup
+from .workers import WorkerGroup
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 
 __all__ = ["DeviceCopier", "CudaCopier", "StagingPipeline", "StagedChunk", "plan_staged_chunks",

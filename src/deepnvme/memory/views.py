@@ -8,7 +8,7 @@ from typing import overload
 
 import torch
 
-from ...errors import UnsupportedBufferError
+from ..errors import UnsupportedBufferError
 
 __all__ = ["cast_to_byte_tensor", "byte_view", "check_io_tensor", "storage_bytes", "aligned_empty"]
 

@@ -23,15 +23,14 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import deepnvme
 from deepnvme.config import IOConfig, parse_size
 from deepnvme.io.posix import evict_page_cache as evict
-
-
 
 
 def timed(fn: Callable[[], Any], *, cuda: bool) -> float:

@@ -28,8 +28,8 @@ from collections.abc import Callable
 import torch
 
 import deepnvme
-from deepnvme.io import durable as atomic
 from deepnvme.config import parse_size
+from deepnvme.io import durable as atomic
 from deepnvme.memory import copy as copy_mod
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

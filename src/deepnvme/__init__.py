@@ -16,20 +16,36 @@ with warnings.catch_warnings():
                                 category=UserWarning)
     import torch  # noqa: F401  (first imported here, under the filter above)
 
-from .checkpoint import (AsyncCheckpointer, AsyncSaveHandle, CheckpointFormatError,
-                         DistributedSaveError, async_save, clean_temp_files, load,
-                         load_safetensors, save, save_distributed, save_safetensors)
-from .config import IOConfig, override, resolve_config
-from .errors import (ConfigError, DeepNVMeError, DeepNVMeIOError, ShortTransferError,
-                     UnsupportedBufferError, ValidationError)
-from .handles import AioHandle, GdsHandle, gds_status
-from .io.movers import EngineProbe, probe_engines
-from .memory.views import cast_to_byte_tensor
-from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
-from .optim import NVMeOptimizer
-from .swap import SwapBufferError, SwapError, TensorSwapper
 from . import inference  # deepnvme.inference.offload / load_offloaded (imports no transformers)
 from ._version import __version__
+from .checkpoint import (
+    AsyncCheckpointer,
+    AsyncSaveHandle,
+    CheckpointFormatError,
+    DistributedSaveError,
+    async_save,
+    clean_temp_files,
+    load,
+    load_safetensors,
+    save,
+    save_distributed,
+    save_safetensors,
+)
+from .config import IOConfig, override, resolve_config
+from .errors import (
+    ConfigError,
+    DeepNVMeError,
+    DeepNVMeIOError,
+    ShortTransferError,
+    UnsupportedBufferError,
+    ValidationError,
+)
+from .handles import AioHandle, GdsHandle, gds_status
+from .io.movers import EngineProbe, probe_engines
+from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
+from .memory.views import cast_to_byte_tensor
+from .optim import NVMeOptimizer
+from .swap import SwapBufferError, SwapError, TensorSwapper
 
 __all__ = [
     "AioHandle",

@@ -18,8 +18,8 @@ import dataclasses
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from .errors import ConfigError
 
@@ -159,7 +159,7 @@ class IOConfig:
         if self.alignment & (self.alignment - 1):
             raise ConfigError(f"setting 'alignment' must be a power of two, got {self.alignment}")
 
-    def replace(self, **changes: Any) -> "IOConfig":
+    def replace(self, **changes: Any) -> IOConfig:
         """Return a copy with some settings changed (validated like any other)."""
         return dataclasses.replace(self, **changes)
 
@@ -170,7 +170,7 @@ class IOConfig:
         return {"aio": {k: getattr(self, k) for k in keys}}
 
     @classmethod
-    def from_deepspeed(cls, config: Mapping[str, Any]) -> "IOConfig":
+    def from_deepspeed(cls, config: Mapping[str, Any]) -> IOConfig:
         """Build from a DeepSpeed ``"aio"`` dict (or a whole DeepSpeed config holding one).
 
         Unknown keys and wrongly typed values raise :class:`ConfigError` rather than being

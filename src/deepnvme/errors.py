@@ -45,7 +45,7 @@ class DeepNVMeIOError(DeepNVMeError, OSError):
 
     @classmethod
     def from_oserror(cls, exc: OSError, *, op: str, path: str | None, offset: int | None,
-                     size: int | None) -> "DeepNVMeIOError":
+                     size: int | None) -> DeepNVMeIOError:
         """Wrap an ``OSError`` from a syscall, keeping its errno and naming the transfer.
 
         ENOENT and EACCES/EPERM give subclasses that are also ``FileNotFoundError`` and
@@ -83,7 +83,7 @@ class ShortTransferError(DeepNVMeIOError):
 
     @classmethod
     def past_end(cls, *, path: str | None, offset: int, size: int,
-                 file_size: int) -> "ShortTransferError":
+                 file_size: int) -> ShortTransferError:
         """The error for a read that would end past the end of the file (refused up front)."""
         return cls(f"read past end of file: the file has {file_size} bytes but the request "
                    f"ends at {offset + size}", path=path, offset=offset, size=size, transferred=0)

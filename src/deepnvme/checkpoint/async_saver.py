@@ -24,16 +24,15 @@ from typing import Any
 
 import torch
 
-from ._paths import as_path
-from ..config import IOConfig
+from ..config import IOConfig, checkpoint_config
 from ..handles.aio import AioHandle
+from ..io import durable
+from ..io.file import reserve
 from ..io.plan import align_up
 from ..memory.copy import ParallelCopy
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
-from ..config import checkpoint_config
-from ..io import durable
-from ..io.file import reserve
 from ..memory.views import storage_bytes
+from ._paths import as_path
 from .saver import write_skeleton
 
 __all__ = ["AsyncCheckpointer", "AsyncSaveHandle", "async_save"]
@@ -196,7 +195,7 @@ class AsyncCheckpointer:
             if arena is not None:
                 free_cpu_locked_tensor(arena)
 
-    def __enter__(self) -> "AsyncCheckpointer":
+    def __enter__(self) -> AsyncCheckpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -28,17 +28,21 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import (DEFAULT_SUFFIX, FileSystem, FileSystemReader,
-                                                     FileSystemWriter, _StoragePrefix)
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystem,
+    FileSystemReader,
+    FileSystemWriter,
+    _StoragePrefix,
+)
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..config import checkpoint_config
+from ..config import IOConfig, checkpoint_config
+from ..handles.aio import AioHandle
 from ..io import durable
 from ..memory.views import aligned_empty, byte_view
-from ..config import IOConfig
-from ..handles.aio import AioHandle
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 
@@ -46,7 +50,7 @@ __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 class _DurableWriteStream(io.BytesIO):
     """Collects one file in memory; ``close()`` writes it with the engine, durably and atomically."""
 
-    def __init__(self, fs: "_EngineFileSystem", path: str) -> None:
+    def __init__(self, fs: _EngineFileSystem, path: str) -> None:
         super().__init__()
         self._fs = fs
         self._path = path
@@ -129,7 +133,7 @@ class _MemoryReadStream(io.RawIOBase):
                 return self._views.setdefault(start, byte_view(buf)), self._pos - start
         return memoryview(b""), 0
 
-    def slice(self, offset: int, length: int) -> "_MemoryReadStream":
+    def slice(self, offset: int, length: int) -> _MemoryReadStream:
         """A stream over bytes ``[offset, offset + length)`` of the file, sharing the memory."""
         self._pos = offset
         view, at = self._locate()

@@ -17,15 +17,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ._paths import as_path
-from ..config import IOConfig
+from ..config import IOConfig, checkpoint_config
 from ..errors import DeepNVMeError
+from ..formats.torchzip import RecordSpan, check_sizes, split_byte_ranges
 from ..handles.aio import AioHandle
-from ..config import checkpoint_config
 from ..io import durable
 from ..io.file import reserve
 from ..memory.views import storage_bytes
-from ..formats.torchzip import RecordSpan, check_sizes, split_byte_ranges
+from ._paths import as_path
 from .saver import StorageLayout, pickle_skeleton, write_skeleton
 
 __all__ = ["save_distributed", "DistributedSaveError"]

@@ -19,14 +19,18 @@ from typing import IO, Any
 
 import torch
 
-from ._paths import as_path
-from ..config import IOConfig
+from ..config import IOConfig, checkpoint_config
 from ..errors import DeepNVMeIOError
+from ..formats.torchzip import (
+    CheckpointFormatError,
+    RecordSpan,
+    batch_small_records,
+    read_record_spans,
+    storage_spans,
+)
 from ..handles.aio import AioHandle, wait_all
-from ..config import checkpoint_config
 from ..memory.views import aligned_empty
-from ..formats.torchzip import (CheckpointFormatError, RecordSpan, batch_small_records, read_record_spans,
-                     storage_spans)
+from ._paths import as_path
 
 __all__ = ["load"]
 

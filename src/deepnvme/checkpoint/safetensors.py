@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from ._paths import as_path
 from ..config import IOConfig, checkpoint_config
+from ..formats.torchzip import CheckpointFormatError
 from ..handles.aio import AioHandle
-from ..io.plan import align_up
 from ..io import durable
 from ..io.file import reserve
+from ..io.plan import align_up
 from ..memory.views import aligned_empty, storage_bytes
-from ..formats.torchzip import CheckpointFormatError
+from ._paths import as_path
 
 __all__ = ["save_safetensors", "load_safetensors"]
 

@@ -20,14 +20,20 @@ from typing import IO, Any
 
 import torch
 
-from ._paths import as_path
 from ..config import IOConfig, checkpoint_config
+from ..formats.torchzip import (
+    STORAGE_ALIGNMENT,
+    RecordSpan,
+    batch_small_records,
+    check_sizes,
+    read_record_spans,
+    storage_spans,
+)
 from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.file import read_buffered, reserve
 from ..memory.views import aligned_empty, storage_bytes
-from ..formats.torchzip import (STORAGE_ALIGNMENT, RecordSpan, batch_small_records, check_sizes,
-                     read_record_spans, storage_spans)
+from ._paths import as_path
 
 __all__ = ["save", "write_skeleton", "pickle_skeleton", "StorageLayout"]
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..io.durable import create_temp
 from ..errors import ConfigError, DeepNVMeError
+from ..io.durable import create_temp
 from ._engines import engine_statuses, require_engines
 from ._measure import fio_path
 from ._render import GB

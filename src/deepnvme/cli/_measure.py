@@ -34,11 +34,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..memory.views import byte_view
 from ..config import IOConfig
 from ..errors import DeepNVMeError, DeepNVMeIOError, ValidationError
 from ..handles.aio import AioHandle
 from ..io.posix import evict_page_cache as evict
+from ..memory.views import byte_view
 from ._engines import in_flight
 
 __all__ = ["TOOLS", "Timing", "evict", "remove", "fio_path", "fio_command", "parse_fio_json",

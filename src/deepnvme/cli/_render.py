@@ -12,10 +12,16 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from ..io.durable import temp_name
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
 
 __all__ = ["Stats", "fmt_size", "stdout_console", "progress_bar", "print_json", "write_json_durably"]
 
@@ -31,7 +37,7 @@ class Stats:
     max: float
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> "Stats":
+    def of(cls, values: Sequence[float]) -> Stats:
         if not values:
             raise ValueError("no values to summarise")
         return cls(min(values), statistics.median(values), max(values))

@@ -13,8 +13,8 @@ import logging
 import os
 from typing import Any
 
-from ..io.durable import TempFile, find_temp_files
 from ..errors import DeepNVMeError
+from ..io.durable import TempFile, find_temp_files
 
 __all__ = ["run_clean", "remove_leftovers", "add_clean_parser"]
 

@@ -28,16 +28,15 @@ from typing import Any
 import torch
 
 from ..config import IOConfig, resolve_config
-from ..io.durable import create_temp
 from ..errors import ConfigError, DeepNVMeError
+from ..io.durable import create_temp
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 from ._args import check_writable, positive_float, positive_int, positive_size
 from ._engines import engine_statuses
 from ._measure import Measurer, fill_pattern, remove
 from ._render import GB, write_json_durably
 from ._search import Point, coordinate_search, grid
-from ._tune_space import (DIMENSIONS, TuneSpace, complete, default_space, load_space, runnable,
-                          start_point)
+from ._tune_space import DIMENSIONS, TuneSpace, complete, default_space, load_space, runnable, start_point
 from .clean import remove_leftovers
 
 __all__ = ["TuneSpace", "Trial", "TuneResult", "TuneInterrupted", "default_space", "load_space",

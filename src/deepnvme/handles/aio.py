@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from ..memory.views import check_io_tensor
-from ._deepspeed_args import async_flag, example_arg, write_target
 from ..config import IOConfig, resolve_config
 from ..errors import DeepNVMeIOError, UnsupportedBufferError
 from ..io.batch import Items
 from ..io.engine import Engine, Transfer
 from ..io.posix import Posix, current
-from ..memory import pinned
 from ..io.staging import CudaCopier, DeviceCopier, StagingPipeline
+from ..memory import pinned
+from ..memory.views import check_io_tensor
+from ._deepspeed_args import async_flag, example_arg, write_target
 
 __all__ = ["AioHandle", "wait_all"]
 
@@ -70,7 +70,7 @@ class AioHandle:
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any] | IOConfig, **kwargs: Any) -> "AioHandle":
+    def from_config(cls, config: Mapping[str, Any] | IOConfig, **kwargs: Any) -> AioHandle:
         """Build from a DeepSpeed ``{"aio": {...}}`` dict (or its inner dict) or an IOConfig."""
         cfg = config if isinstance(config, IOConfig) else IOConfig.from_deepspeed(config)
         return cls(config=cfg, **kwargs)
@@ -347,7 +347,7 @@ class AioHandle:
             if exc is not None:
                 log.error("deepnvme: async op failed and was never waited for: %s", exc)
 
-    def __enter__(self) -> "AioHandle":
+    def __enter__(self) -> AioHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:

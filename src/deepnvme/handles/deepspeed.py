@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from ..memory.views import cast_to_byte_tensor
-from .aio import AioHandle
 from ..io.posix import O_DIRECT
 from ..memory import pinned
+from ..memory.views import cast_to_byte_tensor
+from .aio import AioHandle
 
 __all__ = ["AsyncIOBuilder", "GDSBuilder", "PinHandle", "PinMemoryBuilder", "UtilsBuilder"]
 

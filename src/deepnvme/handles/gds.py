@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from ._deepspeed_args import example_arg
 from ..errors import DeepNVMeError
-from .aio import AioHandle
 from ..io.cufile import BufferRegistry, CudaOrder, CuFileIO, DeviceOrder
+from ._deepspeed_args import example_arg
+from .aio import AioHandle
 
 __all__ = ["GdsHandle", "GdsStatus", "GdsUnavailableError", "gds_status"]
 

@@ -53,7 +53,7 @@ class RssSampler:
         while not self._stop.wait(self.interval):
             self._sample()
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self._sample()
         self._thread = threading.Thread(target=self._loop, name="deepnvme-rss", daemon=True)
         self._thread.start()

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ..memory.views import cast_to_byte_tensor
-from ..io.durable import atomic_target, commit, fsync_dir, remove_quietly, temp_name
 from ..handles.aio import AioHandle
+from ..io.durable import atomic_target, commit, fsync_dir, remove_quietly, temp_name
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
+from ..memory.views import cast_to_byte_tensor
 from ._layout import BlockPlan, Span, plan_packed_block
 
 __all__ = ["WEIGHTS_FILE", "MANIFEST_FILE", "PackedTensor", "write_packed", "load_manifest"]

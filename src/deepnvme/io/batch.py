@@ -63,7 +63,7 @@ class _GatheredChunks(Sequence[Chunk]):
         return Chunk(items.addresses[j], items.offsets[j], items.sizes[j], Kind.DIRECT)
 
 
-def submit_many(engine: "Engine", write: bool, target: str, items: Items, *,
+def submit_many(engine: Engine, write: bool, target: str, items: Items, *,
                 validate: bool, fsync: bool) -> Future[int]:
     """Start the batch; the future's result is the total byte count, or the first failure once
     every item has ended. ``fsync`` (writes) runs once, after the last item."""
@@ -90,7 +90,7 @@ def submit_many(engine: "Engine", write: bool, target: str, items: Items, *,
     return batch.future
 
 
-def _plan(engine: "Engine", batch: Batch, items: Items, alignment: Alignment | None,
+def _plan(engine: Engine, batch: Batch, items: Items, alignment: Alignment | None,
           validate: bool) -> list[Op]:
     """Check every item and plan the batch's requests in one pass (this runs before the first
     transfer starts, so its cost per item is the batch's latency)."""
@@ -131,7 +131,7 @@ def _plan(engine: "Engine", batch: Batch, items: Items, alignment: Alignment | N
     return ops
 
 
-def _member(engine: "Engine", batch: Batch, t: Transfer, validate: bool,
+def _member(engine: Engine, batch: Batch, t: Transfer, validate: bool,
             alignment: Alignment | None) -> Op:
     op = Op(t, validate, False, batch=batch)
     op.chunks = plan_transfer(size=t.size, file_offset=t.file_offset, address=t.address,

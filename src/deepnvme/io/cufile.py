@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..memory.views import byte_view, cast_to_byte_tensor
 from ..config import IOConfig
 from ..errors import DeepNVMeIOError, ShortTransferError
+from ..memory.views import byte_view, cast_to_byte_tensor
 from .engine import Engine
 from .op import Op, Transfer
 from .plan import Chunk

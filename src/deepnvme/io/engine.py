@@ -29,14 +29,14 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from ..memory.views import byte_view
 from ..config import IOConfig
 from ..errors import ConfigError, DeepNVMeIOError, ShortTransferError
 from ..memory.pinned import BufferPool
-from .kernel import KernelQueue, kernel_worker
-from .movers import EngineProbe, Mover, probe_engines, queue_factory, select_engine
+from ..memory.views import byte_view
 from .batch import Items
 from .batch import submit_many as _submit_batch
+from .kernel import KernelQueue, kernel_worker
+from .movers import EngineProbe, Mover, probe_engines, queue_factory, select_engine
 from .op import Op, Transfer
 from .plan import Alignment, Kind, plan_transfer
 from .posix import POSIX, Posix
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 _CLOSED = "this handle/engine is closed; create a new one"
 
 
-_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 _fallback_logged: set[str] = set()
 
 
@@ -321,7 +321,7 @@ def _close_queue(kq: KernelQueue) -> None:
         log.error("deepnvme: closing the %s queue failed: %s", kq.name, exc)
 
 
-def _worker(engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]",
+def _worker(engine_ref: weakref.ref[Engine], work: queue.SimpleQueue[Any],
             mover: Mover | None = None) -> None:
     while True:
         item = work.get()

@@ -65,10 +65,10 @@ class _Worker:
     chunk borrowed, or None.
     """
 
-    def __init__(self, kq: KernelQueue, posix: "Posix", block_size: int, single: bool) -> None:
+    def __init__(self, kq: KernelQueue, posix: Posix, block_size: int, single: bool) -> None:
         self.kq, self.posix, self.single = kq, posix, single
         depth = kq.depth
-        self.op: list["Op | None"] = [None] * depth
+        self.op: list[Op | None] = [None] * depth
         self.chunk: list[Chunk | None] = [None] * depth
         self.fd = [0] * depth
         self.address = [0] * depth
@@ -76,12 +76,12 @@ class _Worker:
         self.done = [0] * depth
         self.bounce: list[torch.Tensor | None] = [None] * depth
         self.free = list(range(depth - 1, -1, -1))
-        self.waiting: deque[tuple["Op", Chunk]] = deque()  # taken, waiting for a bounce buffer
+        self.waiting: deque[tuple[Op, Chunk]] = deque()  # taken, waiting for a bounce buffer
         self.bounce_size = align_up(block_size, 4096)
         self.spare: list[torch.Tensor] = []
         self.bounces_made = 0
         self.bounce_limit = min(depth, BOUNCES_PER_WORKER)
-        self.finished: list["Op"] = []
+        self.finished: list[Op] = []
 
     @property
     def inflight(self) -> int:
@@ -89,7 +89,7 @@ class _Worker:
 
     # --- starting chunks -----------------------------------------------------------------
 
-    def start(self, op: "Op", chunk: Chunk) -> bool:
+    def start(self, op: Op, chunk: Chunk) -> bool:
         """Queue ``chunk``; False if it must wait for a bounce buffer."""
         if op.stopped:
             self.finished.append(op)
@@ -117,7 +117,7 @@ class _Worker:
         self.kq.prep(tag, t.write, fd, address, chunk.length, chunk.file_offset, slot)
         return True
 
-    def _resubmit(self, tag: int, op: "Op", c: Chunk) -> None:
+    def _resubmit(self, tag: int, op: Op, c: Chunk) -> None:
         done = self.done[tag]
         self.kq.prep(tag, op.transfer.write, self.fd[tag], self.address[tag] + done,
                      c.length - done, c.file_offset + done, self.slot[tag])
@@ -169,7 +169,7 @@ class _Worker:
             self.bounce[tag] = None
         self._release(tag, op)
 
-    def abandon(self, tag: int, op: "Op", exc: BaseException) -> None:
+    def abandon(self, tag: int, op: Op, exc: BaseException) -> None:
         """End the chunk in slot ``tag`` with ``exc`` as its request's error."""
         op.fail(exc)
         bounce = self.bounce[tag]
@@ -178,12 +178,12 @@ class _Worker:
             self.bounce[tag] = None
         self._release(tag, op)
 
-    def _release(self, tag: int, op: "Op") -> None:
+    def _release(self, tag: int, op: Op) -> None:
         self.op[tag] = self.chunk[tag] = None
         self.free.append(tag)
         self.finished.append(op)
 
-    def _at_eof(self, tag: int, op: "Op", c: Chunk, res: int) -> bool:
+    def _at_eof(self, tag: int, op: Op, c: Chunk, res: int) -> bool:
         """A direct read that stops short at the end of the file cannot be resumed (the rest
         is not aligned): name the real cause instead of retrying into EINVAL."""
         if op.transfer.write or c.kind is Kind.BUFFERED:
@@ -202,7 +202,7 @@ class _Worker:
             self.finished.append(op)
 
 
-def kernel_worker(engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]",
+def kernel_worker(engine_ref: weakref.ref[Engine], work: queue.SimpleQueue[Any],
                   kq: KernelQueue, on_exit: Callable[[KernelQueue], None]) -> None:
     """Thread body: run chunks from ``work`` on ``kq`` until a ``None`` arrives and all is done."""
     try:
@@ -216,7 +216,7 @@ def kernel_worker(engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[An
         on_exit(kq)
 
 
-def _start(w: _Worker, op: "Op", chunk: Chunk) -> bool:
+def _start(w: _Worker, op: Op, chunk: Chunk) -> bool:
     """``w.start`` that turns an unexpected failure (no memory for a bounce buffer ...) into
     the request's error instead of killing the worker."""
     try:
@@ -238,7 +238,7 @@ def _complete(w: _Worker, tag: int, res: int) -> None:
             w.abandon(tag, op, exc)
 
 
-def _run(w: _Worker, engine_ref: "weakref.ref[Engine]", work: "queue.SimpleQueue[Any]",
+def _run(w: _Worker, engine_ref: weakref.ref[Engine], work: queue.SimpleQueue[Any],
          kq: KernelQueue) -> None:
     """Completions are handled :data:`COMPLETION_GROUP` at a time, each group's freed slots
     refilled and submitted before the next: a device that completes a whole batch at once

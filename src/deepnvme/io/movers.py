@@ -73,7 +73,7 @@ def _why(exc: OSError) -> str:
     return f"{exc.strerror or os.strerror(err)} [errno {err}]{hint}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(name: str) -> EngineProbe:
     if name == "threads":
         return EngineProbe(name, True, "one blocking preadv/pwritev per worker thread")

@@ -86,7 +86,7 @@ class Op:
                  "fd_buffered", "owned_fds", "validate", "fsync", "lock", "batch", "session")
 
     def __init__(self, transfer: Transfer, validate: bool, fsync: bool, *,
-                 batch: "Batch | None" = None) -> None:
+                 batch: Batch | None = None) -> None:
         self.transfer = transfer
         self.chunks: Sequence[Chunk] = []
         self.next = 0

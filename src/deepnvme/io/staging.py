@@ -29,15 +29,16 @@ import os
 import queue
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from ..memory.views import cast_to_byte_tensor
 from ..errors import DeepNVMeIOError, ShortTransferError
-from .workers import WorkerGroup
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
+from ..memory.views import cast_to_byte_tensor
+from .workers import WorkerGroup
 
 __all__ = ["DeviceCopier", "CudaCopier", "StagingPipeline", "StagedChunk", "plan_staged_chunks",
            "SubmitIO"]
@@ -155,7 +156,7 @@ class _Request:
     validate: bool
     fsync: bool
     ticket: Any
-    future: "Future[int]"
+    future: Future[int]
 
     @property
     def size(self) -> int:
@@ -197,7 +198,7 @@ class StagingPipeline:
         return self.drivers * self.buffers * (self.chunk_bytes + self.alignment)
 
     def submit(self, tensor: torch.Tensor, target: str | int, *, write: bool, offset: int = 0,
-               validate: bool = False, fsync: bool = False) -> "Future[int]":
+               validate: bool = False, fsync: bool = False) -> Future[int]:
         """Start moving all of ``tensor``'s bytes to/from ``target`` at ``offset``.
 
         Returns a future of the byte count; errors are set on it, never raised here. Must be
@@ -371,7 +372,7 @@ class StagingPipeline:
             ring.clear()
 
 
-def _driver(ref: "weakref.ref[StagingPipeline]", work: "queue.SimpleQueue[Any]",
+def _driver(ref: weakref.ref[StagingPipeline], work: queue.SimpleQueue[Any],
             ring: list[torch.Tensor]) -> None:
     while True:
         req = work.get()

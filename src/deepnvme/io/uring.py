@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
-import logging
 import platform
 import struct
 import threading

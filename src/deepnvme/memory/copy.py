@@ -14,8 +14,8 @@ import collections
 import ctypes
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 

@@ -46,7 +46,7 @@ class _Region:
 _lock = threading.RLock()
 _regions: dict[int, _Region] = {}  # storage base address -> region
 _bases: list[int] = []  # the keys of _regions, sorted (to find the region holding an address)
-_release_listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_release_listeners: weakref.WeakSet[Any] = weakref.WeakSet()
 _warned_mlock = False
 
 

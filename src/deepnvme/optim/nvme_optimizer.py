@@ -214,7 +214,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
         """Delete the swap files (the state is lost unless saved). Idempotent."""
         self._swapper.close()
 
-    def __enter__(self) -> "NVMeOptimizer":
+    def __enter__(self) -> NVMeOptimizer:
         return self
 
     def __exit__(self, *exc: object) -> None:

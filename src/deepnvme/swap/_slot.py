@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ..memory.views import cast_to_byte_tensor, check_io_tensor
 from ..errors import SwapBufferError, SwapError
 from ..handles.aio import AioHandle
+from ..memory.views import cast_to_byte_tensor, check_io_tensor
 from ._chain import Chain
 from ._lending import Lease, Lender
 

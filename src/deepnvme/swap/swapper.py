@@ -21,10 +21,10 @@ from concurrent.futures import Future
 
 import torch
 
-from ..memory.views import cast_to_byte_tensor, check_io_tensor
 from ..config import IOConfig
 from ..errors import SwapBufferError, SwapError
 from ..handles.aio import AioHandle
+from ..memory.views import cast_to_byte_tensor, check_io_tensor
 from . import _dirs
 from ._lending import Lender
 from ._slot import _done, _Slot
@@ -250,7 +250,7 @@ class TensorSwapper:
             self._lender.close()
         self._finalizer()
 
-    def __enter__(self) -> "TensorSwapper":
+    def __enter__(self) -> TensorSwapper:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,11 +14,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+import deepnvme.checkpoint.dcp as ddcp
+from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter, _EngineFileSystem
 from deepnvme.config import checkpoint_config
 from deepnvme.handles.aio import AioHandle
 from deepnvme.io.posix import Posix
-import deepnvme.checkpoint.dcp as ddcp
-from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter, _EngineFileSystem
 
 
 def test_write_stream_commits_on_close_and_discards_on_error(tmp_path):

@@ -12,8 +12,8 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import deepnvme
-from deepnvme.formats.torchzip import read_record_spans, split_byte_ranges, storage_spans
 from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter
+from deepnvme.formats.torchzip import read_record_spans, split_byte_ranges, storage_spans
 
 
 def _free_port() -> int:

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.io.posix import injected
 from deepnvme.io import durable as atomic
-from deepnvme.io.posix import Posix
+from deepnvme.io.posix import Posix, injected
 
 
 def _state(n: int, fill: float) -> dict:

@@ -13,9 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import deepnvme
-from deepnvme.io.posix import injected
 from deepnvme.formats.torchzip import CheckpointFormatError
-from deepnvme.io.posix import Posix
+from deepnvme.io.posix import Posix, injected
 
 
 def _tensors() -> dict[str, torch.Tensor]:

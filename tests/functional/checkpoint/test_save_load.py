@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.io.posix import injected
 from deepnvme.formats.torchzip import CheckpointFormatError
-from deepnvme.io.posix import Posix
+from deepnvme.io.posix import Posix, injected
 
 
 def _state() -> dict:
@@ -193,8 +192,8 @@ def test_save_replaces_atomically_and_is_idempotent(tmp_path):
 
 def test_zip64_offsets_beyond_4gib(tmp_path):
     """A >4 GiB checkpoint: records past 4 GiB are found and filled (sparse file, lazy memory)."""
-    from deepnvme.config import checkpoint_config
     from deepnvme.checkpoint.saver import write_skeleton, write_storages
+    from deepnvme.config import checkpoint_config
 
     big = torch.empty((5 << 30) + 3, dtype=torch.uint8)  # never touched: no memory committed
     tail = torch.arange(1000, dtype=torch.float32)

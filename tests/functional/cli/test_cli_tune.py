@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-
 import deepnvme
 from deepnvme import AioHandle
 from deepnvme.cli.tune import TuneSpace, run_tune

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from tiny_transformers import greedy, prompt, tiny_model
 
 import deepnvme.inference as inf
-
-from tiny_transformers import greedy, prompt, tiny_model
 
 ARCHS = ("llama", "gpt2", "opt")
 DTYPES = (torch.float32, torch.bfloat16)

@@ -5,8 +5,8 @@ import os
 
 import pytest
 import torch
-from torch import nn
 from tiny_transformers import greedy, prompt, tiny_model
+from torch import nn
 
 import deepnvme.inference as inf
 from deepnvme.errors import DeepNVMeError, DeepNVMeIOError

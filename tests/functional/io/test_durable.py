@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
+from deepnvme.errors import DeepNVMeIOError
 from deepnvme.io import durable as atomic
 from deepnvme.io import file as io_file
-from deepnvme.errors import DeepNVMeIOError
 from deepnvme.io.posix import Posix
 
 from ...concurrency import run_in_fork

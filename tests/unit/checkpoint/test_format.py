@@ -9,10 +9,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deepnvme.formats.torchzip import (CheckpointFormatError, RecordSpan, batch_small_records,
-                                        check_sizes,
-                                        read_record_spans, split_by_bytes, split_byte_ranges,
-                                        storage_spans)
+from deepnvme.formats.torchzip import (
+    CheckpointFormatError,
+    RecordSpan,
+    batch_small_records,
+    check_sizes,
+    read_record_spans,
+    split_by_bytes,
+    split_byte_ranges,
+    storage_spans,
+)
 
 
 def _saved(obj, alignment=64) -> bytes:

@@ -7,8 +7,15 @@ import os
 
 import pytest
 
-from deepnvme.cli._args import (CliParser, UsageError, check_writable, nonnegative_int,
-                                positive_float, positive_int, positive_size)
+from deepnvme.cli._args import (
+    CliParser,
+    UsageError,
+    check_writable,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    positive_size,
+)
 
 
 def test_counts_and_sizes() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import torch
 
 from deepnvme.cli._engines import EngineStatus, in_flight, parse_engines, require_engines

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from deepnvme.errors import DeepNVMeError
-from deepnvme.inference._layout import (BlockPlan, TensorRecord, plan_block_reads,
-                                        plan_packed_block)
+from deepnvme.inference._layout import BlockPlan, TensorRecord, plan_block_reads, plan_packed_block
 from deepnvme.inference._safetensors import parse_header
 
 

@@ -1,10 +1,10 @@
 """The planner is pure: exact coverage, alignment of direct chunks, edges buffered."""
 
-from hypothesis import given, settings, strategies as st
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepnvme.io.plan import PAGE_SIZE, Alignment, Kind, align_down, align_up, plan_transfer
-
-import pytest
 
 ALIGNS = st.sampled_from([Alignment(512, 512), Alignment(4, 512), Alignment(4096, 4096),
                           Alignment(512, 4096)])

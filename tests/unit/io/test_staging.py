@@ -6,11 +6,12 @@ import time
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deepnvme.errors import DeepNVMeIOError, ShortTransferError
-from deepnvme.memory import pinned
 from deepnvme.io.staging import StagingPipeline, plan_staged_chunks
+from deepnvme.memory import pinned
 
 from ...conftest import random_tensor, same_bytes
 from ...fakes import FakeCopier, FakeFileIO

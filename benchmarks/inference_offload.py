@@ -211,7 +211,8 @@ def main() -> None:
           f"blocks; cold O_DIRECT read {gbps_before:.2f} GB/s before, {gbps_after:.2f} after -> I/O roofline "
           f"{roof:.2f} tokens/s")
     head = (f"{'mode':16s} {'tok/s':>7s} {'range':>13s} {'prefill s':>9s} {'decode tok/s':>12s} {'GB read':>8s} "
-            f"{'overlap':>8s} {'tot/roof':>8s} {'dec/roof':>8s} {'RSS anon MB':>11s} {'RSS file MB':>11s} {'same tok':>8s}")
+            f"{'overlap':>8s} {'tot/roof':>8s} {'dec/roof':>8s} {'RSS anon MB':>11s} {'RSS file MB':>11s} "
+            f"{'same tok':>8s}")
     print(head)
     print("-" * len(head))
     base = None

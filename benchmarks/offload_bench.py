@@ -67,7 +67,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     out = {"mode": args.mode, "step_s": times, "state_rss": status("VmHWM") - baseline,
            "n_params": sum(p.numel() for p in params)}
     if isinstance(opt, NVMeOptimizer):
-        out["state_bytes"] = sum(l.total for l in opt._layouts if l is not None)
+        out["state_bytes"] = sum(lay.total for lay in opt._layouts if lay is not None)
         out["sub_groups"] = opt.num_sub_groups
         opt.close()
     else:

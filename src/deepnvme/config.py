@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import re
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -191,8 +192,9 @@ class IOConfig:
         return resolve_config(explicit)
 
 
+_NO_OVERRIDES: Mapping[str, Any] = types.MappingProxyType({})
 _overrides: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
-    "deepnvme_overrides", default={})
+    "deepnvme_overrides", default=_NO_OVERRIDES)
 
 
 @contextlib.contextmanager

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import errno as _errno
 import os
+from typing import Any
 
 __all__ = [
+    "CheckpointFormatError",
+    "ConfigError",
     "DeepNVMeError",
     "DeepNVMeIOError",
-    "ShortTransferError",
+    "DistributedSaveError",
     "FileNotFoundIOError",
+    "GdsUnavailableError",
     "PermissionIOError",
-    "ValidationError",
-    "ConfigError",
+    "ShortTransferError",
+    "SwapBufferError",
+    "SwapError",
     "UnsupportedBufferError",
+    "UsageError",
+    "ValidationError",
 ]
 
 
@@ -57,8 +64,8 @@ class DeepNVMeIOError(DeepNVMeError, OSError):
         return target(f"{op} failed: {reason}", path=path, offset=offset, size=size, errno=exc.errno)
 
 
-def _rebuild(cls: type, args: tuple, state: dict) -> BaseException:
-    err = cls.__new__(cls, *args)
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    err: BaseException = cls.__new__(cls, *args)
     OSError.__init__(err, *args)
     err.__dict__.update(state)
     return err
@@ -110,4 +117,19 @@ class SwapBufferError(DeepNVMeError, RuntimeError):
     buffer held by swapped-in keys that nobody released."""
 
 
-__all__ += ["SwapError", "SwapBufferError"]
+
+class GdsUnavailableError(DeepNVMeError, RuntimeError):
+    """GPUDirect Storage cannot run here (no CUDA device, no cuFile binding, driver open failed)."""
+
+
+class CheckpointFormatError(DeepNVMeError, ValueError):
+    """A checkpoint file is truncated, corrupted or not in the expected format."""
+
+
+class DistributedSaveError(DeepNVMeError, RuntimeError):
+    """A data-parallel save failed on at least one rank (the previous file is untouched)."""
+
+
+class UsageError(DeepNVMeError):
+    """The command line asks for something this system cannot do; ``main`` prints it as one
+    line and exits 2."""

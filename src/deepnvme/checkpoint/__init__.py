@@ -1,9 +1,9 @@
 """FastPersist checkpoints: torch.save/safetensors-compatible files at the storage's speed."""
 
-from ..formats.torchzip import CheckpointFormatError
+from ..errors import CheckpointFormatError, DistributedSaveError
 from ..io.durable import clean_temp_files, wait_for_releases
 from .async_saver import AsyncCheckpointer, AsyncSaveHandle, async_save
-from .distributed import DistributedSaveError, save_distributed
+from .distributed import save_distributed
 from .loader import load
 from .safetensors import load_safetensors, save_safetensors
 from .saver import save

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as TorchFuture
 
 from ..config import IOConfig, checkpoint_config
 from ..handles.aio import AioHandle
@@ -241,6 +242,8 @@ class NVMeStorageWriter(FileSystemWriter):
     ``FileSystemWriter``'s. ``sync_files`` is always on: every file is fsynced before rename.
     """
 
+    fs: _EngineFileSystem
+
     def __init__(self, path: str | os.PathLike[str], *,
                  config: IOConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         kwargs["sync_files"] = False  # our streams fsync themselves; never os.sync()
@@ -254,7 +257,7 @@ class NVMeStorageWriter(FileSystemWriter):
         return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{token}_"))
                 if plan.storage_data is None else plan for i, plan in enumerate(plans)]
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         fut = super().write_data(plan, planner)
         fut.add_done_callback(lambda _: self.fs.close())  # every rank; runs now if already done
         return fut
@@ -282,13 +285,15 @@ class NVMeStorageWriter(FileSystemWriter):
 class NVMeStorageReader(FileSystemReader):
     """``FileSystemReader`` that reads each needed byte range in parallel with the engine."""
 
+    fs: _EngineFileSystem
+
     def __init__(self, path: str | os.PathLike[str], *,
                  config: IOConfig | Mapping[str, Any] | None = None) -> None:
         super().__init__(path)
         self.fs = _EngineFileSystem(checkpoint_config(config))
         self.path = self.fs.init_path(path)
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         wanted: dict[str, list[tuple[int, int]]] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]

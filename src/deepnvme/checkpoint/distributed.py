@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import IOConfig, checkpoint_config
-from ..errors import DeepNVMeError
+from ..errors import DistributedSaveError
 from ..formats.torchzip import RecordSpan, check_sizes, split_byte_ranges
 from ..handles.aio import AioHandle
 from ..io import durable
@@ -28,10 +28,6 @@ from ._paths import as_path
 from .saver import StorageLayout, pickle_skeleton, write_skeleton
 
 __all__ = ["save_distributed", "DistributedSaveError"]
-
-
-class DistributedSaveError(DeepNVMeError, RuntimeError):
-    """A data-parallel save failed on at least one rank (the previous file is untouched)."""
 
 
 def save_distributed(obj: Any, path: str | os.PathLike[str], *, group: Any = None,

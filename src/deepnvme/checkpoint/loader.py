@@ -20,9 +20,8 @@ from typing import IO, Any
 import torch
 
 from ..config import IOConfig, checkpoint_config
-from ..errors import DeepNVMeIOError
+from ..errors import CheckpointFormatError, DeepNVMeIOError
 from ..formats.torchzip import (
-    CheckpointFormatError,
     RecordSpan,
     batch_small_records,
     read_record_spans,
@@ -168,7 +167,8 @@ def _rebuild(path: str, buffers: dict[str, torch.Tensor], futures: dict[str, Fut
     wrapped = _PrefetchedReader(reader, buffers, futures, path)
     if weights_only:
         try:
-            return ser._load(wrapped, map_location, ser._weights_only_unpickler, encoding="utf-8")
+            unpickler = ser._weights_only_unpickler  # type: ignore[attr-defined]  # torch's own, private
+            return ser._load(wrapped, map_location, unpickler, encoding="utf-8")
         except pickle.UnpicklingError as exc:
             raise pickle.UnpicklingError(
                 f"deepnvme.load refused {path!r} with weights_only=True: {exc}. "

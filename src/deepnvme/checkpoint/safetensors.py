@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..config import IOConfig, checkpoint_config
-from ..formats.torchzip import CheckpointFormatError
+from ..errors import CheckpointFormatError
 from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.file import reserve

@@ -94,7 +94,7 @@ def pickle_skeleton(obj: Any, path: str) -> dict[str, torch.UntypedStorage]:
     # Opened without O_TRUNC: a recycled file keeps its blocks. PyTorch seeks over the storage
     # bytes of a file object (nothing is written there), and the file is cut to its new end.
     with open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666), "r+b") as f:
-        with ser_config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}):
+        with ser_config.patch({"save.storage_alignment": STORAGE_ALIGNMENT}):  # type: ignore[attr-defined]
             with torch.serialization.skip_data():
                 torch.save(obj, f, pickle_module=capture)
         if os.path.isfile(path):

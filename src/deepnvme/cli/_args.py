@@ -13,15 +13,10 @@ import tempfile
 from typing import NoReturn
 
 from ..config import parse_size
-from ..errors import ConfigError, DeepNVMeError
+from ..errors import ConfigError, UsageError
 
 __all__ = ["UsageError", "CliParser", "positive_int", "nonnegative_int", "positive_size",
            "positive_float", "check_writable"]
-
-
-class UsageError(DeepNVMeError):
-    """The command line asks for something this system cannot do; ``main`` prints it as one
-    line and exits 2."""
 
 
 class CliParser(argparse.ArgumentParser):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
 import sys
 from collections.abc import Iterator, Sequence
@@ -21,7 +20,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from ..io.durable import temp_name
+from ..io.durable import write_json
 
 __all__ = ["Stats", "fmt_size", "stdout_console", "progress_bar", "print_json", "write_json_durably"]
 
@@ -79,23 +78,6 @@ def print_json(data: Any) -> None:
 
 
 def write_json_durably(path: str, data: Any) -> None:
-    """Write JSON to ``path`` via a temporary file in the same directory, fsync, rename, fsync dir;
-    a failure leaves any previous file untouched."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = temp_name(path)  # named like a save's: ``deepnvme clean`` removes it after a kill
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    """Write JSON to ``path`` through :func:`deepnvme.io.durable.write_json` (temporary file in
+    the same directory, fsync, rename, fsync dir); a failure leaves any previous file untouched."""
+    write_json(path, data, indent=2)

@@ -217,7 +217,7 @@ def _run_processes(specs: list[WorkerSpec], on_event: Callable[[object], None]) 
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead and len(done) < len(procs):
                     raise DeepNVMeError(f"benchmark process {dead[0].name} died with exit code "
-                                        f"{dead[0].exitcode}")
+                                        f"{dead[0].exitcode}") from None
                 continue
             if isinstance(msg, tuple) and msg[0] == "done":
                 done.add(msg[1])

@@ -79,10 +79,9 @@ def plot_tune(result: TuneResult, path: str) -> None:
     xs = range(len(trials))
     width = 0.27
     fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(trials) + 2), 4.5))
-    for k, (name, get) in enumerate((("write", lambda t: t.write_gbps),
-                                     ("read", lambda t: t.read_gbps),
-                                     ("combined", lambda t: t.combined_gbps))):
-        ax.bar([x + (k - 1) * width for x in xs], [get(t) for t in trials], width, label=name)
+    for k, name in enumerate(("write", "read", "combined")):
+        ax.bar([x + (k - 1) * width for x in xs], [getattr(t, f"{name}_gbps") for t in trials], width,
+               label=name)
     ax.set_xticks(list(xs))
     ax.set_xticklabels([_label(t) for t in trials], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("GB/s (1 GB = 1e9 bytes)")

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from ..config import resolve_config
+from ..errors import UsageError
 from ..inference.generate import GenerateResult, parse_dtype, run_generate
-from ._args import UsageError, nonnegative_int, positive_int, positive_size
+from ._args import nonnegative_int, positive_int, positive_size
 
 __all__ = ["GenerateResult", "add_generate_parser", "run_generate"]
 
@@ -89,8 +90,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``generate`` subcommand to an ``argparse`` subparsers object; returns its parser."""
-    g: argparse.ArgumentParser = subparsers.add_parser("generate", help="time greedy generation with weights streamed from disk",
-                              description=_DESCRIPTION)
+    g: argparse.ArgumentParser = subparsers.add_parser(
+        "generate", help="time greedy generation with weights streamed from disk", description=_DESCRIPTION)
     g.add_argument("--model", required=True, metavar="DIR",
                    help="local transformers checkpoint folder (config.json + safetensors)")
     g.add_argument("--offload-dir", default=None, metavar="DIR",

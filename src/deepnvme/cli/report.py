@@ -66,7 +66,7 @@ class Report:
 
 
 def _software() -> list[Check]:
-    from .. import __version__
+    from .._version import __version__
 
     py = sys.version_info
     checks = [

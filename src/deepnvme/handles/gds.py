@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DeepNVMeError
+from ..errors import DeepNVMeError, GdsUnavailableError
 from ..io.cufile import BufferRegistry, CudaOrder, CuFileIO, DeviceOrder
 from ._deepspeed_args import example_arg
 from .aio import AioHandle
@@ -38,10 +38,6 @@ __all__ = ["GdsHandle", "GdsStatus", "GdsUnavailableError", "gds_status"]
 
 log = logging.getLogger(__name__)
 _NVFS_PATHS = ("/sys/module/nvidia_fs", "/proc/driver/nvidia-fs")
-
-
-class GdsUnavailableError(DeepNVMeError, RuntimeError):
-    """GPUDirect Storage cannot run here (no CUDA device, no cuFile binding, driver open failed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +51,7 @@ class GdsStatus:
 
 def _import_cufile() -> Any:
     try:
-        from cuda.bindings import cufile  # type: ignore[import-not-found]
+        from cuda.bindings import cufile
     except ImportError as exc:
         raise GdsUnavailableError(
             f"GPUDirect Storage needs NVIDIA's cuFile binding: pip install 'deepnvme[gds]' "
@@ -215,7 +211,7 @@ class GdsHandle(AioHandle):
         place; its memory returns to torch's allocator). False if it was not registered."""
         if not self.unpin_device_tensor(tensor):
             return False
-        tensor.set_(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+        tensor.set_(torch.empty(0, dtype=tensor.dtype, device=tensor.device).untyped_storage())
         return True
 
     def close(self) -> None:

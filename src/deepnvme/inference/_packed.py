@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..handles.aio import AioHandle
-from ..io.durable import atomic_target, commit, fsync_dir, remove_quietly, temp_name
+from ..io.durable import commit, fsync_dir, remove_quietly, temp_name, write_json
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 from ..memory.views import cast_to_byte_tensor
 from ._layout import BlockPlan, Span, plan_packed_block
@@ -32,9 +32,7 @@ PackedTensor = tuple[str, int, Callable[[], torch.Tensor]]
 
 
 def _atomic_json(path: str, data: Any) -> None:
-    with atomic_target(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f)
+    write_json(path, data)
 
 
 def write_packed(directory: str, blocks: Sequence[Sequence[PackedTensor]], *, handle: AioHandle,

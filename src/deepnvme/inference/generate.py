@@ -50,7 +50,8 @@ class _Clock:
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    hf: Any = model  # a transformers model: its methods are not nn.Module's
+    emb = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
     return emb.weight.device if emb is not None else next(model.parameters()).device
 
 
@@ -60,13 +61,14 @@ def time_generate(model: nn.Module, *, batch_size: int, prompt_len: int, gen_len
     if min(batch_size, prompt_len, gen_len) < 1:
         raise ValueError("batch_size, prompt_len and gen_len must be >= 1")
     device = _model_device(model)
-    vocab = model.config.vocab_size
+    hf: Any = model  # a transformers model: its config and generate() are not nn.Module's
+    vocab = int(hf.config.vocab_size)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch_size, prompt_len), generator=gen).to(device)
     clock = _Clock(device)
     with torch.no_grad():
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=gen_len, min_new_tokens=gen_len, streamer=clock,
                              pad_token_id=0)
         if device.type == "cuda":
@@ -138,7 +140,8 @@ class GenerateResult:
             f"  total           {self.total_seconds:8.2f} s  {self.total_tokens_per_s:10.2f} tokens/s",
             f"  weights read    {self.bytes_read / 1e9:8.3f} GB (disk reads {self.disk_read_bytes / 1e9:.3f} GB)",
             f"  overlap         {self.overlap_efficiency:8.1%}  (stalled {self.stall_seconds:.2f} s)",
-            f"  peak RSS        {self.peak_rss_anon / mb:8.1f} MB anonymous, {self.peak_rss_file / mb:.1f} MB file-backed",
+            f"  peak RSS        {self.peak_rss_anon / mb:8.1f} MB anonymous, "
+            f"{self.peak_rss_file / mb:.1f} MB file-backed",
         ])
 
 
@@ -175,7 +178,8 @@ def run_generate(model_dir: str, *, offload_dir: str | None = None, mode: str = 
                                    prefetch=prefetch, pin_memory=pin_memory, config=config)
         elif mode == "memory":
             from transformers import AutoModelForCausalLM
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype or "auto").to(device).eval()
+            auto: Any = AutoModelForCausalLM  # its stubs type from_pretrained's first argument oddly
+            model = auto.from_pretrained(model_dir, dtype=torch_dtype or "auto").to(device).eval()
         else:
             raise ValueError(f"mode must be 'deepnvme' or 'memory', got {mode!r}")
         load = time.perf_counter() - t0

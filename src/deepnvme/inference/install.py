@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -23,7 +24,7 @@ _ATTR = "_deepnvme_streamer"
 def streamer_of(model: nn.Module) -> WeightStreamer:
     """The :class:`WeightStreamer` that :func:`offload` or :func:`load_offloaded` installed."""
     streamer = getattr(model, _ATTR, None)
-    if streamer is None:
+    if not isinstance(streamer, WeightStreamer):
         raise ValueError(f"{type(model).__name__} is not offloaded; call deepnvme.inference.install first")
     return streamer
 
@@ -49,6 +50,10 @@ def install(model: nn.Module, streamed: list[StreamedBlock], *, device: torch.de
                               pin_memory=pin_memory, config=config)
     object.__setattr__(model, _ATTR, streamer)
     return model
+
+
+def _cpu_copy(param: torch.Tensor) -> torch.Tensor:
+    return param.detach().cpu()
 
 
 def _bytes_of(g: ParamGroup) -> int:
@@ -83,7 +88,7 @@ def offload(model: nn.Module, directory: str, *, device: str | torch.device = "c
                     mod._buffers[key] = buf.to(dev)
     with AioHandle(config=config) as handle:
         plans = write_packed(directory, [
-            [(g.name, _bytes_of(g), lambda g=g: g.param.detach().cpu()) for g in groups]
+            [(g.name, _bytes_of(g), functools.partial(_cpu_copy, g.param)) for g in groups]
             for groups in per_block], handle=handle)
     streamed = []
     for (_, module), groups, plan in zip(named, per_block, plans):

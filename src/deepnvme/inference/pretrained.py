@@ -10,6 +10,7 @@ requested dtype differs from the checkpoint's).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 from typing import Any
@@ -42,10 +43,11 @@ def _build_empty(pretrained_dir: str, dtype: torch.dtype, model_class: Any) -> n
     hf_config = AutoConfig.from_pretrained(pretrained_dir)
     cls = model_class or AutoModelForCausalLM
     with init_empty_weights(include_buffers=False):
-        model = cls.from_config(hf_config, dtype=dtype)
+        model: nn.Module = cls.from_config(hf_config, dtype=dtype)
     # Tie outside the context: its register_parameter patch would copy the shared parameter.
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()   # e.g. GPT-2's lm_head, not tied when built on meta
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()   # e.g. GPT-2's lm_head, not tied when built on meta
     return model.eval()
 
 
@@ -56,6 +58,10 @@ def _lookup(g: ParamGroup, index: dict[str, CheckpointTensor], prefix: str) -> C
             if cand is not None and cand in index:
                 return index[cand]
     return None
+
+
+def _read_as(handle: AioHandle, rec: CheckpointTensor, dtype: torch.dtype) -> torch.Tensor:
+    return _read(handle, rec).to(dtype)
 
 
 def _read(handle: AioHandle, rec: CheckpointTensor) -> torch.Tensor:
@@ -153,6 +159,6 @@ def _block_plans(index: dict[str, CheckpointTensor], per_block: list[list[ParamG
         return plans
     itemsize = torch.empty((), dtype=dtype).element_size()
     return write_packed(offload_dir, [
-        [(g.name, r.nbytes // r.dtype.itemsize * itemsize, lambda r=r: _read(handle, r).to(dtype))
+        [(g.name, r.nbytes // r.dtype.itemsize * itemsize, functools.partial(_read_as, handle, r, dtype))
          for g, r in zip(groups, rs)] for groups, rs in zip(per_block, recs)],
         handle=handle, fingerprint=fingerprint)

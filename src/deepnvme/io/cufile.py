@@ -69,7 +69,7 @@ class CudaOrder:
     """:class:`DeviceOrder` for CUDA: a ticket is an event recorded on the current stream."""
 
     def begin(self, tensor: torch.Tensor) -> Any:
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(tensor.device))
         return event
 

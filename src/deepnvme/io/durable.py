@@ -1,5 +1,8 @@
 """Durable, atomic replacement of a file: temporary name in the same directory, fsync, rename, fsync dir.
 
+The one module that replaces files and publishes directories: checkpoints, DCP, the CLI's JSON
+output, inference's packed weights and manifests, and swap directories all go through it.
+
 Temporary files are named ``.<final name>.deepnvme-tmp-<pid>-<host>-<random>`` (``<host>``: 8 hex
 digits naming this machine's pid namespace, so a directory shared between machines is safe).
 They are removed after success and after any exception, KeyboardInterrupt included; only a
@@ -28,6 +31,7 @@ import contextlib
 import errno
 import functools
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -36,13 +40,14 @@ import secrets
 import stat
 import threading
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import DeepNVMeIOError
 
 __all__ = ["atomic_target", "commit", "fsync_dir", "temp_name", "create_temp", "clean_temp_files",
            "find_temp_files", "TempFile", "resolve_target", "check_target_dir",
-           "wait_for_releases", "spare_name", "take_spare"]
+           "wait_for_releases", "spare_name", "take_spare", "write_json", "publish_dir",
+           "remove_quietly", "fsync_path"]
 
 log = logging.getLogger(__name__)
 # <host> is absent from names written before it was added: those are judged by pid alone
@@ -303,6 +308,28 @@ def atomic_target(path: str, *, recycle: bool = False) -> Iterator[str]:
     except BaseException:
         remove_quietly(tmp)
         raise
+
+
+
+def write_json(path: str, data: Any, *, indent: int | None = None) -> None:
+    """Replace ``path`` with ``data`` as JSON (temporary name, fsync, rename, fsync dir); a
+    failure leaves any previous file untouched. For small files (manifests, tuned configs)."""
+    text = json.dumps(data, indent=indent) + ("\n" if indent is not None else "")
+    with atomic_target(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def publish_dir(building: str, path: str) -> None:
+    """Make the fully written directory ``building`` appear as ``path`` in one rename, with its
+    files fsynced first and the parent directory fsynced after (``path`` must not exist)."""
+    for name in os.listdir(building):
+        full = os.path.join(building, name)
+        if os.path.isfile(full):
+            fsync_path(full)
+    fsync_dir(building)
+    os.rename(building, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 class TempFile(NamedTuple):

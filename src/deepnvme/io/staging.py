@@ -221,7 +221,7 @@ class StagingPipeline:
         self._queue.put(req)
         return fut
 
-    def _driver_args(self, i: int) -> tuple:
+    def _driver_args(self, i: int) -> tuple[Any, ...]:
         ring: list[torch.Tensor] = []  # the driver's staging buffers, allocated on first use
         self._rings.append(ring)
         return (weakref.ref(self), self._queue, ring)

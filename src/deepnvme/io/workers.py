@@ -33,7 +33,7 @@ class WorkerGroup:
         if self.closed:
             raise RuntimeError(self.closed_message)
 
-    def start(self, count: int, target: Callable[..., None], args: Callable[[int], tuple]) -> None:
+    def start(self, count: int, target: Callable[..., None], args: Callable[[int], tuple[Any, ...]]) -> None:
         """Start threads up to ``count``; caller holds :attr:`lock`. ``args(i)`` gives thread
         i's arguments."""
         while len(self.threads) < count:

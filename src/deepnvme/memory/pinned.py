@@ -141,7 +141,7 @@ def free_cpu_locked_tensor(tensor: torch.Tensor) -> bool:
     elif was_locked:
         _munlock(address, region.size)
     with torch.inference_mode(tensor.is_inference()):  # inference tensors only change inside it
-        tensor.set_(torch.empty(0, dtype=tensor.dtype))
+        tensor.set_(torch.empty(0, dtype=tensor.dtype).untyped_storage())
     return True
 
 

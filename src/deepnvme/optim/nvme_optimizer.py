@@ -135,7 +135,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
             raise
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every sub-group (state read, updated, written back).
 
         On an I/O error the step stops: the sub-groups named in the error were updated, the
@@ -294,7 +294,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
             self._layouts[i] = None
             self._swapper.release(i)
             return None
-        if not in_place:
+        if held is None or not in_place:
             if held is not None:
                 values = [(k, name, v.clone()) for k, name, v in values]
                 self._swapper.release(i)
@@ -369,7 +369,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
             return exc
         n = len(self._groups)
         updated = f"sub-groups 0..{done} of {n} were updated" if done >= 0 else "no sub-group was updated"
-        resident = [i for i, l in enumerate(self._layouts) if l is None]
+        resident = [i for i, lay in enumerate(self._layouts) if lay is None]
         return SwapError(f"NVMeOptimizer.step stopped: {exc}; {updated}; the state of sub-groups "
                          f"{resident} is kept in memory", path=getattr(exc, "path", None),
                          offset=getattr(exc, "offset", None), size=getattr(exc, "size", None),

@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass
 
 from ..errors import SwapError
+from ..io.durable import publish_dir
 
 __all__ = ["PREFIX", "CREATING_PREFIX", "OWNER_FILE", "Owner", "create_private_dir", "find_stale_dirs",
            "handle_stale_dirs", "remove_dir"]
@@ -149,7 +150,7 @@ def create_private_dir(directory: str) -> str:
         with open(os.path.join(creating, OWNER_FILE), "w", encoding="utf-8") as f:
             json.dump({"host": owner.host, "pid": owner.pid, "start_ticks": owner.start_ticks}, f)
         path = os.path.join(directory, PREFIX + name)
-        os.rename(creating, path)  # appears with its owner file inside
+        publish_dir(creating, path)  # appears, durably, with its owner file inside
     except BaseException:
         remove_dir(creating)
         raise

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import deepnvme
-from deepnvme.formats.torchzip import CheckpointFormatError
+from deepnvme.errors import CheckpointFormatError
 from deepnvme.io.posix import Posix, injected
 
 

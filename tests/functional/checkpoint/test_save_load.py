@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.formats.torchzip import CheckpointFormatError
+from deepnvme.errors import CheckpointFormatError
 from deepnvme.io.posix import Posix, injected
 
 

@@ -11,8 +11,14 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.errors import DeepNVMeIOError, FileNotFoundIOError, ShortTransferError, ValidationError
-from deepnvme.handles.gds import GdsHandle, GdsUnavailableError, gds_status
+from deepnvme.errors import (
+    DeepNVMeIOError,
+    FileNotFoundIOError,
+    GdsUnavailableError,
+    ShortTransferError,
+    ValidationError,
+)
+from deepnvme.handles.gds import GdsHandle, gds_status
 from deepnvme.io.posix import Posix
 
 from ...conftest import open_fds, random_tensor, same_bytes

@@ -13,6 +13,7 @@ __all__ = [
     "PermissionIOError",
     "ValidationError",
     "ConfigError",
+    "CheckpointFormatError",
     "UnsupportedBufferError",
 ]
 
@@ -95,6 +96,10 @@ class ValidationError(DeepNVMeIOError):
 
 class ConfigError(DeepNVMeError, ValueError):
     """A setting has a bad value or an unknown name."""
+
+
+class CheckpointFormatError(DeepNVMeError, ValueError):
+    """A checkpoint file is truncated, corrupted or not in the expected format."""
 
 
 class UnsupportedBufferError(DeepNVMeError, TypeError):

@@ -15,7 +15,7 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from ..errors import DeepNVMeError
+from ..errors import CheckpointFormatError
 
 __all__ = ["CheckpointFormatError", "RecordSpan", "Piece", "read_record_spans", "storage_spans",
            "split_by_bytes", "split_byte_ranges", "check_sizes", "batch_small_records",
@@ -26,10 +26,6 @@ STORAGE_ALIGNMENT = 4096
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
-
-
-class CheckpointFormatError(DeepNVMeError, ValueError):
-    """A checkpoint file is truncated, corrupted or not in the expected format."""
 
 
 @dataclasses.dataclass(frozen=True)

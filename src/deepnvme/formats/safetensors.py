@@ -15,6 +15,7 @@ import json
 import math
 import os
 import struct
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -43,8 +44,8 @@ _TABLE: tuple[tuple[str, str, int], ...] = (
     ("F4", "float4_e2m1fn_x2", 4),
 )
 _BITS: dict[str, int] = {name: bits for name, _, bits in _TABLE}
-DTYPES: Mapping[str, torch.dtype] = {
-    name: getattr(torch, attr) for name, attr, _ in _TABLE if isinstance(getattr(torch, attr, None), torch.dtype)}
+DTYPES: Mapping[str, torch.dtype] = types.MappingProxyType({
+    name: getattr(torch, attr) for name, attr, _ in _TABLE if isinstance(getattr(torch, attr, None), torch.dtype)})
 """safetensors dtype name -> torch dtype, for every name this torch can represent."""
 _NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 _LENGTH = struct.Struct("<Q")
@@ -117,6 +118,9 @@ def build_header(tensors: Iterable[tuple[str, torch.dtype, Sequence[int]]],
         pos += nbytes
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % alignment)
+    if len(raw) > MAX_HEADER:
+        raise ValueError(f"the safetensors header would take {len(raw)} bytes, past the format's limit of "
+                         f"{MAX_HEADER}: save fewer tensors or less metadata per file")
     return _LENGTH.pack(len(raw)) + raw, SafetensorsHeader(layout, dict(metadata or {}), 8 + len(raw), pos)
 
 

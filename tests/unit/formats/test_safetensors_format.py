@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deepnvme.errors import CheckpointFormatError, DeepNVMeError
+from deepnvme.formats import safetensors as safetensors_format
 from deepnvme.formats.safetensors import (
     ALIGNMENT,
     DTYPES,
@@ -97,6 +98,13 @@ def test_header_length_cases():
         header_length(struct.pack("<Q", MAX_HEADER + 1), file=FILE, file_size=1 << 40)
     with pytest.raises(CheckpointFormatError, match="limit"):
         header_length(b"\xff" * 8, file=FILE, file_size=1 << 40)
+
+
+def test_build_refuses_a_header_over_the_cap(monkeypatch):
+    monkeypatch.setattr(safetensors_format, "MAX_HEADER", 4096)
+    build_header([("a", torch.uint8, (1,))], {"k": "v" * 4000})
+    with pytest.raises(ValueError, match="limit of 4096"):
+        build_header([("a", torch.uint8, (1,))], {"k": "v" * 5000})
 
 
 def test_parse_refuses_a_header_over_the_cap():

@@ -104,6 +104,10 @@ class ConfigError(DeepNVMeError, ValueError):
     """A setting has a bad value or an unknown name."""
 
 
+class CheckpointFormatError(DeepNVMeError, ValueError):
+    """A checkpoint file is truncated, corrupted or not in the expected format."""
+
+
 class UnsupportedBufferError(DeepNVMeError, TypeError):
     """A tensor cannot be used as an I/O buffer (non-contiguous, wrong device ...)."""
 
@@ -120,10 +124,6 @@ class SwapBufferError(DeepNVMeError, RuntimeError):
 
 class GdsUnavailableError(DeepNVMeError, RuntimeError):
     """GPUDirect Storage cannot run here (no CUDA device, no cuFile binding, driver open failed)."""
-
-
-class CheckpointFormatError(DeepNVMeError, ValueError):
-    """A checkpoint file is truncated, corrupted or not in the expected format."""
 
 
 class DistributedSaveError(DeepNVMeError, RuntimeError):

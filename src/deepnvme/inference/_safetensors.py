@@ -1,31 +1,22 @@
-"""Reading the tensor index of a safetensors checkpoint folder (headers only, no tensor data).
+"""The tensor index of a safetensors checkpoint folder (headers only, no tensor data).
 
-Format facts: a file starts with a little-endian u64 header length N, then N bytes of JSON
-mapping tensor names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative
-to the byte after the header) plus an optional ``"__metadata__"``. Sharded checkpoints have a
-``model.safetensors.index.json`` whose ``weight_map`` names the shard of each tensor.
+Headers are parsed by :mod:`deepnvme.formats.safetensors`; this module adds the folder rules:
+one ``model.safetensors`` or shards named by the ``weight_map`` of
+``model.safetensors.index.json``, and absolute file offsets for each tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-import struct
 
 import torch
 
-from ..errors import DeepNVMeError
+from ..errors import CheckpointFormatError, DeepNVMeError
+from ..formats.safetensors import SafetensorsHeader, read_header
 
-__all__ = ["CheckpointTensor", "parse_header", "read_checkpoint_index", "DTYPES"]
-
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
-_MAX_HEADER = 100 << 20
+__all__ = ["CheckpointTensor", "locate", "read_checkpoint_index"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,52 +31,33 @@ class CheckpointTensor:
     shape: tuple[int, ...]
 
 
-def parse_header(raw: bytes, *, file: str, file_size: int) -> dict[str, CheckpointTensor]:
-    """Parse the JSON header ``raw`` (without the 8-byte length) of ``file``; validates bounds."""
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise DeepNVMeError(f"{file}: safetensors header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise DeepNVMeError(f"{file}: safetensors header is not a JSON object")
-    base = 8 + len(raw)
-    out: dict[str, CheckpointTensor] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
+def locate(header: SafetensorsHeader, file: str) -> dict[str, CheckpointTensor]:
+    """The tensors of ``header`` (parsed from ``file``) with absolute offsets in that file."""
+    return {name: CheckpointTensor(name, file, header.data_start + e.begin, e.nbytes, e.dtype, e.shape)
+            for name, e in header.tensors.items()}
+
+
+def _shards(index_path: str) -> list[str]:
+    """The shard file names listed by the ``weight_map`` of a ``model.safetensors.index.json``."""
+    with open(index_path, "rb") as f:
         try:
-            dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise DeepNVMeError(f"{file}: bad safetensors entry for {name!r}: {info!r} ({exc!r})") from None
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if end - begin != nbytes or begin < 0 or base + end > file_size:
-            raise DeepNVMeError(f"{file}: tensor {name!r} data_offsets {begin}..{end} do not fit "
-                                f"its shape {shape} x {info['dtype']} or the file size {file_size}")
-        out[name] = CheckpointTensor(name, file, base + begin, nbytes, dtype, shape)
-    return out
-
-
-def _read_file_index(path: str) -> dict[str, CheckpointTensor]:
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise DeepNVMeError(f"{path}: too short for a safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(_MAX_HEADER, size - 8):
-            raise DeepNVMeError(f"{path}: safetensors header length {n} exceeds the file ({size} bytes)")
-        return parse_header(f.read(n), file=path, file_size=size)
+            index = json.loads(f.read().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise CheckpointFormatError(f"{index_path!r} is not valid JSON ({str(exc)[:200]})") from None
+    weight_map = index.get("weight_map", {}) if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and v not in ("", ".", "..") and os.path.basename(v) == v
+            for v in weight_map.values()):
+        raise CheckpointFormatError(f"{index_path!r}: weight_map must map tensor names to shard file "
+                                    "names in the same folder")
+    return sorted(set(weight_map.values()))
 
 
 def read_checkpoint_index(directory: str) -> dict[str, CheckpointTensor]:
     """Map every tensor name of the safetensors checkpoint in ``directory`` to its location."""
     index_path = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
+        files = _shards(index_path)
     else:
         files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
     if not files:
@@ -93,7 +65,8 @@ def read_checkpoint_index(directory: str) -> dict[str, CheckpointTensor]:
                             "save_pretrained(..., safe_serialization=True) first")
     out: dict[str, CheckpointTensor] = {}
     for name in files:
-        for key, rec in _read_file_index(os.path.join(directory, name)).items():
+        path = os.path.join(directory, name)
+        for key, rec in locate(read_header(path), path).items():
             if key in out:
                 raise DeepNVMeError(f"tensor {key!r} appears in both {out[key].file} and {rec.file}")
             out[key] = rec

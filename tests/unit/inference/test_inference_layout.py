@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from deepnvme.errors import DeepNVMeError
+from deepnvme.formats.safetensors import parse_header
 from deepnvme.inference._layout import BlockPlan, TensorRecord, plan_block_reads, plan_packed_block
-from deepnvme.inference._safetensors import parse_header
+from deepnvme.inference._safetensors import locate
 
 
 def _check_plan(plan: BlockPlan, records, sizes, align=4096):
@@ -87,7 +88,7 @@ def test_parse_header_offsets_are_absolute():
     raw = _header({"__metadata__": {"format": "pt"},
                    "w": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
                    "b": {"dtype": "F32", "shape": [3], "data_offsets": [12, 24]}})
-    out = parse_header(raw, file="x", file_size=8 + len(raw) + 24)
+    out = locate(parse_header(raw, file="x", file_size=8 + len(raw) + 24), "x")
     assert out["w"].offset == 8 + len(raw) and out["w"].dtype == torch.bfloat16
     assert out["b"].offset == 8 + len(raw) + 12 and out["b"].shape == (3,)
 

@@ -188,6 +188,7 @@ def test_ci_runs_the_quick_start_test_command():
     ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
                 if line.strip() and not line.startswith(("#", "set ", "cd "))]
     assert ci_lines[-1] == command
+    assert command.endswith("ruff check . && mypy && python -m pytest -q"), "CI checks lint and types too"
 
 
 def test_readme_settings_table_matches_the_code():

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -33,6 +34,16 @@ DEEPNVME_CONFIGS = {
 }
 
 
+
+
+def median_s(fn: Callable[[], object], reps: int) -> float:
+    """Median wall time of ``reps`` calls of ``fn``, in seconds."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def deepnvme_write(handle: deepnvme.AioHandle, buf: torch.Tensor, path: str) -> float:

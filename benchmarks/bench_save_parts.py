@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -33,16 +32,7 @@ from deepnvme.io import durable as atomic
 from deepnvme.memory import copy as copy_mod
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import describe_machine  # noqa: E402
-
-
-def median_s(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from bench_engine import describe_machine, median_s  # noqa: E402
 
 
 def make_file(path: str, size: int) -> None:

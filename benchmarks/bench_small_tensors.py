@@ -13,24 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 import tempfile
-import time
-from collections.abc import Callable
 
 import torch
 
 import deepnvme
 
-
-def median_s(fn: Callable[[], object], reps: int) -> float:
-    """Median wall time of ``reps`` calls of ``fn``, in seconds."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine import median_s  # noqa: E402
 
 
 def torch_save_durable(obj: object, path: str) -> None:

@@ -199,3 +199,11 @@ def test_drop_caches_falls_back_to_fadvise(st_file) -> None:
         raise PermissionError(13, "Permission denied")
     assert evict((st_file,), "drop-caches", drop=refused) == "fadvise"
     assert evict((st_file,), "none") == "none"
+
+
+def test_resident_bytes_of_an_empty_and_a_missing_file(tmp_path) -> None:
+    from deepnvme.io.posix import resident_bytes
+    (tmp_path / "empty").write_bytes(b"")
+    assert resident_bytes(str(tmp_path / "empty")) == 0
+    with pytest.raises(FileNotFoundError):
+        resident_bytes(str(tmp_path / "missing"))

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from ..errors import DeepNVMeIOError, ShortTransferError
 from .plan import Alignment
 
-__all__ = ["Posix", "POSIX", "O_DIRECT", "evict_page_cache", "syscall"]
+__all__ = ["Posix", "POSIX", "O_DIRECT", "evict_page_cache", "resident_bytes", "syscall"]
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _AT_FDCWD = -100
@@ -33,6 +33,12 @@ if _statx is not None:
     _statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
     _statx.restype = ctypes.c_int
 _libc.syscall.restype = ctypes.c_long
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_LOW_BIT = bytes(i & 1 for i in range(256))  # mincore: bit 0 of each byte = page resident
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 def syscall(number: int, *args: object) -> int:
@@ -159,6 +165,30 @@ def evict_page_cache(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def resident_bytes(path: str) -> int:
+    """Bytes of ``path`` now in the page cache (whole pages, at most the file's size), from
+    ``mincore(2)`` over a read-only mapping; touches no page. Raises ``OSError``."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        addr = _libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            raise OSError(ctypes.get_errno(), f"mmap: {os.strerror(ctypes.get_errno())}", path)
+    finally:
+        os.close(fd)
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        vec = (ctypes.c_ubyte * (-(-size // page)))()
+        if _libc.mincore(addr, size, vec) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore: {os.strerror(ctypes.get_errno())}", path)
+    finally:
+        _libc.munmap(addr, size)
+    return min(size, bytes(vec).translate(_LOW_BIT).count(1) * page)
+
 
 _CURRENT: contextvars.ContextVar[Posix] = contextvars.ContextVar("deepnvme_posix", default=POSIX)
 

@@ -1,0 +1,108 @@
+"""What ``deepnvme bench load PATH`` reads: the checkpoint's format (from the files' first
+bytes, not their names) and its files (one file, or a Hugging Face model directory)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+
+from ..errors import UsageError
+from ..formats.safetensors import MAX_HEADER
+
+__all__ = ["SAFETENSORS", "TORCH", "Checkpoint", "sniff", "find_checkpoint"]
+
+SAFETENSORS = "safetensors"
+TORCH = "torch"  # a torch.save zip archive
+_ZIP_MAGIC = b"PK\x03\x04"
+# Hugging Face layouts, in the order transformers prefers them: (index file, single file, format)
+_LAYOUTS = (("model.safetensors.index.json", "model.safetensors", SAFETENSORS),
+            ("pytorch_model.bin.index.json", "pytorch_model.bin", TORCH))
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint on disk: ``path`` as given, its ``format`` and its ``files`` (absolute, in
+    order); ``nbytes`` is the files' total size (what GB/s is computed from)."""
+
+    path: str
+    format: str
+    files: tuple[str, ...]
+    nbytes: int
+
+    @property
+    def is_dir(self) -> bool:
+        return os.path.isdir(self.path)
+
+
+def sniff(head: bytes, size: int) -> str | None:
+    """The format of a file from its first 9 (or more) bytes and its size, or None.
+
+    safetensors: an 8-byte little-endian header length that fits the file, then ``{``;
+    torch.save: a zip archive (``PK\\x03\\x04``)."""
+    if head.startswith(_ZIP_MAGIC):
+        return TORCH
+    if len(head) >= 9 and head[8:9] == b"{":
+        (n,) = struct.unpack("<Q", head[:8])
+        if 2 <= n <= min(MAX_HEADER, size - 8):
+            return SAFETENSORS
+    return None
+
+
+def _format_of(path: str) -> str:
+    """The format of one file; :class:`UsageError` (exit 2) if it is neither."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        raise UsageError(f"cannot read {path!r}: {exc.strerror}") from None
+    fmt = sniff(head, size)
+    if fmt is None:
+        raise UsageError(f"{path!r} is neither a .safetensors file nor a torch.save (zip) file; "
+                         "give one of those or a Hugging Face model directory")
+    return fmt
+
+
+def _shards(index_path: str) -> list[str]:
+    """The shard files an ``*.index.json`` names (its ``weight_map`` values), in order."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        names = list(dict.fromkeys(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UsageError(f"{index_path!r} is not a usable index (a JSON object with a "
+                         f"'weight_map' of tensor -> shard file): {exc}") from None
+    if not names or not all(isinstance(n, str) and n and os.sep not in n for n in names):
+        raise UsageError(f"{index_path!r}: 'weight_map' must name shard files in its directory")
+    return names
+
+
+def _dir_files(path: str) -> tuple[list[str], str]:
+    """The files of a Hugging Face model directory and the format its names promise."""
+    for index, single, fmt in _LAYOUTS:
+        if os.path.isfile(os.path.join(path, index)):
+            return [os.path.join(path, n) for n in _shards(os.path.join(path, index))], fmt
+        if os.path.isfile(os.path.join(path, single)):
+            return [os.path.join(path, single)], fmt
+    names = ", ".join(n for layout in _LAYOUTS for n in layout[:2])
+    raise UsageError(f"directory {path!r} holds none of {names}")
+
+
+def find_checkpoint(path: str) -> Checkpoint:
+    """Resolve ``path`` (a file or a model directory); :class:`UsageError` names what is wrong."""
+    if not os.path.exists(path):
+        raise UsageError(f"{path!r} does not exist")
+    if os.path.isdir(path):
+        files, expected = _dir_files(path)
+        for f in files:
+            if not os.path.isfile(f):
+                raise UsageError(f"shard {f!r} named by the index does not exist")
+            if (fmt := _format_of(f)) != expected:
+                raise UsageError(f"{f!r} holds {fmt} data, not {expected}")
+    else:
+        files, expected = [path], _format_of(path)
+    files = [os.path.abspath(f) for f in files]
+    return Checkpoint(path=path, format=expected, files=tuple(files),
+                      nbytes=sum(os.path.getsize(f) for f in files))

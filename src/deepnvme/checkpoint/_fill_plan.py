@@ -3,7 +3,7 @@
 Targets that are the same view of the same memory (tied parameters) form one group, filled
 once, and a group member the file lacks is not missing when another member is present.
 Routes: ``direct`` (CPU, contiguous, same dtype: the engine reads into the tensor's memory),
-``staged`` (a device tensor, contiguous, same dtype: the handle's staging pipeline) and
+``staged`` (a CUDA tensor, contiguous, same dtype: the handle's staging pipeline) and
 ``bounce`` (anything else: chunks through a few CPU buffers, then ``Tensor.copy_``).
 """
 
@@ -72,7 +72,9 @@ def route(spec: TargetSpec, src: StoredTensor) -> Route:
     """How bytes of ``src`` reach a target described by ``spec``."""
     if spec.dtype != src.dtype or not spec.contiguous or src.stride is not None:
         return "bounce"
-    return "direct" if spec.device_type == "cpu" else "staged"
+    if spec.device_type == "cpu":
+        return "direct"
+    return "staged" if spec.device_type == "cuda" else "bounce"
 
 
 def plan_fill(targets: Mapping[str, TargetSpec], sources: Mapping[str, StoredTensor]) -> FillPlan:

@@ -116,7 +116,10 @@ def torch_layout(path: str) -> dict[str, StoredTensor]:
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise CheckpointFormatError(f"{path!r}: entry {name!r} is a {type(t).__name__}; a state "
                                         "dict maps str to tensors only")
-        out[name] = _stored(path, name, t, spans[keys[t.untyped_storage()._cdata]])
+        key = keys.get(t.untyped_storage()._cdata)
+        if key is None:
+            raise CheckpointFormatError(f"{path!r}: tensor {name!r} has no storage record")
+        out[name] = _stored(path, name, t, spans[key])
     return out
 
 

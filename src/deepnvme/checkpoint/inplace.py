@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Mapping, MutableMapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, NamedTuple
 
 import torch
@@ -83,6 +83,7 @@ def load_into(target: torch.nn.Module | MutableMapping[str, torch.Tensor],
 def _target_tensors(target: object) -> dict[str, torch.Tensor]:
     if isinstance(target, torch.nn.Module):
         items: Mapping[Any, Any] = target.state_dict()
+        _check_aliases(target, items)
     elif isinstance(target, Mapping):
         items = target
     else:
@@ -98,6 +99,18 @@ def _target_tensors(target: object) -> dict[str, torch.Tensor]:
                                          f"{t.device}; only dense tensors with memory can be filled")
         out[name] = t.detach()
     return out
+
+
+def _check_aliases(module: torch.nn.Module, items: Mapping[Any, Any]) -> None:
+    """``state_dict()`` must hand out the module's own memory, or filling it would change nothing
+    (a state-dict hook that returns copies): refuse such modules rather than load silently nowhere."""
+    own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers()) if t.numel()}
+    for name, t in items.items():
+        if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in own:
+            raise UnsupportedBufferError(
+                f"load_into: {type(module).__name__}.state_dict()[{name!r}] is not memory of the "
+                "module's parameters or buffers (a state_dict hook copies it), so it cannot be filled "
+                "in place: load a dict and call load_state_dict instead")
 
 
 def _spec(t: torch.Tensor) -> TargetSpec:
@@ -128,35 +141,34 @@ def _run(plan: FillPlan, tensors: Mapping[str, torch.Tensor], cfg: IOConfig) -> 
             futures.extend(handle.read_many(file, items) for file, items in direct.items())
             if bounce:
                 _bounce(handle, bounce, tensors)
-        finally:
-            wait_all(futures)  # no read may target a tensor after this returns
-
-
-def _bounce_buffers(fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    size = max(c.nbytes for f in fills for c in chunks(f.source, BOUNCE_CHUNK))
-    on_cpu = all(tensors[f.name].device.type == "cpu" for f in fills)
-    return [aligned_empty(size) if on_cpu else pinned.new_cpu_locked_tensor(size)
-            for _ in range(min(BOUNCE_SLOTS, sum(len(chunks(f.source, BOUNCE_CHUNK)) for f in fills)))]
+        except BaseException:
+            wait(futures)  # no read may target a tensor after this returns; the first error wins
+            raise
+        wait_all(futures)
 
 
 def _bounce(handle: AioHandle, fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor]) -> None:
     """Read chunks into ``BOUNCE_SLOTS`` buffers in turn; each is copied into its target (with
     dtype conversion) once read, and the buffer reused."""
-    free = deque(_bounce_buffers(fills, tensors))
+    work = [(fill, chunk) for fill in fills for chunk in chunks(fill.source, BOUNCE_CHUNK)]
+    size = max(chunk.nbytes for _, chunk in work)
+    on_cpu = all(tensors[f.name].device.type == "cpu" for f in fills)
+    free = deque(aligned_empty(size) if on_cpu else pinned.new_cpu_locked_tensor(size)
+                 for _ in range(min(BOUNCE_SLOTS, len(work))))
     flight: deque[tuple[Future[int], torch.Tensor, int, StoredTensor, torch.Tensor,
                         tuple[int, int] | None]] = deque()
     try:
-        for fill in fills:
-            for chunk in chunks(fill.source, BOUNCE_CHUNK):
-                if not free:
-                    free.append(_land(*flight.popleft()))
-                buf = free.popleft()
-                fut = handle.submit_read(buf[:chunk.nbytes], fill.source.file, offset=chunk.offset)
-                flight.append((fut, buf, chunk.nbytes, fill.source, tensors[fill.name], chunk.rows))
+        for fill, chunk in work:
+            if not free:
+                free.append(_land(*flight.popleft()))
+            buf = free.popleft()
+            fut = handle.submit_read(buf[:chunk.nbytes], fill.source.file, offset=chunk.offset)
+            flight.append((fut, buf, chunk.nbytes, fill.source, tensors[fill.name], chunk.rows))
         while flight:
             _land(*flight.popleft())
-    finally:
-        wait_all(f for f, *_ in flight)
+    except BaseException:
+        wait([f for f, *_ in flight])  # the buffers outlive every read into them
+        raise
 
 
 def _land(fut: Future[int], buf: torch.Tensor, nbytes: int, src: StoredTensor, dst: torch.Tensor,

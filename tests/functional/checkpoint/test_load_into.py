@@ -277,6 +277,18 @@ def test_bad_targets_are_refused(tmp_path):
         deepnvme.load_into({"a": torch.ones(2)}, tmp_path / "nope.pt")
 
 
+def test_module_whose_state_dict_copies_is_refused(tmp_path):
+    class Copying(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.zeros(2))
+            self._register_state_dict_hook(lambda mod, sd, prefix, local: {k: v.clone() for k, v in sd.items()})
+
+    torch.save({"a": torch.ones(2)}, tmp_path / "m.pt")
+    with pytest.raises(deepnvme.UnsupportedBufferError, match="cannot be filled in place"):
+        deepnvme.load_into(Copying(), tmp_path / "m.pt")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["safetensors", "torch"])
 def test_cuda_targets(tmp_path, kind):

@@ -27,6 +27,7 @@ def test_routes():
     s = _src("a")
     assert route(_tgt(), s) == "direct"
     assert route(_tgt(device="cuda"), s) == "staged"
+    assert route(_tgt(device="mps"), s) == "bounce"        # no staging pipeline there: copy_
     assert route(_tgt(dtype=torch.bfloat16), s) == "bounce"
     assert route(_tgt(contiguous=False), s) == "bounce"
     assert route(_tgt(), _src("a", stride=(1, 4))) == "bounce"

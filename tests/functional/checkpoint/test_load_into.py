@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -16,6 +17,7 @@ import torch
 import deepnvme
 from deepnvme.checkpoint import inplace
 from deepnvme.errors import CheckpointFormatError, CheckpointMismatchError
+from deepnvme.io.posix import Posix, injected
 
 
 class Net(torch.nn.Module):
@@ -275,6 +277,19 @@ def test_bad_targets_are_refused(tmp_path):
         deepnvme.load_into([torch.ones(2)], tmp_path / "m.pt")  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError):
         deepnvme.load_into({"a": torch.ones(2)}, tmp_path / "nope.pt")
+
+
+class _FailingReads(Posix):
+    def preadv(self, fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])     # direct, bounce
+def test_read_error_names_the_file(tmp_path, dtype):
+    st.save_file({"a": torch.ones(100_000)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(OSError) as info, injected(_FailingReads()):
+        deepnvme.load_into({"a": torch.zeros(100_000, dtype=dtype)}, tmp_path / "m.safetensors")
+    assert info.value.errno == errno.EIO and "m.safetensors" in str(info.value)
 
 
 def test_module_whose_state_dict_copies_is_refused(tmp_path):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import errno as _errno
 import os
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
     "CheckpointFormatError",
+    "CheckpointMismatchError",
     "ConfigError",
     "DeepNVMeError",
     "DeepNVMeIOError",
@@ -106,6 +108,29 @@ class ConfigError(DeepNVMeError, ValueError):
 
 class CheckpointFormatError(DeepNVMeError, ValueError):
     """A checkpoint file is truncated, corrupted or not in the expected format."""
+
+
+class CheckpointMismatchError(DeepNVMeError, ValueError):
+    """A checkpoint's tensors do not fit the target: ``missing_keys`` and ``unexpected_keys``
+    (names), ``mismatched`` ((name, file shape, target shape) triples); all listed at once."""
+
+    def __init__(self, message: str, *, missing_keys: Sequence[str] = (),
+                 unexpected_keys: Sequence[str] = (),
+                 mismatched: Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]] = ()) -> None:
+        super().__init__(message)
+        self.missing_keys = list(missing_keys)
+        self.unexpected_keys = list(unexpected_keys)
+        self.mismatched = list(mismatched)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return _rebuild_plain, (type(self), self.args, self.__dict__)
+
+
+def _rebuild_plain(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    err: BaseException = cls.__new__(cls, *args)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
 
 
 class UnsupportedBufferError(DeepNVMeError, TypeError):

@@ -1,9 +1,10 @@
 """FastPersist checkpoints: torch.save/safetensors-compatible files at the storage's speed."""
 
-from ..errors import CheckpointFormatError, DistributedSaveError
+from ..errors import CheckpointFormatError, CheckpointMismatchError, DistributedSaveError
 from ..io.durable import clean_temp_files, wait_for_releases
 from .async_saver import AsyncCheckpointer, AsyncSaveHandle, async_save
 from .distributed import save_distributed
+from .inplace import LoadResult, load_into
 from .loader import load
 from .safetensors import load_safetensors, save_safetensors
 from .saver import save
@@ -12,10 +13,13 @@ __all__ = [
     "AsyncCheckpointer",
     "AsyncSaveHandle",
     "CheckpointFormatError",
+    "CheckpointMismatchError",
     "DistributedSaveError",
+    "LoadResult",
     "async_save",
     "clean_temp_files",
     "load",
+    "load_into",
     "load_safetensors",
     "save",
     "save_distributed",

@@ -29,6 +29,7 @@ from ..formats.torchzip import (
 )
 from ..handles.aio import AioHandle, wait_all
 from ..memory.views import aligned_empty
+from ._folders import load_folder
 from ._paths import as_path
 
 __all__ = ["load"]
@@ -105,12 +106,18 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
     ``mmap=True`` is ``torch.load(..., mmap=True)`` itself: storages map the file, nothing is
     read up front, so deepnvme's parallel reads have nothing to do. A readable binary file
     object (``io.BytesIO``, ``open(..., "rb")``) is also handed to ``torch.load``.
+
+    A folder holding ``pytorch_model.bin``, or shards named by ``pytorch_model.bin.index.json``,
+    gives one dict merging every file (loaded one after the other).
     """
     if not isinstance(path, (str, os.PathLike)) and hasattr(path, "read"):
         log.debug("deepnvme.load: %r is a file object, not a path: read by torch.load", path)
         return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
     path = as_path(path, "deepnvme.load",
                    "a str or os.PathLike file path, or a readable binary file object")
+    if os.path.isdir(path):
+        return load_folder(path, "torch", lambda file: load(
+            file, map_location, weights_only=weights_only, mmap=mmap, config=config))
     if mmap:
         log.debug("deepnvme.load: mmap=True for %s: the file is mapped by torch.load", path)
         return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)

@@ -19,6 +19,7 @@ from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.file import reserve
 from ..memory.views import aligned_empty, storage_bytes
+from ._folders import load_folder
 from ._paths import as_path
 
 __all__ = ["save_safetensors", "load_safetensors"]
@@ -77,9 +78,12 @@ def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = 
 
     Blocks. Reads run in parallel with O_DIRECT into aligned CPU buffers, then move to
     ``device`` if it is not the CPU. Truncated or inconsistent files raise
-    :class:`CheckpointFormatError`.
+    :class:`CheckpointFormatError`. A folder holding ``model.safetensors``, or shards named by
+    ``model.safetensors.index.json``, gives one dict of every file's tensors.
     """
     path = as_path(path, "deepnvme.load_safetensors")
+    if os.path.isdir(path):
+        return load_folder(path, "safetensors", lambda file: load_safetensors(file, device, config=config))
     cfg = checkpoint_config(config)
     header = read_header(path)
     out: dict[str, torch.Tensor] = {}

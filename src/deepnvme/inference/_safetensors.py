@@ -8,12 +8,12 @@ one ``model.safetensors`` or shards named by the ``weight_map`` of
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
 
-from ..errors import CheckpointFormatError, DeepNVMeError
+from ..errors import DeepNVMeError
+from ..formats.hf_index import parse_index
 from ..formats.safetensors import SafetensorsHeader, read_header
 
 __all__ = ["CheckpointTensor", "locate", "read_checkpoint_index"]
@@ -40,17 +40,7 @@ def locate(header: SafetensorsHeader, file: str) -> dict[str, CheckpointTensor]:
 def _shards(index_path: str) -> list[str]:
     """The shard file names listed by the ``weight_map`` of a ``model.safetensors.index.json``."""
     with open(index_path, "rb") as f:
-        try:
-            index = json.loads(f.read().decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise CheckpointFormatError(f"{index_path!r} is not valid JSON ({str(exc)[:200]})") from None
-    weight_map = index.get("weight_map", {}) if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-            isinstance(v, str) and v not in ("", ".", "..") and os.path.basename(v) == v
-            for v in weight_map.values()):
-        raise CheckpointFormatError(f"{index_path!r}: weight_map must map tensor names to shard file "
-                                    "names in the same folder")
-    return sorted(set(weight_map.values()))
+        return sorted(set(parse_index(f.read(), file=index_path).values()))
 
 
 def read_checkpoint_index(directory: str) -> dict[str, CheckpointTensor]:

@@ -1,0 +1,31 @@
+"""Whole Hugging Face checkpoint folders for ``load`` and ``load_safetensors``: one merged dict."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import CheckpointFormatError
+from ..formats.hf_index import Kind, check_weight_map, find_checkpoint
+
+__all__ = ["load_folder"]
+
+
+def load_folder(path: str, kind: Kind, load_file: Callable[[str], Any]) -> dict[str, Any]:
+    """Load every file of the ``kind`` checkpoint in folder ``path`` with ``load_file`` and merge
+    them; each file must hold a dict, a name in two files or not where the index says is a
+    :class:`CheckpointFormatError`. Memory: the merged result only (files are read one by one)."""
+    files = find_checkpoint(path, kinds=(kind,))
+    merged: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for file in files.files:
+        part = load_file(file)
+        if not isinstance(part, dict):
+            raise CheckpointFormatError(f"{file!r} holds a {type(part).__name__}, not a dict of tensors")
+        for name, value in part.items():
+            if name in where:
+                raise CheckpointFormatError(f"tensor {name!r} is in both {where[name]!r} and {file!r}")
+            where[name] = file
+            merged[name] = value
+    check_weight_map(files, where)
+    return merged

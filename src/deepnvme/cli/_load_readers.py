@@ -106,23 +106,12 @@ def read_errors() -> tuple[type[BaseException], ...]:
     return (*errors, SafetensorError)
 
 
-def _deepnvme_dir(ckpt: Checkpoint) -> tuple[list[Any], str]:
-    """deepnvme's own directory loading; where this version's loader takes files only
-    (IsADirectoryError), each file of the index in turn. Simplify once directories load."""
-    fn = _deepnvme(ckpt.format)
-    try:
-        return [fn(ckpt.path)], f"deepnvme.{fn.__name__}(directory)"
-    except IsADirectoryError:
-        log.info("deepnvme.%s takes no directory here: reading the files one by one", fn.__name__)
-        return [fn(f) for f in ckpt.files], f"deepnvme.{fn.__name__} per file"
-
-
 def read_checkpoint(reader: Reader, ckpt: Checkpoint) -> tuple[list[Any], str]:
     """Load every file of ``ckpt`` with ``reader``: the loaded objects and how it was called."""
-    if reader.name == "deepnvme":
-        if ckpt.is_dir:
-            return _deepnvme_dir(ckpt)
-        return [reader.read(ckpt.files[0], ckpt.format)], f"deepnvme.{_deepnvme(ckpt.format).__name__}"
+    if reader.name == "deepnvme":  # one call, a file or a whole Hugging Face folder
+        fn = _deepnvme(ckpt.format)
+        kind = "(directory)" if ckpt.is_dir else ""
+        return [fn(ckpt.path if ckpt.is_dir else ckpt.files[0])], f"deepnvme.{fn.__name__}{kind}"
     return [reader.read(f, ckpt.format) for f in ckpt.files], reader.call
 
 

@@ -5,11 +5,15 @@
 ``.metadata``), so checkpoints stay readable by stock DCP; the byte movement changes, and each
 save names its data files afresh so that saving over a checkpoint is all-or-nothing:
 
-* writes: each data file is assembled in memory by DCP's serializer, then written with
-  parallel O_DIRECT I/O to a temporary name, fsynced and atomically renamed (the directory
-  fsynced too). Memory bound: one data file per writer thread.
-* reads: when DCP opens a data file, every byte range the load plan needs from it is read in
-  parallel into aligned buffers; DCP then deserializes each item from memory.
+* writes: DCP's serializer streams each data file through a few reused aligned buffers that
+  the engine writes (O_DIRECT) to a temporary name while the next fills; the file is then
+  fsynced and atomically renamed (the directory fsynced too). Memory bound:
+  ``_WRITE_BUFFERS x _WRITE_CHUNK`` bytes per writer thread.
+* reads: the byte ranges the load plan needs are coalesced into spans of neighbouring items
+  (up to ``_READ_SPAN`` bytes), read by the engine with up to ``_READ_AHEAD`` bytes in flight,
+  and each tensor is copied from its span straight into the planner's target (``torch.load``
+  only for items the parser in :mod:`._dcp_io` does not know). Memory bound: ``_READ_AHEAD``
+  bytes plus the largest item.
 
 Use with ``dcp.save(state, storage_writer=NVMeStorageWriter(path))`` and
 ``dcp.load(state, storage_reader=NVMeStorageReader(path))`` on every rank.
@@ -17,6 +21,7 @@ Use with ``dcp.save(state, storage_writer=NVMeStorageWriter(path))`` and
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
@@ -28,6 +33,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
@@ -36,128 +42,31 @@ from torch.distributed.checkpoint.filesystem import (
     _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from ..config import IOConfig, checkpoint_config
+from ..errors import CheckpointFormatError
 from ..handles.aio import AioHandle
 from ..io import durable
-from ..memory.views import aligned_empty, byte_view
+from ..memory.views import aligned_empty
+from ._dcp_io import Span, StreamingWriteStream, coalesce, copy_saved, parse_saved_tensor
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 
-
-class _DurableWriteStream(io.BytesIO):
-    """Collects one file in memory; ``close()`` writes it with the engine, durably and atomically."""
-
-    def __init__(self, fs: _EngineFileSystem, path: str) -> None:
-        super().__init__()
-        self._fs = fs
-        self._path = path
-        self._finished = False  # committed, failed or aborted: close() never writes again
-
-    def abort(self) -> None:
-        """Discard what was written: nothing reaches the disk (a no-op after close())."""
-        if self._finished:  # a failed close() is unwinding: its error must reach the caller
-            return
-        self._finished = True
-        super().close()
-
-    def close(self) -> None:
-        if self._finished or self.closed:
-            return
-        self._finished = True  # also stops IOBase.__del__ from retrying a failed write
-        try:
-            self._commit()
-        except BaseException:
-            try:
-                super().close()
-            except BufferError:
-                pass  # the failed write's traceback still holds a view; freed along with it
-            raise
-        super().close()
-
-    def _commit(self) -> None:
-        view = self.getbuffer()
-        data = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
-        tmp = durable.temp_name(self._path)
-        try:
-            open(tmp, "xb").close()  # exists even when empty
-            self._fs.handle().write_many(tmp, [(data, 0)], fsync=True).result()
-            durable.commit(tmp, self._path, fsync_file=False)
-        except BaseException:
-            durable.remove_quietly(tmp)
-            raise
-        finally:
-            del data, view
-
-
-class _MemoryReadStream(io.RawIOBase):
-    """A seekable, read-only stream over byte ranges already read into memory.
-
-    ``ranges`` maps a file offset to a (future, uint8 tensor) holding the bytes from there.
-    """
-
-    def __init__(self, path: str, ranges: dict[int, tuple[Future[int] | None, torch.Tensor]],
-                 size: int) -> None:
-        super().__init__()
-        self.path = path
-        self.size = size
-        self._ranges = ranges
-        self._views: dict[int, memoryview] = {}
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            self._pos = offset
-        elif whence == io.SEEK_CUR:
-            self._pos += offset
-        else:
-            self._pos = self.size + offset
-        return self._pos
-
-    def _locate(self) -> tuple[memoryview, int]:
-        for start, (fut, buf) in self._ranges.items():
-            if start <= self._pos < start + buf.numel():
-                if fut is not None:
-                    fut.result()
-                return self._views.setdefault(start, byte_view(buf)), self._pos - start
-        return memoryview(b""), 0
-
-    def slice(self, offset: int, length: int) -> _MemoryReadStream:
-        """A stream over bytes ``[offset, offset + length)`` of the file, sharing the memory."""
-        self._pos = offset
-        view, at = self._locate()
-        if len(view) - at < length:
-            raise OSError(f"{self.path!r}: bytes {offset}..{offset + length} were not read")
-        buf = torch.frombuffer(view, dtype=torch.uint8)[at:at + length] if length else torch.empty(0, dtype=torch.uint8)
-        return _MemoryReadStream(self.path, {0: (None, buf)}, length)
-
-    def read(self, size: int = -1) -> bytes:
-        view, at = self._locate()
-        end = len(view) if size is None or size < 0 else min(len(view), at + size)
-        data = bytes(view[at:end])
-        self._pos += len(data)
-        return data
-
-    def readinto(self, b: Any) -> int:
-        view, at = self._locate()
-        n = min(len(b), len(view) - at)
-        if n <= 0:
-            return 0
-        memoryview(b).cast("B")[:n] = view[at:at + n]
-        self._pos += n
-        return n
+_WRITE_CHUNK = 8 << 20  # bytes per write buffer; _WRITE_BUFFERS of them per writer thread
+_WRITE_BUFFERS = 3
+_READ_GAP = 256 << 10  # a hole up to this many bytes between items is read rather than split
+_READ_SPAN = 32 << 20  # most bytes of neighbouring items read by one request
+_READ_AHEAD = 256 << 20  # most bytes of spans in flight or waiting to be loaded
 
 
 class _EngineFileSystem(FileSystem):
@@ -168,7 +77,7 @@ class _EngineFileSystem(FileSystem):
         self._handle: AioHandle | None = None
         self._lock = threading.Lock()  # DCP's writer threads share this file system
         self.replacing = False  # set during finish(): rm_file before a rename onto it is skipped
-        self.wanted: dict[str, list[tuple[int, int]]] = {}
+        self._pool: list[torch.Tensor] = []  # write buffers, reused by the next stream
 
     def handle(self) -> AioHandle:
         """The shared handle, made on first use (again after :meth:`close`)."""
@@ -180,30 +89,20 @@ class _EngineFileSystem(FileSystem):
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         path = os.fspath(path)
-        if "w" in mode:
-            stream: io.IOBase = _DurableWriteStream(self, path)
-        elif mode in ("rb", "r+b"):
-            stream = self._prefetch(path)
-        else:
+        if "w" not in mode:
             with super().create_stream(path, mode) as plain:
                 yield plain
             return
+        with self._lock:
+            pool = self._pool
+        stream = StreamingWriteStream(self.handle, path, pool, chunk=_WRITE_CHUNK,
+                                      buffers=_WRITE_BUFFERS)
         try:
             yield stream
         except BaseException:
-            if isinstance(stream, _DurableWriteStream):
-                stream.abort()  # a failed serialization must not leave a partial file
+            stream.abort()  # a failed serialization must not leave a partial file
             raise
         stream.close()
-
-    def _prefetch(self, path: str) -> _MemoryReadStream:
-        ranges = sorted(set(self.wanted.get(path) or [(0, os.stat(path).st_size)]))
-        buffers: dict[int, tuple[Future[int] | None, torch.Tensor]] = {}
-        for offset, length in ranges:
-            buf = aligned_empty(length, offset)
-            fut = self.handle().submit_read(buf, path, offset=offset) if length else None
-            buffers[offset] = (fut, buf)
-        return _MemoryReadStream(path, buffers, os.stat(path).st_size)
 
     def rm_file(self, path: str | os.PathLike[str]) -> None:
         if self.replacing:
@@ -225,6 +124,8 @@ class _EngineFileSystem(FileSystem):
             handle, self._handle = self._handle, None
         if handle is not None:
             handle.close()
+        with self._lock:
+            self._pool = []
 
 
 class NVMeStorageWriter(FileSystemWriter):
@@ -294,17 +195,79 @@ class NVMeStorageReader(FileSystemReader):
         self.path = self.fs.init_path(path)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
-        wanted: dict[str, list[tuple[int, int]]] = {}
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            full = os.fspath(self.fs.concat_path(self.path, info.relative_path))
-            wanted.setdefault(full, []).append((info.offset, info.length))
-        self.fs.wanted = wanted
+        """Read the plan's byte ranges, coalesced into spans of neighbouring items, with the
+        engine (``_READ_AHEAD`` bytes of spans in flight) and load each item from memory."""
         try:
-            return super().read_data(plan, planner)
+            for span, items, buf in self._spans_read(plan):
+                for index in span.members:
+                    req, info = items[index]
+                    at = info.offset - span.start
+                    self._load_item(req, info, buf[at:at + info.length], planner)
         finally:
-            self.fs.wanted = {}
-            self.fs.close()  # the base class has read everything by now
+            self.fs.close()
+        fut: TorchFuture[None] = TorchFuture()
+        fut.set_result(None)
+        return fut
 
-    def _slice_file(self, file: Any, sinfo: Any) -> Any:
-        return file.slice(sinfo.offset, sinfo.length)
+    def _spans_read(self, plan: LoadPlan) -> Iterator[tuple[Span, list[tuple[ReadItem, Any]], torch.Tensor]]:
+        """Yield each span with its items and bytes, in file order, keeping reads ahead in flight.
+        Memory bound: ``_READ_AHEAD`` bytes plus the largest span."""
+        per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            per_file.setdefault(os.fspath(info.relative_path), []).append((req, info))
+        work: list[tuple[str, Span, list[tuple[ReadItem, Any]]]] = []
+        for rel, items in per_file.items():
+            path = os.fspath(self.fs.concat_path(self.path, rel))
+            size = os.stat(path).st_size
+            for req, info in items:
+                if info.offset + info.length > size:
+                    raise CheckpointFormatError(
+                        f"{path!r} holds {size} bytes but {req.storage_index.fqn!r} is stored at "
+                        f"bytes {info.offset}..{info.offset + info.length}: the file is truncated "
+                        "or does not belong to this .metadata")
+            spans = coalesce([(i.offset, i.length) for _, i in items], gap=_READ_GAP, cap=_READ_SPAN)
+            work += [(path, span, items) for span in spans]
+        pending: collections.deque[tuple[Span, list[tuple[ReadItem, Any]], torch.Tensor,
+                                         Future[int] | None]] = collections.deque()
+        ahead = 0
+        for path, span, items in work:
+            while pending and ahead + span.end - span.start > _READ_AHEAD:
+                ahead -= _wait_oldest(pending)
+                yield pending.popleft()[:3]
+            buf = aligned_empty(span.end - span.start, span.start)
+            fut = self.fs.handle().submit_read(buf, path, offset=span.start) if buf.numel() else None
+            pending.append((span, items, buf, fut))
+            ahead += buf.numel()
+        while pending:
+            _wait_oldest(pending)
+            yield pending.popleft()[:3]
+
+    def _load_item(self, req: ReadItem, info: Any, data: torch.Tensor, planner: LoadPlanner) -> None:
+        """Deserialize one item from its bytes: tensors parsed in place and copied into the
+        planner's target (``torch.load`` for anything the parser does not know), bytes as-is."""
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(data.numpy().tobytes()))
+            return
+        target = planner.resolve_tensor(req).detach()
+        saved = None if info.transform_descriptors else parse_saved_tensor(data)
+        if saved is not None:
+            copy_saved(saved, req.storage_offsets, req.lengths, target)
+        else:
+            stream = self.transforms.transform_load_stream(
+                req, info.transform_descriptors or (), io.BytesIO(data.numpy().tobytes()))
+            loaded = torch.load(io.BytesIO(stream.read(-1)), map_location="cpu", weights_only=True)
+            part = narrow_tensor_by_index(loaded, req.storage_offsets, req.lengths)
+            if target.size() != part.size():
+                raise CheckpointFormatError(f"{req.storage_index.fqn!r}: the saved slice has size "
+                                            f"{tuple(part.size())}, the target {tuple(target.size())}")
+            target.copy_(part)
+        planner.commit_tensor(req, target)
+
+
+def _wait_oldest(pending: collections.deque[tuple[Span, Any, torch.Tensor, Future[int] | None]]) -> int:
+    """Wait for the oldest span's read (raising its error); its byte count."""
+    span, _items, buf, fut = pending[0]
+    if fut is not None:
+        fut.result()
+    return int(buf.numel())

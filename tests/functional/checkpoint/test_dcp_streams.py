@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
 import io
@@ -13,8 +14,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 import deepnvme.checkpoint.dcp as ddcp
+from deepnvme.checkpoint._dcp_io import coalesce, copy_saved, parse_saved_tensor
 from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter, _EngineFileSystem
 from deepnvme.config import checkpoint_config
 from deepnvme.handles.aio import AioHandle
@@ -36,20 +42,101 @@ def test_write_stream_commits_on_close_and_discards_on_error(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a.bin", "empty.bin"]
 
 
-def test_prefetched_read_stream(tmp_path):
-    data = bytes(range(256)) * 1000
-    (tmp_path / "f.bin").write_bytes(data)
+def test_coalesce_groups_neighbours_and_keeps_big_ranges_apart():
+    ranges = [(5000, 100), (0, 1000), (1000, 500), (10_000_000, 50), (20_000, 40_000_000)]
+    spans = coalesce(ranges, gap=4096, cap=1 << 20)
+    assert [(s.start, s.end, s.members) for s in spans] == [
+        (0, 5100, (1, 2, 0)), (20_000, 40_020_000, (4,)), (10_000_000, 10_000_050, (3,))]
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(24, dtype=torch.float32).reshape(4, 6),
+    torch.arange(24, dtype=torch.bfloat16).reshape(4, 6).t(),  # strided
+    torch.tensor(3.5, dtype=torch.float64),  # 0-d
+    torch.arange(10, dtype=torch.int16)[2:7].clone(),
+])
+def test_parse_saved_tensor_matches_torch_load_for_slices(tensor):
+    raw = io.BytesIO()
+    torch.save(tensor, raw)
+    blob = torch.frombuffer(bytearray(b"\0" * 3 + raw.getvalue()), dtype=torch.uint8)[3:]  # unaligned
+    saved = parse_saved_tensor(blob)
+    assert saved is not None and saved.dtype == tensor.dtype
+    slices = [((0,) * tensor.dim(), tuple(tensor.shape))]
+    if tensor.dim() == 2:
+        slices += [((1, 0), (2, tensor.shape[1])), ((0, 1), (tensor.shape[0], 2)), ((2, 1), (1, 2))]
+    for offsets, lengths in slices:
+        target = torch.zeros(lengths, dtype=tensor.dtype)
+        copy_saved(saved, offsets, lengths, target)
+        expect = tensor
+        for dim, (o, n) in enumerate(zip(offsets, lengths)):
+            expect = expect.narrow(dim, o, n)
+        assert torch.equal(target, expect)
+
+
+def test_parse_saved_tensor_declines_other_objects():
+    raw = io.BytesIO()
+    torch.save({"a": torch.ones(2)}, raw)
+    assert parse_saved_tensor(torch.frombuffer(bytearray(raw.getvalue()), dtype=torch.uint8)) is None
+    assert parse_saved_tensor(torch.zeros(100, dtype=torch.uint8)) is None
+
+
+class _HalfRows(DefaultLoadPlanner):
+    """Reads rows [n/2, n) of each saved 2-D tensor (and whole 1-D ones): resharding's slice reads."""
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, target in self.state_dict.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            offsets = [0] * target.dim()
+            if target.dim() == 2:
+                offsets[0] = md.size[0] - target.shape[0]
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=target.size())
+            items += [dataclasses.replace(it, dest_index=MetadataIndex(fqn))  # a plain tensor
+                      for it in create_read_items_for_chunk_list(fqn, md, [chunk])]
+        return LoadPlan(items)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_slice_reading_planner_gets_the_right_bytes_from_coalesced_spans(tmp_path, monkeypatch):
+    monkeypatch.setattr(ddcp, "_READ_SPAN", 64 << 10)  # several spans, some items alone
+    monkeypatch.setattr(ddcp, "_READ_AHEAD", 128 << 10)
+    state = {f"w{i}": torch.randn(50 + i, 40 + 30 * i) for i in range(12)}
+    state["strided"] = torch.randn(64, 32).t()
+    state["v"] = torch.arange(1000)
+    dcp.save(state, storage_writer=NVMeStorageWriter(tmp_path / "ck", thread_count=2), no_dist=True)
+    target = {k: torch.zeros(v.shape[0] - v.shape[0] // 2, *v.shape[1:], dtype=v.dtype)
+              if v.dim() == 2 else torch.zeros_like(v) for k, v in state.items()}
+
+    def no_torch_load(*args, **kwargs):
+        raise AssertionError("every item here is a plain tensor: parsed, not torch.load-ed")
+
+    monkeypatch.setattr(torch, "load", no_torch_load)
+    dcp.load(target, storage_reader=NVMeStorageReader(tmp_path / "ck"), planner=_HalfRows(),
+             no_dist=True)
+    for k, v in state.items():
+        assert torch.equal(target[k], v[v.shape[0] - target[k].shape[0]:]), k
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_truncated_data_file_raises_a_clear_error(tmp_path):
+    state = {"w": torch.randn(100, 100)}
+    dcp.save(state, storage_writer=NVMeStorageWriter(tmp_path / "ck"), no_dist=True)
+    (data,) = [p for p in (tmp_path / "ck").iterdir() if p.suffix == ".distcp"]
+    os.truncate(data, data.stat().st_size - 1000)
+    with pytest.raises(CheckpointException, match="truncated"):
+        dcp.load({"w": torch.zeros(100, 100)}, storage_reader=NVMeStorageReader(tmp_path / "ck"),
+                 no_dist=True)
+
+
+def test_write_stream_spans_many_buffers(tmp_path):
     fs = _EngineFileSystem(checkpoint_config(None))
-    fs.wanted = {str(tmp_path / "f.bin"): [(100, 5000), (70_000, 30_000)]}
-    with fs.create_stream(tmp_path / "f.bin", "rb") as s:
-        part = s.slice(70_000, 30_000)
-        assert part.read() == data[70_000:100_000]
-        assert part.seek(0, io.SEEK_END) == 30_000
-        s.seek(150)
-        assert s.read(10) == data[150:160]
-        with pytest.raises(OSError):
-            s.slice(10, 5000)  # never read
+    data = os.urandom(3 * (8 << 20) + 12345)
+    with fs.create_stream(tmp_path / "big.bin", "wb") as s:
+        s.write(data[:100])
+        s.write(memoryview(data)[100:])
+        assert s.tell() == len(data)
     fs.close()
+    assert (tmp_path / "big.bin").read_bytes() == data
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -1,0 +1,316 @@
+"""Byte movement under the DCP plugin: coalesced read spans, torch.save item parsing, streamed writes.
+
+Pure planning (:func:`coalesce`) and parsing (:func:`parse_saved_tensor`) have no I/O;
+:class:`StreamingWriteStream` writes a file through a few reused aligned buffers.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import functools
+import io
+import pickle
+import struct
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from ..handles.aio import AioHandle
+from ..io import durable
+from ..memory.copy import copy_bytes
+from ..memory.views import aligned_empty
+
+__all__ = ["Span", "coalesce", "SavedTensor", "parse_saved_tensor", "StreamingWriteStream"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One read request: bytes ``[start, end)`` of a file covering the items at ``members``."""
+
+    start: int
+    end: int
+    members: tuple[int, ...]
+
+
+def coalesce(ranges: Sequence[tuple[int, int]], *, gap: int, cap: int) -> list[Span]:
+    """Group ``(offset, length)`` ranges (indices kept) into spans read with one request each.
+
+    Ranges sorted by offset join the current span while the hole before them is at most
+    ``gap`` bytes and the span stays within ``cap`` bytes; a range longer than ``cap`` is a
+    span of its own. Overlapping ranges share a span.
+    """
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    spans: list[Span] = []
+    start = end = -1
+    members: list[int] = []
+    for i in order:
+        off, length = ranges[i]
+        if members and off - end <= gap and max(end, off + length) - start <= cap:
+            end = max(end, off + length)
+            members.append(i)
+            continue
+        if members:
+            spans.append(Span(start, end, tuple(members)))
+        start, end, members = off, off + length, [i]
+    if members:
+        spans.append(Span(start, end, tuple(members)))
+    return spans
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedTensor:
+    """A tensor saved by ``torch.save``: its storage record's bytes and its view of them."""
+
+    data: torch.Tensor  # uint8, the storage record's bytes (aliases the caller's buffer)
+    dtype: torch.dtype
+    storage_offset: int  # elements
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _Unsupported(Exception):
+    """The item uses something this parser does not handle; the caller falls back to torch.load."""
+
+
+_PARALLEL_COPY = 32 << 20  # bytes from which a copy is shared among threads (memory.copy)
+_CD = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory entry
+_EOCD = struct.Struct("<IHHHHIIH")
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+
+
+def _records(item: memoryview) -> dict[str, tuple[int, int]]:
+    """Record name (without the archive folder) -> (data offset, size) from the zip's central directory."""
+    if len(item) < _EOCD.size:
+        raise _Unsupported("too short for a zip")
+    sig, _disk, _cd_disk, _n_disk, count, cd_size, cd_off, comment = _EOCD.unpack_from(item, len(item) - _EOCD.size)
+    if sig != 0x06054B50 or comment or cd_off == 0xFFFFFFFF or count == 0xFFFF:
+        raise _Unsupported("no plain end-of-central-directory record (zip64 or a comment)")
+    out: dict[str, tuple[int, int]] = {}
+    pos = cd_off
+    for _ in range(count):
+        f = _CD.unpack_from(item, pos)
+        if f[0] != 0x02014B50 or f[4] != 0:
+            raise _Unsupported("bad or compressed central directory entry")
+        csize, name_len, extra_len, comment_len, local = f[8], f[10], f[11], f[12], f[16]
+        name = bytes(item[pos + _CD.size:pos + _CD.size + name_len]).decode()
+        lf = _LOCAL.unpack_from(item, local)
+        if lf[0] != 0x04034B50 or csize == 0xFFFFFFFF:
+            raise _Unsupported("bad local header or zip64 sizes")
+        data = local + _LOCAL.size + lf[9] + lf[10]
+        if data + csize > len(item):
+            raise _Unsupported("record past the end of the item")
+        out[name.split("/", 1)[-1]] = (data, csize)
+        pos += _CD.size + name_len + extra_len + comment_len
+    return out
+
+
+def _rebuild(storage: Any, storage_offset: int, size: tuple[int, ...], stride: tuple[int, ...],
+             *rest: Any) -> tuple[Any, int, tuple[int, ...], tuple[int, ...]]:
+    return storage, storage_offset, tuple(size), tuple(stride)
+
+
+@functools.cache
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    """Legacy storage class name (as torch.save pickles it) -> dtype; empty if torch lacks the table."""
+    table = getattr(torch.storage, "_dtype_to_storage_type_map", None)
+    return {name: dtype for dtype, name in table().items()} if callable(table) else {}
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Reads a pickled plain tensor's layout; any other global is refused (no code runs)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in _storage_dtypes():
+            return _storage_dtypes()[name]
+        raise _Unsupported(f"global {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], torch.dtype)):
+            raise _Unsupported("unexpected persistent id")
+        return pid[1], str(pid[2])
+
+
+def parse_saved_tensor(item: torch.Tensor) -> SavedTensor | None:
+    """The layout of a ``torch.save(tensor)`` item held in ``item`` (uint8), or None if it is
+    anything else (the caller then uses ``torch.load``). Nothing is copied."""
+    view = item.numpy().data  # byte_view builds a ctypes type per call: too slow per item
+    try:
+        records = _records(view)
+        order = records.get("byteorder")
+        if order is not None and bytes(view[order[0]:order[0] + order[1]]) != b"little":
+            raise _Unsupported("big-endian")
+        pkl = records["data.pkl"]
+        result = _TensorUnpickler(io.BytesIO(view[pkl[0]:pkl[0] + pkl[1]])).load()
+        if not (isinstance(result, tuple) and len(result) == 4 and isinstance(result[0], tuple)):
+            raise _Unsupported("not a single tensor")
+        (dtype, key), storage_offset, size, stride = result
+        start, length = records[f"data/{key}"]
+    except (_Unsupported, KeyError, ValueError, struct.error, pickle.UnpicklingError,
+            UnicodeDecodeError, EOFError):
+        return None
+    return SavedTensor(item[start:start + length], dtype, int(storage_offset), size, stride)
+
+
+def _contiguous_run(saved: SavedTensor, offsets: Sequence[int], lengths: Sequence[int]
+                    ) -> tuple[int, int] | None:
+    """Byte (start, length) of the narrowed region if it is one contiguous run of a C-contiguous tensor."""
+    expect = 1
+    for n, s in zip(reversed(saved.size), reversed(saved.stride)):
+        if n != 1 and s != expect:
+            return None
+        expect *= n
+    dims = len(saved.size)
+    first = next((d for d in range(dims) if lengths[d] != 1), dims)
+    if any(offsets[d] != 0 or lengths[d] != saved.size[d] for d in range(first + 1, dims)):
+        return None
+    esize = saved.dtype.itemsize
+    start = saved.storage_offset + sum(o * s for o, s in zip(offsets, saved.stride))
+    count = 1
+    for n in lengths:
+        count *= n
+    return start * esize, count * esize
+
+
+def copy_saved(saved: SavedTensor, offsets: Sequence[int], lengths: Sequence[int],
+               target: torch.Tensor) -> None:
+    """Copy ``saved`` narrowed to ``offsets``/``lengths`` into ``target`` (same shape and dtype
+    checked); a contiguous run is copied as bytes, anything else through a strided view."""
+    if tuple(target.size()) != tuple(lengths):
+        raise ValueError(f"target size {tuple(target.size())} does not match the read's {tuple(lengths)}")
+    run = _contiguous_run(saved, offsets, lengths) if target.dtype == saved.dtype else None
+    if run is not None and target.is_contiguous():
+        start, nbytes = run
+        if start + nbytes > saved.data.numel():
+            raise ValueError("the saved storage is shorter than its tensor")
+        if nbytes >= _PARALLEL_COPY:
+            copy_bytes([(target.reshape(-1).view(torch.uint8), saved.data[start:start + nbytes])])
+        elif nbytes:  # memmove: Tensor.copy_ of many uint8 elements wakes torch's thread pool
+            ctypes.memmove(target.data_ptr(), saved.data.data_ptr() + start, nbytes)
+        return
+    data = saved.data
+    if data.data_ptr() % saved.dtype.itemsize:
+        data = data.clone()  # a typed view needs element alignment
+    src = data.view(saved.dtype).as_strided(saved.size, saved.stride, saved.storage_offset)
+    for dim, (off, n) in enumerate(zip(offsets, lengths)):
+        src = src.narrow(dim, off, n)
+    target.copy_(src)
+
+
+def _take(pool: list[torch.Tensor], nbytes: int) -> torch.Tensor:
+    """A buffer from ``pool`` (shared by writer threads; list.pop is atomic), else a new one."""
+    try:
+        return pool.pop()
+    except IndexError:
+        return aligned_empty(nbytes)
+
+
+class StreamingWriteStream(io.RawIOBase):
+    """Writes one file to a temporary name through ``buffers`` reused aligned buffers of ``chunk``
+    bytes, each written by the engine while the next fills; ``close()`` fsyncs and renames.
+
+    Memory bound: ``buffers x chunk`` bytes, taken from and returned to ``pool``. Not thread-safe
+    (one DCP writer thread per stream).
+    """
+
+    def __init__(self, handle: Callable[[], AioHandle], path: str, pool: list[torch.Tensor], *,
+                 chunk: int, buffers: int) -> None:
+        super().__init__()
+        self._handle = handle
+        self._path = path
+        self._tmp = durable.temp_name(path)
+        open(self._tmp, "xb").close()  # exists even when nothing is written
+        self._pool = pool
+        self._bufs = [_take(pool, chunk) for _ in range(buffers)]
+        self._views = [b.numpy().data for b in self._bufs]
+        self._futs: list[Future[int] | None] = [None] * buffers
+        self._chunk = chunk
+        self._cur = self._fill = self._base = 0
+        self._finished = False  # committed, failed or aborted: close() never writes again
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._base + self._fill
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        n, fill = len(mv), self._fill
+        if fill + n < self._chunk:  # the common case, kept short: torch.save writes many pieces
+            self._views[self._cur][fill:fill + n] = mv
+            self._fill = fill + n
+            return n
+        i = 0
+        while i < n:
+            take = min(self._chunk - self._fill, n - i)
+            self._views[self._cur][self._fill:self._fill + take] = mv[i:i + take]
+            self._fill += take
+            i += take
+            if self._fill == self._chunk:
+                self._submit()
+        return n
+
+    def _submit(self) -> None:
+        """Write the current buffer's bytes; then wait for the next buffer's previous write."""
+        if self._fill:
+            buf = self._bufs[self._cur][:self._fill]
+            self._futs[self._cur] = self._handle().submit_write(buf, self._tmp, offset=self._base)
+            self._base += self._fill
+            self._fill = 0
+            self._cur = (self._cur + 1) % len(self._bufs)
+        fut, self._futs[self._cur] = self._futs[self._cur], None
+        if fut is not None:
+            fut.result()
+
+    def _wait_all(self) -> BaseException | None:
+        """Wait for every write in flight; the first failure, if any."""
+        first: BaseException | None = None
+        for i, fut in enumerate(self._futs):
+            self._futs[i] = None
+            if fut is not None and (exc := fut.exception()) is not None and first is None:
+                first = exc
+        return first
+
+    def _release(self) -> None:
+        self._pool.extend(self._bufs)
+        self._bufs, self._views = [], []
+
+    def abort(self) -> None:
+        """Discard what was written: nothing reaches its final name (a no-op after close())."""
+        if self._finished:
+            return
+        self._finished = True
+        self._wait_all()  # its error, if any, does not matter: the file is discarded
+        self._release()
+        durable.remove_quietly(self._tmp)
+        super().close()
+
+    def close(self) -> None:
+        if self._finished or self.closed:
+            return
+        self._finished = True  # also stops IOBase.__del__ from retrying a failed write
+        try:
+            try:
+                self._submit()
+            finally:
+                failed = self._wait_all()
+            if failed is not None:
+                raise failed
+            durable.commit(self._tmp, self._path, fsync_file=True)
+        except BaseException:
+            durable.remove_quietly(self._tmp)
+            raise
+        finally:
+            self._release()
+            super().close()

@@ -108,11 +108,17 @@ def _read(case: str, path: str, reader: str) -> dict[str, torch.Tensor]:
     return (_read_safetensors if case in ("st", "st_dir", "into_st") else _read_torch)(path, reader)
 
 
+def _model(layers: int) -> dict[str, torch.Tensor]:
+    """The benchmark's state dict; ``BENCH_LOAD_TINY=1`` shrinks every dimension (for tests)."""
+    from bench_checkpoint import make_state
+    if os.environ.get("BENCH_LOAD_TINY") == "1":
+        return make_state(layers, hidden=64, mlp=128, vocab=256)
+    return make_state(layers)
+
+
 def _target_like() -> dict[str, torch.Tensor]:
     """An existing model's tensors: same names, shapes and dtypes, every page already touched."""
-    from bench_checkpoint import make_state
-    layers = int(os.environ["BENCH_LOAD_LAYERS"])
-    return {k: torch.zeros_like(v) for k, v in make_state(layers).items()}
+    return {k: torch.zeros_like(v) for k, v in _model(int(os.environ["BENCH_LOAD_LAYERS"])).items()}
 
 
 def _hwm() -> int:
@@ -171,9 +177,8 @@ def _available(reader: str) -> str | None:
 
 def write_inputs(directory: str, layers: int, shards: int) -> int:
     """Write the four inputs once (skipped when present); returns the state dict's bytes."""
-    from bench_checkpoint import make_state
     from safetensors.torch import save_file
-    sd = make_state(layers)
+    sd = _model(layers)
     nbytes = sum(t.nbytes for t in sd.values())
     st, pt = os.path.join(directory, ST_FILE), os.path.join(directory, PT_FILE)
     if not os.path.exists(st):
@@ -219,6 +224,7 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--readers", default=None, help="only these readers (comma list)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny dimensions (a smoke test of the script)")
     ap.add_argument("--worker", nargs=3, metavar=("CASE", "PATH", "READER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -226,6 +232,8 @@ def main() -> int:
         return 0
     from bench_engine import describe_machine
     os.makedirs(args.dir, exist_ok=True)
+    if args.tiny:
+        os.environ["BENCH_LOAD_TINY"] = "1"
     nbytes = write_inputs(args.dir, args.layers, args.shards)
     cases = [c for c in args.cases.split(",") if c]
     only = set(args.readers.split(",")) if args.readers else None

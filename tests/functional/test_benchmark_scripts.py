@@ -88,3 +88,15 @@ def test_bench_save_parts(tmp_path):
               cwd=tmp_path)
     assert "copy_bytes, 1 thread" in out and "deepnvme commit" in out and "new torch.empty" in out
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.access("/proc/sys/vm/drop_caches", os.W_OK), reason="needs root (drop_caches)")
+def test_bench_load(tmp_path):
+    out = run("bench_load.py", "--dir", str(tmp_path), "--tiny", "--layers", "1", "--reps", "1",
+              "--cases", "st,pt_dir,into_st", "--readers", "deepnvme,safetensors,torch_mmap", cwd=tmp_path)
+    assert "| st | deepnvme |" in out and "| pt_dir | torch_mmap |" in out and "| into_st | safetensors |" in out
+
+
+def test_bench_fresh_memory(tmp_path):
+    out = run("bench_fresh_memory.py", "--size", "16M", "--reps", "1", cwd=tmp_path)
+    assert "MAP_POPULATE" in out and "touch every 4 KiB page" in out

@@ -8,7 +8,6 @@ result gives each tensor's storage, dtype, shape, stride and offset without allo
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import pickle
@@ -20,31 +19,15 @@ import torch
 
 from ..errors import CheckpointFormatError, DeepNVMeIOError
 from ..formats.hf_index import CheckpointFiles, check_weight_map
-from ..formats.safetensors import read_header
+from ..formats.safetensors import StoredTensor, locate, read_header
 from ..formats.torchzip import RecordSpan, read_record_spans, storage_spans
 
 __all__ = ["StoredTensor", "read_stored", "safetensors_layout", "torch_layout"]
 
 
-@dataclasses.dataclass(frozen=True)
-class StoredTensor:
-    """Bytes ``[offset, offset + nbytes)`` of ``file`` hold tensor ``name``: row-major when
-    ``stride`` is None, else a strided view starting at the first of those bytes."""
-
-    name: str
-    file: str
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...] | None = None
-
-
 def safetensors_layout(path: str) -> dict[str, StoredTensor]:
     """The tensors of a safetensors file, from its header."""
-    header = read_header(path)
-    return {name: StoredTensor(name, path, header.data_start + e.begin, e.nbytes, e.dtype, e.shape)
-            for name, e in header.tensors.items()}
+    return locate(read_header(path), path)
 
 
 class _MetaReader:

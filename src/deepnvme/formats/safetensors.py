@@ -24,7 +24,7 @@ import torch
 from ..errors import CheckpointFormatError
 
 __all__ = ["ALIGNMENT", "MAX_HEADER", "DTYPES", "TensorEntry", "SafetensorsHeader", "dtype_name",
-           "build_header", "header_length", "parse_header", "read_header"]
+           "build_header", "header_length", "parse_header", "read_header", "StoredTensor", "locate"]
 
 ALIGNMENT = 4096
 """Alignment (bytes) of the data section in files deepnvme writes, so reads can use O_DIRECT."""
@@ -236,3 +236,24 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     if len(raw) != n:
         raise CheckpointFormatError(f"{file!r}: file shrank while its {n}-byte header was read")
     return parse_header(raw, file=file, file_size=size)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Bytes ``[offset, offset + nbytes)`` of ``file`` hold tensor ``name``: row-major when
+    ``stride`` is None, else a strided view starting at the first of those bytes. The
+    checkpoint loaders and the inference streamer plan their reads from these."""
+
+    name: str
+    file: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...] | None = None
+
+
+def locate(header: SafetensorsHeader, file: str) -> dict[str, StoredTensor]:
+    """The tensors of ``header`` (parsed from ``file``) with absolute offsets in that file."""
+    return {name: StoredTensor(name, file, header.data_start + e.begin, e.nbytes, e.dtype, e.shape)
+            for name, e in header.tensors.items()}

@@ -7,34 +7,17 @@ one ``model.safetensors`` or shards named by the ``weight_map`` of
 
 from __future__ import annotations
 
-import dataclasses
 import os
-
-import torch
 
 from ..errors import DeepNVMeError
 from ..formats.hf_index import parse_index
-from ..formats.safetensors import SafetensorsHeader, read_header
+from ..formats.safetensors import StoredTensor, locate, read_header
 
 __all__ = ["CheckpointTensor", "locate", "read_checkpoint_index"]
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckpointTensor:
-    """One tensor of a checkpoint: ``nbytes`` at absolute byte ``offset`` of ``file``."""
-
-    name: str
-    file: str
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-def locate(header: SafetensorsHeader, file: str) -> dict[str, CheckpointTensor]:
-    """The tensors of ``header`` (parsed from ``file``) with absolute offsets in that file."""
-    return {name: CheckpointTensor(name, file, header.data_start + e.begin, e.nbytes, e.dtype, e.shape)
-            for name, e in header.tensors.items()}
+CheckpointTensor = StoredTensor
+"""One tensor of a checkpoint: ``nbytes`` at absolute byte ``offset`` of ``file``."""
 
 
 def _shards(index_path: str) -> list[str]:

@@ -58,11 +58,20 @@ def _clean(args: argparse.Namespace) -> int:
     return 0
 
 
+_DESCRIPTION = """\
+Remove the temporary files that killed deepnvme processes left in DIR.
+
+Saves, bench, tune and report name their temporary files
+.<name>.deepnvme-tmp-<pid>-<host>-<random>; a file whose process (the pid, on this machine)
+no longer exists is litter. Files of running processes and of other machines are never
+removed. bench, tune and the first save in a directory clean it the same way."""
+
+
 def add_clean_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``deepnvme clean``."""
     c: argparse.ArgumentParser = subparsers.add_parser(
         "clean", help="remove temporary files left by killed deepnvme processes",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("directory", metavar="DIR", help="directory to clean (not recursive)")
     c.add_argument("--dry-run", action="store_true",
                    help="list what would be removed; remove nothing")

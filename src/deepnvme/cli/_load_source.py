@@ -4,11 +4,11 @@ bytes, not their names) and its files (one file, or a Hugging Face model directo
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import struct
 
-from ..errors import UsageError
+from ..errors import CheckpointFormatError, UsageError
+from ..formats import hf_index
 from ..formats.safetensors import MAX_HEADER
 
 __all__ = ["SAFETENSORS", "TORCH", "Checkpoint", "sniff", "find_checkpoint"]
@@ -16,9 +16,6 @@ __all__ = ["SAFETENSORS", "TORCH", "Checkpoint", "sniff", "find_checkpoint"]
 SAFETENSORS = "safetensors"
 TORCH = "torch"  # a torch.save zip archive
 _ZIP_MAGIC = b"PK\x03\x04"
-# Hugging Face layouts, in the order transformers prefers them: (index file, single file, format)
-_LAYOUTS = (("model.safetensors.index.json", "model.safetensors", SAFETENSORS),
-            ("pytorch_model.bin.index.json", "pytorch_model.bin", TORCH))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,29 +62,14 @@ def _format_of(path: str) -> str:
     return fmt
 
 
-def _shards(index_path: str) -> list[str]:
-    """The shard files an ``*.index.json`` names (its ``weight_map`` values), in order."""
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        names = list(dict.fromkeys(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise UsageError(f"{index_path!r} is not a usable index (a JSON object with a "
-                         f"'weight_map' of tensor -> shard file): {exc}") from None
-    if not names or not all(isinstance(n, str) and n and os.sep not in n for n in names):
-        raise UsageError(f"{index_path!r}: 'weight_map' must name shard files in its directory")
-    return names
-
-
 def _dir_files(path: str) -> tuple[list[str], str]:
-    """The files of a Hugging Face model directory and the format its names promise."""
-    for index, single, fmt in _LAYOUTS:
-        if os.path.isfile(os.path.join(path, index)):
-            return [os.path.join(path, n) for n in _shards(os.path.join(path, index))], fmt
-        if os.path.isfile(os.path.join(path, single)):
-            return [os.path.join(path, single)], fmt
-    names = ", ".join(n for layout in _LAYOUTS for n in layout[:2])
-    raise UsageError(f"directory {path!r} holds none of {names}")
+    """The files of a Hugging Face model directory and the format its names promise, found by
+    the loaders' own rules (:func:`deepnvme.formats.hf_index.find_checkpoint`)."""
+    try:
+        found = hf_index.find_checkpoint(path)
+    except CheckpointFormatError as exc:
+        raise UsageError(str(exc)) from None
+    return list(found.files), SAFETENSORS if found.kind == "safetensors" else TORCH
 
 
 def find_checkpoint(path: str) -> Checkpoint:
@@ -97,8 +79,6 @@ def find_checkpoint(path: str) -> Checkpoint:
     if os.path.isdir(path):
         files, expected = _dir_files(path)
         for f in files:
-            if not os.path.isfile(f):
-                raise UsageError(f"shard {f!r} named by the index does not exist")
             if (fmt := _format_of(f)) != expected:
                 raise UsageError(f"{f!r} holds {fmt} data, not {expected}")
     else:

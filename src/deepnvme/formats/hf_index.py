@@ -112,8 +112,8 @@ def find_checkpoint(path: str, kinds: Sequence[Kind] = ("safetensors", "torch"))
                     raise CheckpointFormatError(f"{index!r} names shard {os.path.basename(shard)!r}, "
                                                 "which is not in the folder")
             return CheckpointFiles(kind, files, weight_map, index)
-    wanted = [name for kind, single, index in LAYOUTS if kind in kinds for name in (single, index)]
-    raise CheckpointFormatError(f"{path!r} holds no checkpoint: none of {wanted} is in the folder")
+    wanted = [name for kind, single, index in LAYOUTS if kind in kinds for name in (index, single)]
+    raise CheckpointFormatError(f"{path!r} holds no checkpoint: it holds none of {', '.join(wanted)}")
 
 
 def check_weight_map(files: CheckpointFiles, found: Mapping[str, str]) -> None:

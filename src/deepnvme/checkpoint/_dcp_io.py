@@ -22,7 +22,7 @@ import torch
 from ..handles.aio import AioHandle
 from ..io import durable
 from ..memory.copy import copy_bytes
-from ..memory.views import aligned_empty
+from ..memory.views import aligned_empty, byte_view
 
 __all__ = ["Span", "coalesce", "SavedTensor", "parse_saved_tensor", "StreamingWriteStream"]
 
@@ -139,10 +139,19 @@ class _TensorUnpickler(pickle.Unpickler):
         return pid[1], str(pid[2])
 
 
+def _item_bytes(item: torch.Tensor) -> memoryview:
+    """``item``'s bytes without a copy: through NumPy where it is installed (byte_view builds a
+    ctypes type per call, too slow per item), else through byte_view (the base install)."""
+    try:
+        return item.numpy().data
+    except RuntimeError:  # "Numpy is not available"
+        return byte_view(item)
+
+
 def parse_saved_tensor(item: torch.Tensor) -> SavedTensor | None:
     """The layout of a ``torch.save(tensor)`` item held in ``item`` (uint8), or None if it is
     anything else (the caller then uses ``torch.load``). Nothing is copied."""
-    view = item.numpy().data  # byte_view builds a ctypes type per call: too slow per item
+    view = _item_bytes(item)
     try:
         records = _records(view)
         order = records.get("byteorder")
@@ -230,7 +239,7 @@ class StreamingWriteStream(io.RawIOBase):
         open(self._tmp, "xb").close()  # exists even when nothing is written
         self._pool = pool
         self._bufs = [_take(pool, chunk) for _ in range(buffers)]
-        self._views = [b.numpy().data for b in self._bufs]
+        self._views = [_item_bytes(b) for b in self._bufs]
         self._futs: list[Future[int] | None] = [None] * buffers
         self._chunk = chunk
         self._cur = self._fill = self._base = 0

@@ -57,7 +57,7 @@ from ..config import IOConfig, checkpoint_config
 from ..errors import CheckpointFormatError
 from ..handles.aio import AioHandle
 from ..io import durable
-from ..memory.views import aligned_empty
+from ..memory.views import aligned_empty, byte_view
 from ._dcp_io import Span, StreamingWriteStream, coalesce, copy_saved, parse_saved_tensor
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
@@ -247,7 +247,7 @@ class NVMeStorageReader(FileSystemReader):
         """Deserialize one item from its bytes: tensors parsed in place and copied into the
         planner's target (``torch.load`` for anything the parser does not know), bytes as-is."""
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(data.numpy().tobytes()))
+            planner.load_bytes(req, io.BytesIO(bytes(byte_view(data))))
             return
         target = planner.resolve_tensor(req).detach()
         saved = None if info.transform_descriptors else parse_saved_tensor(data)
@@ -255,7 +255,7 @@ class NVMeStorageReader(FileSystemReader):
             copy_saved(saved, req.storage_offsets, req.lengths, target)
         else:
             stream = self.transforms.transform_load_stream(
-                req, info.transform_descriptors or (), io.BytesIO(data.numpy().tobytes()))
+                req, info.transform_descriptors or (), io.BytesIO(bytes(byte_view(data))))
             loaded = torch.load(io.BytesIO(stream.read(-1)), map_location="cpu", weights_only=True)
             part = narrow_tensor_by_index(loaded, req.storage_offsets, req.lengths)
             if target.size() != part.size():

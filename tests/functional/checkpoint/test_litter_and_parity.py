@@ -216,3 +216,24 @@ def test_no_numpy_warning_or_error_without_numpy(tmp_path):
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr
     assert "NumPy" not in proc.stderr
+
+
+def test_dcp_round_trip_without_numpy(tmp_path):
+    """The DCP reader parses saved items without NumPy (the base install has none)."""
+    script = textwrap.dedent("""
+        import sys, warnings
+        sys.modules["numpy"] = None  # as if NumPy were not installed
+        warnings.simplefilter("ignore")  # DCP's single-process notice, not what is tested here
+        import torch, torch.distributed.checkpoint as dcp
+        from deepnvme.dcp import NVMeStorageReader, NVMeStorageWriter
+        state = {"w": torch.randn(1000), "n": torch.arange(7)}
+        dcp.save(state, storage_writer=NVMeStorageWriter(sys.argv[1]), no_dist=True)
+        target = {"w": torch.zeros(1000), "n": torch.zeros(7, dtype=torch.int64)}
+        dcp.load(target, storage_reader=NVMeStorageReader(sys.argv[1]), no_dist=True)
+        assert torch.equal(target["w"], state["w"]) and torch.equal(target["n"], state["n"])
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ck")],
+                          env={**os.environ, "PYTHONPATH": SRC}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr

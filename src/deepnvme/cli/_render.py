@@ -20,9 +20,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from ..io.durable import write_json
-
-__all__ = ["Stats", "fmt_size", "stdout_console", "progress_bar", "print_json", "write_json_durably"]
+__all__ = ["Stats", "fmt_size", "stdout_console", "progress_bar", "print_json"]
 
 GB = 1e9  # GB means 1e9 bytes everywhere in deepnvme
 
@@ -76,8 +74,3 @@ def progress_bar(description: str, total: float | None, *, enabled: bool = True
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
-
-def write_json_durably(path: str, data: Any) -> None:
-    """Write JSON to ``path`` through :func:`deepnvme.io.durable.write_json` (temporary file in
-    the same directory, fsync, rename, fsync dir); a failure leaves any previous file untouched."""
-    write_json(path, data, indent=2)

@@ -29,12 +29,12 @@ import torch
 
 from ..config import IOConfig, resolve_config
 from ..errors import ConfigError, DeepNVMeError
-from ..io.durable import create_temp
+from ..io.durable import create_temp, write_json
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 from ._args import check_writable, positive_float, positive_int, positive_size
 from ._engines import engine_statuses
 from ._measure import Measurer, fill_pattern, remove
-from ._render import GB, write_json_durably
+from ._render import GB
 from ._search import Point, coordinate_search, grid
 from ._tune_space import DIMENSIONS, TuneSpace, complete, default_space, load_space, runnable, start_point
 from .clean import remove_leftovers
@@ -240,7 +240,7 @@ def _result(directory: str, space: TuneSpace, trials: _Trials, objective: str,
 def _write_config(result: TuneResult, output: str) -> None:
     """Write the winner's DeepSpeed config durably and check that it reads back as chosen."""
     best = result.best[result.objective]
-    write_json_durably(output, result.deepspeed_config())
+    write_json(output, result.deepspeed_config(), indent=2)
     with open(output) as f:  # the file must round-trip through the runtime's reader
         if IOConfig.from_deepspeed(json.load(f)) != best.config():
             raise DeepNVMeError(f"{output} does not read back as the chosen settings")

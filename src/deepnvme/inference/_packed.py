@@ -31,10 +31,6 @@ _VERSION = 1
 PackedTensor = tuple[str, int, Callable[[], torch.Tensor]]
 
 
-def _atomic_json(path: str, data: Any) -> None:
-    write_json(path, data)
-
-
 def write_packed(directory: str, blocks: Sequence[Sequence[PackedTensor]], *, handle: AioHandle,
                  fingerprint: Any = None) -> list[BlockPlan]:
     """Write ``blocks`` to ``directory/weights.bin`` (temp file, fsync, rename, fsync dir) and
@@ -69,7 +65,7 @@ def write_packed(directory: str, blocks: Sequence[Sequence[PackedTensor]], *, ha
         raise
     finally:
         free_cpu_locked_tensor(staging)
-    _atomic_json(manifest, {
+    write_json(manifest, {
         "version": _VERSION, "fingerprint": fingerprint,
         "blocks": [{"file_offset": p.spans[0].file_offset, "nbytes": p.buffer_bytes,
                     "tensors": p.tensor_offsets} for p in plans]})

@@ -38,12 +38,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 ST_FILE, PT_FILE, ST_DIR, PT_DIR = "model.safetensors", "model.pt", "st_shards", "pt_shards"
 
-# case -> (path under --dir, readers); deepnvme first, then the peers
+# case -> (path under --dir, readers); deepnvme first, then the peers. deepnvme_mmap is
+# ``mmap=True`` (a private mapping populated by parallel MADV_POPULATE_READ before returning).
 CASES: dict[str, tuple[str, list[str]]] = {
-    "st": (ST_FILE, ["deepnvme", "safetensors", "fastsafetensors", "runai"]),
-    "pt": (PT_FILE, ["deepnvme", "torch_load", "torch_mmap"]),
-    "st_dir": (ST_DIR, ["deepnvme", "safetensors", "fastsafetensors", "runai"]),
-    "pt_dir": (PT_DIR, ["deepnvme", "torch_load", "torch_mmap"]),
+    "st": (ST_FILE, ["deepnvme", "deepnvme_mmap", "safetensors", "fastsafetensors", "runai"]),
+    "pt": (PT_FILE, ["deepnvme", "deepnvme_mmap", "torch_load", "torch_mmap"]),
+    "st_dir": (ST_DIR, ["deepnvme", "deepnvme_mmap", "safetensors", "fastsafetensors", "runai"]),
+    "pt_dir": (PT_DIR, ["deepnvme", "deepnvme_mmap", "torch_load", "torch_mmap"]),
     "into_st": (ST_FILE, ["deepnvme", "safetensors", "fastsafetensors", "runai"]),
     "into_pt": (PT_FILE, ["deepnvme", "torch_load", "torch_mmap"]),
 }
@@ -69,9 +70,9 @@ def _files(path: str, suffix: str) -> list[str]:
 def _read_safetensors(path: str, reader: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     files = _files(path, ".safetensors")
-    if reader == "deepnvme":
+    if reader.startswith("deepnvme"):
         import deepnvme
-        return deepnvme.load_safetensors(path)
+        return deepnvme.load_safetensors(path, mmap=reader == "deepnvme_mmap")
     if reader == "safetensors":
         from safetensors.torch import load_file
         for f in files:
@@ -96,9 +97,9 @@ def _read_safetensors(path: str, reader: str) -> dict[str, torch.Tensor]:
 
 def _read_torch(path: str, reader: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    if reader == "deepnvme":
+    if reader.startswith("deepnvme"):
         import deepnvme
-        return deepnvme.load(path)  # type: ignore[no-any-return]
+        return deepnvme.load(path, mmap=reader == "deepnvme_mmap")  # type: ignore[no-any-return]
     for f in _files(path, ".bin") if os.path.isdir(path) else [path]:
         out.update(torch.load(f, weights_only=True, mmap=reader == "torch_mmap"))
     return out
@@ -290,10 +291,10 @@ def _table(cases: list[str], results: dict[str, list[dict[str, Any]]], nbytes: i
             continue
         med = {r: {key: statistics.median(x[key] for x in runs) for key in ("seconds", "peak_rss_growth")}
                for r, runs in rows.items()}
-        best_peer = min((m["seconds"] for r, m in med.items() if r != "deepnvme"), default=None)
+        best_peer = min((m["seconds"] for r, m in med.items() if not r.startswith("deepnvme")), default=None)
         for r, m in med.items():
             s = m["seconds"]
-            ratio = f"{best_peer / s:.2f}x" if best_peer and r == "deepnvme" else ""
+            ratio = f"{best_peer / s:.2f}x" if best_peer and r.startswith("deepnvme") else ""
             lines.append(f"| {case} | {r} | {nbytes / s / 1e9:.2f} | {s:.3f} | "
                          f"{m['peak_rss_growth'] / 2**20:.0f} | {ratio} |")
     return "\n".join(lines)

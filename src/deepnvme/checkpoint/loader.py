@@ -28,6 +28,8 @@ from ..formats.torchzip import (
     storage_spans,
 )
 from ..handles.aio import AioHandle, wait_all
+from ..io.mapped import map_private
+from ..io.mapped import populate as populate_mapping
 from ..memory.views import aligned_empty
 from ._folders import load_folder
 from ._paths import as_path
@@ -89,7 +91,7 @@ def _prefetch(handle: AioHandle, path: str, spans: dict[str, RecordSpan]
 
 
 def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
-         weights_only: bool = True, mmap: bool | None = None,
+         weights_only: bool = True, mmap: bool | None = None, populate: bool = True,
          config: IOConfig | Mapping[str, Any] | None = None) -> Any:
     """Load a ``torch.save`` file like ``torch.load(path, map_location, weights_only=...)``.
 
@@ -103,9 +105,12 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
     share one (like ``mmap=True``, such storages cannot be resized). Not checked: record CRCs
     (``torch.load`` does not check them either), so flipped bytes inside tensor data go unseen.
 
-    ``mmap=True`` is ``torch.load(..., mmap=True)`` itself: storages map the file, nothing is
-    read up front, so deepnvme's parallel reads have nothing to do. A readable binary file
-    object (``io.BytesIO``, ``open(..., "rb")``) is also handed to ``torch.load``.
+    ``mmap=True`` maps the file as ``torch.load(..., mmap=True)`` does (storages are
+    copy-on-write views of the page cache, see :mod:`deepnvme.io.mapped`), then, unless
+    ``populate=False``, reads every page in before returning with ``intra_op_parallelism``
+    threads: the fastest fresh load on a fast device, since new memory is never zeroed.
+    ``populate=False`` is ``torch.load(mmap=True)``'s lazy mapping (pages read on first use).
+    A readable binary file object (``io.BytesIO``, ``open(..., "rb")``) is handed to ``torch.load``.
 
     A folder holding ``pytorch_model.bin``, or shards named by ``pytorch_model.bin.index.json``,
     gives one dict merging every file (loaded one after the other).
@@ -117,9 +122,9 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
                    "a str or os.PathLike file path, or a readable binary file object")
     if os.path.isdir(path):
         return load_folder(path, "torch", lambda file: load(
-            file, map_location, weights_only=weights_only, mmap=mmap, config=config))
-    if mmap:
-        log.debug("deepnvme.load: mmap=True for %s: the file is mapped by torch.load", path)
+            file, map_location, weights_only=weights_only, mmap=mmap, populate=populate, config=config))
+    if mmap and not populate:
+        log.debug("deepnvme.load: mmap=True, populate=False for %s: mapped by torch.load", path)
         return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
     cfg = checkpoint_config(config)
     if not _torch_internals_available():
@@ -135,6 +140,12 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
     except FileNotFoundError as exc:
         raise DeepNVMeIOError.from_oserror(exc, op="open for load", path=path, offset=0,
                                            size=0) from None
+    if mmap:
+        mapping = map_private(path)
+        populate_mapping(mapping, path=path, threads=cfg.intra_op_parallelism)
+        views = {key: torch.empty(0, dtype=torch.uint8).set_(mapping[span.offset:span.end])
+                 for key, span in spans.items()}
+        return _rebuild(path, views, {}, map_location, weights_only)
     with AioHandle(config=cfg) as handle:
         buffers, futures = _prefetch(handle, path, spans)
         try:

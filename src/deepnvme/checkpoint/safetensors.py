@@ -14,10 +14,12 @@ from typing import Any
 import torch
 
 from ..config import IOConfig, checkpoint_config
-from ..formats.safetensors import build_header, dtype_name, read_header
+from ..formats.safetensors import SafetensorsHeader, build_header, dtype_name, read_header
 from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.file import reserve
+from ..io.mapped import map_private
+from ..io.mapped import populate as populate_mapping
 from ..memory.views import aligned_empty, storage_bytes
 from ._folders import load_folder
 from ._paths import as_path
@@ -73,6 +75,7 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLik
 
 
 def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = "cpu", *,
+                     mmap: bool = False, populate: bool = True,
                      config: IOConfig | Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Read a ``.safetensors`` file (the package's or ours) into a dict of tensors on ``device``.
 
@@ -80,12 +83,21 @@ def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = 
     ``device`` if it is not the CPU. Truncated or inconsistent files raise
     :class:`CheckpointFormatError`. A folder holding ``model.safetensors``, or shards named by
     ``model.safetensors.index.json``, gives one dict of every file's tensors.
+
+    ``mmap=True`` gives copy-on-write views of a mapping of the file, as
+    ``safetensors.torch.load_file`` does (see :mod:`deepnvme.io.mapped` for what that implies),
+    and, unless ``populate=False``, reads every page in before returning with
+    ``intra_op_parallelism`` threads: the fastest fresh load on a fast device, since new memory
+    is never zeroed. ``populate=False`` leaves pages to be read on first use.
     """
     path = as_path(path, "deepnvme.load_safetensors")
     if os.path.isdir(path):
-        return load_folder(path, "safetensors", lambda file: load_safetensors(file, device, config=config))
+        return load_folder(path, "safetensors", lambda file: load_safetensors(
+            file, device, mmap=mmap, populate=populate, config=config))
     cfg = checkpoint_config(config)
     header = read_header(path)
+    if mmap:
+        return _mapped(path, header, device, populate=populate, threads=cfg.intra_op_parallelism)
     out: dict[str, torch.Tensor] = {}
     items = []
     for name, e in header.tensors.items():
@@ -97,6 +109,23 @@ def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = 
             out[name] = torch.empty(e.shape, dtype=e.dtype)
     with AioHandle(config=cfg) as handle:
         handle.read_many(path, items).result()
+    return _to_device(out, device)
+
+
+def _mapped(path: str, header: SafetensorsHeader, device: str | torch.device, *, populate: bool,
+            threads: int) -> dict[str, torch.Tensor]:
+    mapping = map_private(path)
+    if populate:
+        populate_mapping(mapping, path=path, threads=threads)
+    out: dict[str, torch.Tensor] = {}
+    for name, e in header.tensors.items():
+        start = header.data_start + e.begin
+        raw = torch.empty(0, dtype=torch.uint8).set_(mapping[start:start + e.nbytes])
+        out[name] = raw.view(e.dtype).reshape(e.shape) if e.nbytes else torch.empty(e.shape, dtype=e.dtype)
+    return _to_device(out, device)
+
+
+def _to_device(out: dict[str, torch.Tensor], device: str | torch.device) -> dict[str, torch.Tensor]:
     if torch.device(device).type != "cpu":
-        out = {k: v.to(device) for k, v in out.items()}
+        return {k: v.to(device) for k, v in out.items()}
     return out

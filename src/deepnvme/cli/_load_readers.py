@@ -42,13 +42,17 @@ class Reader:
     read: Callable[[str, str], Any]
 
 
-def _deepnvme(fmt: str) -> Callable[[str], Any]:
+def _deepnvme(fmt: str) -> Callable[..., Any]:
     import deepnvme
     return deepnvme.load_safetensors if fmt == SAFETENSORS else deepnvme.load
 
 
 def _deepnvme_file(file: str, fmt: str) -> Any:
     return _deepnvme(fmt)(file)
+
+
+def _deepnvme_mmap_file(file: str, fmt: str) -> Any:
+    return _deepnvme(fmt)(file, mmap=True)
 
 
 def _safetensors_file(file: str, fmt: str) -> Any:
@@ -74,6 +78,8 @@ _BOTH = frozenset((SAFETENSORS, TORCH))
 READERS: dict[str, Reader] = {r.name: r for r in (
     Reader("deepnvme", _BOTH, "deepnvme", "deepnvme.load_safetensors / deepnvme.load",
            _deepnvme_file),
+    Reader("deepnvme-mmap", _BOTH, "deepnvme", "deepnvme.load_safetensors / deepnvme.load (mmap=True)",
+           _deepnvme_mmap_file),
     Reader("safetensors", frozenset((SAFETENSORS,)), "safetensors.torch",
            "safetensors.torch.load_file", _safetensors_file),
     Reader("safe_open", frozenset((SAFETENSORS,)), "safetensors", "safetensors.safe_open(pt)",
@@ -108,10 +114,12 @@ def read_errors() -> tuple[type[BaseException], ...]:
 
 def read_checkpoint(reader: Reader, ckpt: Checkpoint) -> tuple[list[Any], str]:
     """Load every file of ``ckpt`` with ``reader``: the loaded objects and how it was called."""
-    if reader.name == "deepnvme":  # one call, a file or a whole Hugging Face folder
+    if reader.name.startswith("deepnvme"):  # one call, a file or a whole Hugging Face folder
         fn = _deepnvme(ckpt.format)
-        kind = "(directory)" if ckpt.is_dir else ""
-        return [fn(ckpt.path if ckpt.is_dir else ckpt.files[0])], f"deepnvme.{fn.__name__}{kind}"
+        mmap = reader.name == "deepnvme-mmap"
+        notes = (["directory"] if ckpt.is_dir else []) + (["mmap=True"] if mmap else [])
+        kind = f"({', '.join(notes)})" if notes else ""
+        return [fn(ckpt.path if ckpt.is_dir else ckpt.files[0], mmap=mmap)], f"deepnvme.{fn.__name__}{kind}"
     return [reader.read(f, ckpt.format) for f in ckpt.files], reader.call
 
 

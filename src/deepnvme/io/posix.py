@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from ..errors import DeepNVMeIOError, ShortTransferError
 from .plan import Alignment
 
-__all__ = ["Posix", "POSIX", "O_DIRECT", "evict_page_cache", "resident_bytes", "syscall"]
+__all__ = ["MADV_POPULATE_READ", "Posix", "POSIX", "O_DIRECT", "evict_page_cache", "madvise", "resident_bytes",
+           "syscall"]
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _AT_FDCWD = -100
@@ -39,6 +40,9 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _LOW_BIT = bytes(i & 1 for i in range(256))  # mincore: bit 0 of each byte = page resident
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+MADV_POPULATE_READ = 22  # Linux 5.14+: fault in a range as reads would, with an error instead of SIGBUS
 
 
 def syscall(number: int, *args: object) -> int:
@@ -48,6 +52,14 @@ def syscall(number: int, *args: object) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return result
+
+
+def madvise(addr: int, length: int, advice: int) -> None:
+    """``madvise(2)`` on ``[addr, addr + length)`` (page-aligned ``addr``); the GIL is released
+    for the call. Raises ``OSError`` with the call's errno."""
+    if _libc.madvise(addr, length, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise: {os.strerror(err)}")
 
 
 class Posix:

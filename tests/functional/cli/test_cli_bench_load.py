@@ -62,9 +62,10 @@ def test_safetensors_file_json(run_cli, st_file) -> None:
     data = _load_json(run_cli, st_file, *FAST, "--reps", "2")
     _check_common(data, reps=2)
     assert data["format"] == "safetensors" and data["files"] == [st_file]
-    assert [r["reader"] for r in data["readers"]] == ["deepnvme", "safetensors", "safe_open"]
+    assert [r["reader"] for r in data["readers"]] == ["deepnvme", "deepnvme-mmap", "safetensors", "safe_open"]
     assert {r["tensors"] for r in data["readers"]} == {3}
     assert data["readers"][0]["call"] == "deepnvme.load_safetensors"
+    assert data["readers"][1]["call"] == "deepnvme.load_safetensors(mmap=True)"
     assert isinstance(data["fastest_vs_next"], float) and data["fastest_vs_next"] >= 1.0
 
 
@@ -72,7 +73,7 @@ def test_torch_file_json_and_nested_state(run_cli, pt_file) -> None:
     data = _load_json(run_cli, pt_file, *FAST)
     _check_common(data)
     assert data["format"] == "torch"
-    assert [r["reader"] for r in data["readers"]] == ["deepnvme", "torch.load", "torch.load-mmap"]
+    assert [r["reader"] for r in data["readers"]] == ["deepnvme", "deepnvme-mmap", "torch.load", "torch.load-mmap"]
     assert {r["tensors"] for r in data["readers"]} == {4}
 
 
@@ -138,10 +139,10 @@ def test_missing_optional_reader_is_skipped_with_a_note(run_cli, monkeypatch, st
     for name in ("safetensors", "safetensors.torch"):
         monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
     data = _load_json(run_cli, st_file, *FAST)
-    assert [r["reader"] for r in data["readers"]] == ["deepnvme"]
+    assert [r["reader"] for r in data["readers"]] == ["deepnvme", "deepnvme-mmap"]
     assert any(n.startswith("safetensors skipped: safetensors.torch is not installed") for n in data["notes"])
     assert any(n.startswith("safe_open skipped: safetensors is not installed") for n in data["notes"])
-    assert data["fastest"] == "deepnvme" and data["fastest_vs_next"] is None
+    assert data["fastest"] in ("deepnvme", "deepnvme-mmap") and data["fastest_vs_next"] >= 1.0
 
 
 def test_reader_for_another_format_is_noted(run_cli, pt_file) -> None:

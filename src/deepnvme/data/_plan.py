@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..io.plan import align_down, align_up, coalesce
+from ..io.plan import align_up, coalesce
 
 __all__ = ["SampleGeometry", "BatchPlan", "plan_batch", "batch_buffer_bytes"]
 
@@ -54,22 +54,24 @@ class BatchPlan:
 
 def plan_batch(samples: Sequence[int], geometry: SampleGeometry, *, alignment: int, max_read: int,
                gap: int) -> BatchPlan:
-    """Plan the reads of ``samples`` (indices, any order, repeats allowed). Reads start and end
-    on ``alignment`` boundaries except where the file ends; each holds at most ``max_read``
-    bytes unless one sample alone is larger."""
-    ranges = []
-    for i in samples:
-        start, nbytes = geometry.byte_range(int(i))
-        lo = align_down(start, alignment)
-        ranges.append((lo, min(align_up(start + nbytes, alignment), geometry.file_size) - lo))
-    spans = coalesce(ranges, gap=gap, cap=max_read)
+    """Plan the reads of ``samples`` (indices, any order, repeats allowed, negative ones count
+    from the end). Reads start and end on ``alignment`` boundaries except where the file ends;
+    each holds at most ``max_read`` bytes unless one sample alone is larger."""
+    count = geometry.count
+    if samples and not (-count <= min(samples) and max(samples) < count):
+        bad = next(i for i in samples if not -count <= i < count)
+        raise IndexError(f"sample {bad} out of range: the dataset has {count} samples")
+    step, nbytes, size = geometry.stride * geometry.itemsize, geometry.sample_bytes, geometry.file_size
+    starts = [geometry.base + (int(i) % count) * step for i in samples]
+    ranges = [(s - s % alignment, min(align_up(s + nbytes, alignment), size) - s + s % alignment)
+              for s in starts]
     reads = []
-    sample_at = [0] * len(ranges)
+    sample_at = [0] * len(starts)
     cursor = 0
-    for span in spans:
+    for span in coalesce(ranges, gap=gap, cap=max_read):
         reads.append((cursor, span.start, span.end - span.start))
         for k in span.members:
-            sample_at[k] = cursor + geometry.byte_range(int(samples[k]))[0] - span.start
+            sample_at[k] = cursor + starts[k] - span.start
         cursor += align_up(span.end - span.start, alignment)
     return BatchPlan(reads=tuple(reads), sample_at=tuple(sample_at), buffer_bytes=cursor)
 

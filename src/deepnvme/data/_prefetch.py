@@ -1,9 +1,11 @@
 """The read-ahead loop behind :meth:`TokenDataset.batches`: plan, submit, wait, gather, in order.
 
-Up to ``prefetch`` batches are in flight, each read into its own buffer from a
-:class:`~deepnvme.memory.pinned.BufferPool` of ``prefetch`` page-locked buffers; the oldest is
-gathered into a fresh ``[batch, seq_len + 1]`` tensor and its buffer goes back to the pool
-before the next batch is submitted. Runs on the consumer's thread; the I/O runs on the handle's.
+Batches are read in groups of :func:`group_size` (one ``read_many`` call, one buffer each);
+up to ``prefetch // group`` groups are in flight, in buffers from a
+:class:`~deepnvme.memory.pinned.BufferPool` of as many page-locked buffers. The oldest group's
+batches are gathered into fresh ``[batch, seq_len + 1]`` tensors one at a time as the consumer
+asks, then its buffer goes back to the pool and the next group is submitted. Runs on the
+consumer's thread; the I/O runs on the handle's.
 """
 
 from __future__ import annotations
@@ -34,17 +36,21 @@ def iterate_batches(ds: TokenDataset, order: Iterable[int], batch_size: int, *, 
                     pin_memory: bool, drop_last: bool) -> Iterator[torch.Tensor]:
     """Yield the batches of ``order``; see :meth:`TokenDataset.batches` for the contract.
     Leaving early (``close()``, an error) waits for the reads in flight and frees the buffers."""
-    pool = BufferPool(ds.buffer_bytes(batch_size), prefetch)
+    group = group_size(prefetch)
+    slots = prefetch // group
+    pool = BufferPool(ds.buffer_bytes(batch_size * group), slots)
     pending: collections.deque[_InFlight] = collections.deque()
     samples = iter(order)
     try:
         while True:
-            chunk = list(itertools.islice(samples, batch_size))
-            if not chunk or (drop_last and len(chunk) < batch_size):
+            chunk = list(itertools.islice(samples, batch_size * group))
+            if drop_last:
+                del chunk[len(chunk) - len(chunk) % batch_size:]
+            if not chunk:
                 break
-            plan = ds.plan(chunk)  # IndexError here, before anything of this batch is read
-            if len(pending) == prefetch:
-                yield _finish(ds, pending.popleft(), pool, pin_memory)
+            plan = ds.plan(chunk)  # IndexError here, before anything of this group is read
+            if len(pending) == slots:
+                yield from _finish(ds, pending.popleft(), pool, batch_size, pin_memory)
             buffer = pool.acquire()
             try:
                 pending.append((plan, buffer, ds.submit_plan(plan, buffer)))
@@ -52,26 +58,35 @@ def iterate_batches(ds: TokenDataset, order: Iterable[int], batch_size: int, *, 
                 pool.release(buffer)
                 raise
         while pending:
-            yield _finish(ds, pending.popleft(), pool, pin_memory)
+            yield from _finish(ds, pending.popleft(), pool, batch_size, pin_memory)
     finally:
         _abandon(pending, pool)
 
 
-def _finish(ds: TokenDataset, item: _InFlight, pool: BufferPool, pin_memory: bool) -> torch.Tensor:
-    """Wait for one batch's reads and copy its samples out; the buffer returns to the pool."""
+def group_size(prefetch: int) -> int:
+    """Batches read with one ``read_many`` call: a quarter of ``prefetch`` (at least 1), so the
+    cost of a call is shared by several batches while four calls stay in flight."""
+    return max(1, prefetch // 4)
+
+
+def _finish(ds: TokenDataset, item: _InFlight, pool: BufferPool, batch_size: int,
+            pin_memory: bool) -> Iterator[torch.Tensor]:
+    """Wait for one group's reads and yield its batches; then its buffer returns to the pool."""
     plan, buffer, future = item
     try:
         ds.check_count(plan, future.result())
-        rows, tokens = len(plan.sample_at), ds.geometry.tokens
+        tokens = ds.geometry.tokens
         dtype = ds.dtype if ds.keep_dtype else torch.int64
-        if pin_memory:
-            out = new_cpu_locked_tensor(rows * tokens, dtype).view(rows, tokens)
-        else:
-            out = torch.empty((rows, tokens), dtype=dtype)
-        ds.gather(plan, buffer, out)
+        for first in range(0, len(plan.sample_at), batch_size):
+            rows = plan.sample_at[first:first + batch_size]
+            if pin_memory:
+                out = new_cpu_locked_tensor(len(rows) * tokens, dtype).view(len(rows), tokens)
+            else:
+                out = torch.empty((len(rows), tokens), dtype=dtype)
+            ds.gather(rows, buffer, out)
+            yield out
     finally:
         pool.release(buffer)
-    return out
 
 
 def _abandon(pending: collections.deque[_InFlight], pool: BufferPool) -> None:

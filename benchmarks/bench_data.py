@@ -3,6 +3,7 @@
 Usage:
   flock /tmp/bench.lock python benchmarks/bench_data.py --dir DIR [--size 3G] [--seq-len 2048]
          [--batch-size 32] [--shuffled 8192] [--sequential 32768] [--reps 3] [--json OUT] [--keep]
+         [--evict auto|drop-caches|fadvise|none] [--readers deepnvme,megatron-core,np.memmap]
 
 Writes a corpus of ``--size`` bytes of uint16 tokens (random tokens, documents of 1 to 16,384
 tokens) with ``deepnvme.data.write_token_dataset`` under DIR (reused when it is already there
@@ -92,6 +93,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prefetch", type=int, default=16)
     ap.add_argument("--readers", default="")
+    ap.add_argument("--evict", default="auto", help="auto (drop-caches as root), drop-caches, fadvise, none")
     ap.add_argument("--json", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the corpus for the next run")
     args = ap.parse_args()
@@ -101,7 +103,7 @@ def main() -> int:
         readers = tuple(n for n in args.readers.split(",") if n)
         options = DataOptions(prefix=prefix, seq_len=args.seq_len, batch_size=args.batch_size,
                               shuffled=args.shuffled, sequential=args.sequential, reps=args.reps,
-                              readers=readers, prefetch=args.prefetch)
+                              readers=readers, prefetch=args.prefetch, evict=args.evict)
         result = run_data_bench(options)
     finally:
         if not args.keep:

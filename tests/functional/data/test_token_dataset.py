@@ -170,7 +170,8 @@ def test_truncated_bin_and_bad_index_files(corpus, tmp_path):
     prefix, _tokens = corpus
     size = os.path.getsize(prefix + ".bin")
     os.truncate(prefix + ".bin", size - 1)
-    with pytest.raises(DatasetFormatError, match=r"c\.idx: sequence pointers: sequence 79 ends at byte \d+ but \S+c\.bin holds"):
+    past = r"c\.idx: sequence pointers: sequence 79 ends at byte \d+ but \S+c\.bin holds"
+    with pytest.raises(DatasetFormatError, match=past):
         TokenDataset(prefix, seq_len=8)
     with open(prefix + ".idx", "r+b") as f:
         f.write(b"NOTANIDX!")

@@ -28,6 +28,9 @@ from ._prefetch import iterate_batches
 __all__ = ["TokenDataset"]
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _aligned_bytes(nbytes: int, alignment: int) -> torch.Tensor:
     """An uninitialised uint8 tensor of ``nbytes`` at an ``alignment``-aligned address."""
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
@@ -191,7 +194,7 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
     def gather(self, at: Sequence[int], buffer: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the samples starting at bytes ``at`` of the read ``buffer`` (whose length is a
         multiple of 8) into the rows of ``out``: one strided copy when they lie evenly spaced
-        (sequential order), else a copy per row."""
+        (sequential order), else one ``index_select``."""
         tokens, itemsize = self.geometry.tokens, self.geometry.itemsize
         elements = buffer.view(self.dtype)
         step = at[1] - at[0] if len(at) > 1 else 0
@@ -199,8 +202,12 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
             out.copy_(elements.as_strided((len(at), tokens), (step // itemsize, 1),
                                         elements.storage_offset() + at[0] // itemsize))
             return
-        for k, first in enumerate(at):  # a copy per row: faster here than one take() (measured)
-            out[k].copy_(elements[first // itemsize:first // itemsize + tokens])
+        # one index_select over a view of every window of `tokens` elements (faster than a copy
+        # per row, measured); as same-size integers, since not every dtype has the kernel (uint16)
+        raw = elements.view(_SAME_SIZE_INT[itemsize])
+        windows = raw.as_strided((raw.numel() - tokens + 1, tokens), (1, 1), raw.storage_offset())
+        first = torch.tensor(at, dtype=torch.int64).floor_divide_(itemsize)
+        out.copy_(torch.index_select(windows, 0, first).view(self.dtype))
 
     # --- lifetime ----------------------------------------------------------------------------
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import importlib.util
 import itertools
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -21,7 +19,7 @@ import torch
 
 from ..data import TokenDataset
 
-__all__ = ["DataReader", "DATA_READERS", "missing_module", "sample_orders"]
+__all__ = ["DataReader", "DATA_READERS", "sample_orders"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +29,7 @@ class DataReader:
 
     name: str
     call: str
-    module: str | None
+    module: str
     read: Callable[[TokenDataset, list[int], int, int], int]
 
 
@@ -63,9 +61,7 @@ def _read_memmap(ds: TokenDataset, order: list[int], batch_size: int, prefetch: 
 
 def _read_megatron(ds: TokenDataset, order: list[int], batch_size: int, prefetch: int) -> int:
     import numpy
-    with warnings.catch_warnings():  # its import warns that Apex / Transformer Engine are missing
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     mds = IndexedDataset(ds.bin_path[:-4], mmap=True)
     starts = [0, *itertools.accumulate(ds.index.lengths.tolist())]  # first token of each sequence
@@ -88,22 +84,12 @@ def _read_megatron(ds: TokenDataset, order: list[int], batch_size: int, prefetch
 
 
 DATA_READERS: dict[str, DataReader] = {r.name: r for r in (
-    DataReader("deepnvme", "TokenDataset.batches (AioHandle.read_many, O_DIRECT)", None, _read_deepnvme),
+    DataReader("deepnvme", "TokenDataset.batches (AioHandle.read_many, O_DIRECT)", "deepnvme.data",
+               _read_deepnvme),
     DataReader("megatron-core", "IndexedDataset(mmap=True).get(doc, offset, length) per piece",
-               "megatron.core", _read_megatron),
+               "megatron.core.datasets.indexed_dataset", _read_megatron),
     DataReader("np.memmap", "numpy.memmap(.bin)[start:end] per sample", "numpy", _read_memmap),
 )}
-
-
-def missing_module(reader: DataReader) -> str | None:
-    """Why ``reader`` cannot run here (its module is not installed), or None."""
-    if reader.module is None:
-        return None
-    try:
-        found = importlib.util.find_spec(reader.module) is not None
-    except ModuleNotFoundError:
-        found = False
-    return None if found else f"{reader.module} is not installed"
 
 
 def sample_orders(count: int, *, shuffled: int, sequential: int, seed: int) -> dict[str, list[int]]:

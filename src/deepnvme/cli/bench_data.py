@@ -20,8 +20,8 @@ from ..data import TokenDataset
 from ..errors import UsageError
 from ._args import positive_int
 from ._bench_data_view import render_data_bench
-from ._data_readers import DATA_READERS, DataReader, missing_module, sample_orders
-from ._load_readers import EVICTIONS, check_cold, evict, pick_eviction
+from ._data_readers import DATA_READERS, DataReader, sample_orders
+from ._load_readers import EVICTIONS, check_cold, evict, missing_module, overall_cache, pick_eviction
 from ._render import GB, Stats, print_json, progress_bar, stdout_console
 
 __all__ = ["DataOptions", "DataRun", "DataRow", "DataBenchResult", "run_data_bench",
@@ -80,8 +80,8 @@ class DataRow:
 
     @property
     def cache(self) -> str:
-        states = {r.cache for r in self.runs}
-        return states.pop() if len(states) == 1 else "mixed"
+        """``cold`` or ``warm`` when every run was, else ``mixed``."""
+        return overall_cache(r.cache for r in self.runs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,8 +35,10 @@ from .checkpoint import (
     save_safetensors,
 )
 from .config import IOConfig, override, resolve_config
+from .data import TokenDataset, write_token_dataset
 from .errors import (
     ConfigError,
+    DatasetFormatError,
     DeepNVMeError,
     DeepNVMeIOError,
     ShortTransferError,
@@ -58,6 +60,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "ConfigError",
+    "DatasetFormatError",
     "DeepNVMeError",
     "DeepNVMeIOError",
     "DistributedSaveError",
@@ -70,6 +73,7 @@ __all__ = [
     "SwapBufferError",
     "SwapError",
     "TensorSwapper",
+    "TokenDataset",
     "UnsupportedBufferError",
     "ValidationError",
     "__version__",
@@ -90,4 +94,5 @@ __all__ = [
     "save",
     "save_distributed",
     "save_safetensors",
+    "write_token_dataset",
 ]

@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "ConfigError",
+    "DatasetFormatError",
     "DeepNVMeError",
     "DeepNVMeIOError",
     "DistributedSaveError",
@@ -108,6 +109,11 @@ class ConfigError(DeepNVMeError, ValueError):
 
 class CheckpointFormatError(DeepNVMeError, ValueError):
     """A checkpoint file is truncated, corrupted or not in the expected format."""
+
+
+class DatasetFormatError(DeepNVMeError, ValueError):
+    """A token dataset's ``.idx``/``.bin`` pair is truncated, inconsistent or not in Megatron's
+    indexed-dataset format; the message names the file and the field."""
 
 
 class CheckpointMismatchError(DeepNVMeError, ValueError):

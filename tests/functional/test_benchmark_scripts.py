@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -100,3 +101,14 @@ def test_bench_load(tmp_path):
 def test_bench_fresh_memory(tmp_path):
     out = run("bench_fresh_memory.py", "--size", "16M", "--reps", "1", cwd=tmp_path)
     assert "MAP_POPULATE" in out and "touch every 4 KiB page" in out
+
+
+def test_bench_data(tmp_path):
+    corpus = tmp_path / "corpus"
+    out = run("bench_data.py", "--dir", str(corpus), "--size", "300K", "--seq-len", "64", "--shuffled", "50",
+              "--sequential", "100", "--reps", "1", "--evict", "fadvise", "--json", str(tmp_path / "r.json"),
+              cwd=tmp_path)
+    assert "shuffled: deepnvme / np.memmap" in out and "sequential: deepnvme / np.memmap" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["made_corpus"] and {r["order"] for r in data["rows"]} == {"shuffled", "sequential"}
+    assert list(corpus.iterdir()) == []

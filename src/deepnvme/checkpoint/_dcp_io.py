@@ -21,44 +21,11 @@ import torch
 
 from ..handles.aio import AioHandle
 from ..io import durable
+from ..io.plan import Span, coalesce
 from ..memory.copy import copy_bytes
 from ..memory.views import aligned_empty, byte_view
 
 __all__ = ["Span", "coalesce", "SavedTensor", "parse_saved_tensor", "StreamingWriteStream"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Span:
-    """One read request: bytes ``[start, end)`` of a file covering the items at ``members``."""
-
-    start: int
-    end: int
-    members: tuple[int, ...]
-
-
-def coalesce(ranges: Sequence[tuple[int, int]], *, gap: int, cap: int) -> list[Span]:
-    """Group ``(offset, length)`` ranges (indices kept) into spans read with one request each.
-
-    Ranges sorted by offset join the current span while the hole before them is at most
-    ``gap`` bytes and the span stays within ``cap`` bytes; a range longer than ``cap`` is a
-    span of its own. Overlapping ranges share a span.
-    """
-    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
-    spans: list[Span] = []
-    start = end = -1
-    members: list[int] = []
-    for i in order:
-        off, length = ranges[i]
-        if members and off - end <= gap and max(end, off + length) - start <= cap:
-            end = max(end, off + length)
-            members.append(i)
-            continue
-        if members:
-            spans.append(Span(start, end, tuple(members)))
-        start, end, members = off, off + length, [i]
-    if members:
-        spans.append(Span(start, end, tuple(members)))
-    return spans
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,9 +12,9 @@ from ._render import GB
 if TYPE_CHECKING:
     from .bench_load import LoadBenchResult
 
-__all__ = ["render_load_bench"]
+__all__ = ["EVICTION_TEXT", "render_load_bench"]
 
-_EVICTION = {"drop-caches": "sync + drop_caches (whole page cache) before each read",
+EVICTION_TEXT = {"drop-caches": "sync + drop_caches (whole page cache) before each read",
              "fadvise": "posix_fadvise(DONTNEED) on the files before each read",
              "none": "no eviction (warm on purpose)"}
 
@@ -42,7 +42,7 @@ def render_load_bench(result: LoadBenchResult, console: Console) -> None:
     files = f"{len(c.files)} file{'s' if len(c.files) > 1 else ''}"
     say(f"deepnvme bench load: {c.path} ({c.format}, {files}, {c.nbytes / GB:.3f} GB, "
         f"{tensors} tensors) -> {result.device}")
-    say(f"  cold reads: {_EVICTION.get(result.eviction, result.eviction)}; each row is marked "
+    say(f"  cold reads: {EVICTION_TEXT.get(result.eviction, result.eviction)}; each row is marked "
         "cold or warm by the bytes mincore finds cached (cold: at most 1 %)")
     say("  timed: the read plus touching every page of every tensor"
         + (" (copied to the GPU, synchronised)" if result.device != "cpu" else "")

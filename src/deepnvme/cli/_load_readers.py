@@ -13,8 +13,9 @@ import importlib
 import logging
 import os
 import pickle
-from collections.abc import Callable, Iterator
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 import torch
 
@@ -22,7 +23,7 @@ from ..io.posix import evict_page_cache, resident_bytes
 from ._load_source import SAFETENSORS, TORCH, Checkpoint
 
 __all__ = ["Reader", "READERS", "EVICTIONS", "missing_module", "read_errors", "read_checkpoint", "touch",
-           "pick_eviction", "evict", "cache_state", "check_cold"]
+           "pick_eviction", "evict", "cache_state", "check_cold", "overall_cache"]
 
 log = logging.getLogger(__name__)
 DROP_CACHES = "/proc/sys/vm/drop_caches"
@@ -91,11 +92,18 @@ READERS: dict[str, Reader] = {r.name: r for r in (
 )}
 
 
-def missing_module(reader: Reader) -> str | None:
+class _NeedsModule(Protocol):
+    @property
+    def module(self) -> str: ...
+
+
+def missing_module(reader: _NeedsModule) -> str | None:
     """Why ``reader`` cannot run here (its package does not import), or None. Imports it, so
-    the import is not part of the first timed read."""
+    the import is not part of the first timed read (import-time warnings are not shown)."""
     try:
-        importlib.import_module(reader.module)
+        with warnings.catch_warnings():  # e.g. megatron-core: "Apex is not installed"
+            warnings.simplefilter("ignore")
+            importlib.import_module(reader.module)
     except ImportError as exc:
         return f"{reader.module} is not installed ({exc})"
     return None
@@ -186,6 +194,12 @@ def cache_state(resident: int | None, total: int) -> str:
     """``cold`` when at most 1 % of the ``total`` bytes are in the page cache, else ``warm``
     (also when ``resident`` could not be measured: None)."""
     return "cold" if resident is not None and resident * 100 <= total else "warm"
+
+
+def overall_cache(states: Iterable[str]) -> str:
+    """``cold`` or ``warm`` when every run was, else ``mixed``."""
+    distinct = set(states)
+    return distinct.pop() if len(distinct) == 1 else "mixed"
 
 
 def check_cold(files: tuple[str, ...]) -> tuple[int | None, str]:

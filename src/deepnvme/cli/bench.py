@@ -31,6 +31,7 @@ from ._engines import parse_engines
 from ._render import GB, Stats, print_json, progress_bar, stdout_console
 from ._runner import Ready, Sample, Step, WorkerSpec, lanes, plan_steps, run_workers
 from ._system import mount_of
+from .bench_data import add_bench_data_parser
 from .bench_load import add_bench_load_parser
 from .clean import remove_leftovers
 
@@ -365,8 +366,10 @@ def add_bench_parser(subparsers: Any) -> None:
                         "--random: fio randread)")
     b.add_argument("--json", action="store_true", help="print JSON instead of tables")
     b.set_defaults(func=_cmd_bench)
-    add_bench_load_parser(b.add_subparsers(dest="bench_mode", metavar="load PATH", help="time "
-                                           "checkpoint readers on PATH instead"))
+    modes = b.add_subparsers(dest="bench_mode", metavar="{load PATH,data PREFIX}",
+                             help="time checkpoint readers on PATH, or token-dataset readers on PREFIX, instead")
+    add_bench_load_parser(modes)
+    add_bench_data_parser(modes)
 
 
 def _random_size(args: Any) -> int | None:

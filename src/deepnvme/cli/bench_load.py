@@ -28,6 +28,7 @@ from ._load_readers import (
     check_cold,
     evict,
     missing_module,
+    overall_cache,
     pick_eviction,
     read_checkpoint,
     read_errors,
@@ -81,8 +82,7 @@ class ReaderRow:
     @property
     def cache(self) -> str:
         """``cold`` or ``warm`` when every run was, else ``mixed``."""
-        states = {r.cache for r in self.runs}
-        return states.pop() if len(states) == 1 else "mixed"
+        return overall_cache(r.cache for r in self.runs)
 
 
 @dataclasses.dataclass(frozen=True)

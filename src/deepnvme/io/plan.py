@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import mmap
+from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["Kind", "Chunk", "Alignment", "align_down", "align_up", "plan_transfer", "PAGE_SIZE"]
+__all__ = ["Kind", "Chunk", "Alignment", "Span", "align_down", "align_up", "coalesce", "plan_transfer",
+           "PAGE_SIZE"]
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -100,3 +102,37 @@ def plan_transfer(*, size: int, file_offset: int, address: int, block_size: int,
                          Kind.DIRECT if mem_ok else Kind.BOUNCE)
     chunks += _split(mid_end, end, block, file_offset, Kind.BUFFERED)
     return chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One read request: bytes ``[start, end)`` of a file covering the items at ``members``."""
+
+    start: int
+    end: int
+    members: tuple[int, ...]
+
+
+def coalesce(ranges: Sequence[tuple[int, int]], *, gap: int, cap: int) -> list[Span]:
+    """Group ``(offset, length)`` ranges (indices kept) into spans read with one request each.
+
+    Ranges sorted by offset join the current span while the hole before them is at most
+    ``gap`` bytes and the span stays within ``cap`` bytes; a range longer than ``cap`` is a
+    span of its own. Overlapping ranges share a span.
+    """
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    spans: list[Span] = []
+    start = end = -1
+    members: list[int] = []
+    for i in order:
+        off, length = ranges[i]
+        if members and off - end <= gap and max(end, off + length) - start <= cap:
+            end = max(end, off + length)
+            members.append(i)
+            continue
+        if members:
+            spans.append(Span(start, end, tuple(members)))
+        start, end, members = off, off + length, [i]
+    if members:
+        spans.append(Span(start, end, tuple(members)))
+    return spans

@@ -1,0 +1,100 @@
+"""The read-ahead loop behind :meth:`TokenDataset.batches`: plan, submit, wait, gather, in order.
+
+Batches are read in groups of :func:`group_size` (one ``read_many`` call, one buffer each);
+up to ``prefetch // group`` groups are in flight, in buffers from a
+:class:`~deepnvme.memory.pinned.BufferPool` of as many page-locked buffers. The oldest group's
+batches are gathered into fresh ``[batch, seq_len + 1]`` tensors one at a time as the consumer
+asks, then its buffer goes back to the pool and the next group is submitted. Runs on the
+consumer's thread; the I/O runs on the handle's.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..memory.pinned import BufferPool, new_cpu_locked_tensor
+from ._plan import BatchPlan
+
+if TYPE_CHECKING:
+    from .dataset import TokenDataset
+
+__all__ = ["iterate_batches"]
+
+log = logging.getLogger(__name__)
+
+_InFlight = tuple[BatchPlan, torch.Tensor, "Future[int]"]
+
+
+def iterate_batches(ds: TokenDataset, order: Iterable[int], batch_size: int, *, prefetch: int,
+                    pin_memory: bool, drop_last: bool) -> Iterator[torch.Tensor]:
+    """Yield the batches of ``order``; see :meth:`TokenDataset.batches` for the contract.
+    Leaving early (``close()``, an error) waits for the reads in flight and frees the buffers."""
+    group = group_size(prefetch)
+    slots = prefetch // group
+    pool = BufferPool(ds.buffer_bytes(batch_size * group), slots)
+    pending: collections.deque[_InFlight] = collections.deque()
+    samples = iter(order)
+    try:
+        while True:
+            chunk = list(itertools.islice(samples, batch_size * group))
+            if drop_last:
+                del chunk[len(chunk) - len(chunk) % batch_size:]
+            if not chunk:
+                break
+            plan = ds.plan(chunk)  # IndexError here, before anything of this group is read
+            if len(pending) == slots:
+                yield from _finish(ds, pending.popleft(), pool, batch_size, pin_memory)
+            buffer = pool.acquire()
+            try:
+                pending.append((plan, buffer, ds.submit_plan(plan, buffer)))
+            except BaseException:
+                pool.release(buffer)
+                raise
+        while pending:
+            yield from _finish(ds, pending.popleft(), pool, batch_size, pin_memory)
+    finally:
+        _abandon(pending, pool)
+
+
+def group_size(prefetch: int) -> int:
+    """Batches read with one ``read_many`` call: a quarter of ``prefetch`` (at least 1), so the
+    cost of a call is shared by several batches while four calls stay in flight."""
+    return max(1, prefetch // 4)
+
+
+def _finish(ds: TokenDataset, item: _InFlight, pool: BufferPool, batch_size: int,
+            pin_memory: bool) -> Iterator[torch.Tensor]:
+    """Wait for one group's reads and yield its batches; then its buffer returns to the pool."""
+    plan, buffer, future = item
+    try:
+        ds.check_count(plan, future.result())
+        tokens = ds.geometry.tokens
+        dtype = ds.dtype if ds.keep_dtype else torch.int64
+        for first in range(0, len(plan.sample_at), batch_size):
+            rows = plan.sample_at[first:first + batch_size]
+            if pin_memory:
+                out = new_cpu_locked_tensor(len(rows) * tokens, dtype).view(len(rows), tokens)
+            else:
+                out = torch.empty((len(rows), tokens), dtype=dtype)
+            ds.gather(rows, buffer, out)
+            yield out
+    finally:
+        pool.release(buffer)
+
+
+def _abandon(pending: collections.deque[_InFlight], pool: BufferPool) -> None:
+    """Wait for reads nobody will consume (their buffers must not be reused while in flight)."""
+    while pending:
+        _plan, buffer, future = pending.popleft()
+        exc = future.exception()
+        if exc is not None:
+            log.debug("deepnvme: read of an abandoned batch failed: %s", exc)
+        pool.release(buffer)
+    pool.close()

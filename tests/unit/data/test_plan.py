@@ -1,0 +1,83 @@
+"""Read planning for token samples (pure): every plan, executed against bytes in memory, yields
+exactly each sample's bytes; reads are aligned, capped and coalesced; the memory bound holds."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deepnvme.data._plan import SampleGeometry, batch_buffer_bytes, plan_batch
+
+
+def _geometry(base=0, itemsize=2, seq_len=8, tokens_total=1000):
+    count = max((tokens_total - 1) // seq_len, 0)
+    return SampleGeometry(base=base, itemsize=itemsize, stride=seq_len, tokens=seq_len + 1, count=count,
+                          file_size=base + tokens_total * itemsize)
+
+
+def _execute(plan, file: bytes) -> bytearray:
+    buf = bytearray(plan.buffer_bytes)
+    for at, off, n in plan.reads:
+        assert off + n <= len(file), "read past the end of the file"
+        buf[at:at + n] = file[off:off + n]
+    return buf
+
+
+@given(st.data(), st.sampled_from([1, 2, 4, 8]), st.integers(1, 300), st.integers(2, 5000),
+       st.sampled_from([512, 4096]), st.sampled_from([0, 4096]), st.sampled_from([4096, 16384, 1 << 20]))
+def test_plan_reads_every_sample_exactly(data, itemsize, seq_len, tokens_total, alignment, gap, max_read):
+    base = data.draw(st.integers(0, 3)) * itemsize * 5
+    geo = _geometry(base, itemsize, seq_len, tokens_total)
+    if geo.count == 0:
+        return
+    samples = data.draw(st.lists(st.integers(-geo.count, geo.count - 1), min_size=1, max_size=40))
+    plan = plan_batch(samples, geo, alignment=alignment, max_read=max_read, gap=gap)
+    file = bytes(i * 7 % 251 for i in range(geo.file_size))
+    buf = _execute(plan, file)
+    for k, i in enumerate(samples):
+        start = base + (i % geo.count) * seq_len * itemsize
+        assert buf[plan.sample_at[k]:plan.sample_at[k] + geo.sample_bytes] == file[start:start + geo.sample_bytes]
+    for at, off, n in plan.reads:
+        assert at % alignment == 0 and off % alignment == 0
+        assert (off + n) % alignment == 0 or off + n == geo.file_size
+        assert n <= max(max_read, geo.sample_bytes + 2 * alignment)
+    assert plan.buffer_bytes <= batch_buffer_bytes(len(samples), geo, alignment=alignment, gap=gap)
+
+
+def test_sequential_samples_coalesce_into_one_read():
+    geo = _geometry(seq_len=2048, itemsize=2, tokens_total=2048 * 100 + 1)
+    plan = plan_batch(list(range(10, 42)), geo, alignment=4096, max_read=1 << 20, gap=0)
+    assert len(plan.reads) == 1
+    assert plan.reads[0][1] == 10 * 4096 and plan.reads[0][2] == 33 * 4096
+    assert plan.sample_at == tuple(k * 4096 for k in range(32))
+
+
+def test_cap_splits_long_runs_and_far_samples_stay_apart():
+    geo = _geometry(seq_len=2048, itemsize=2, tokens_total=2048 * 100 + 1)
+    plan = plan_batch(list(range(0, 32)), geo, alignment=4096, max_read=16384, gap=0)
+    assert all(n <= 16384 for _, _, n in plan.reads) and len(plan.reads) == 11
+    far = plan_batch([3, 50, 90], geo, alignment=4096, max_read=1 << 20, gap=0)
+    assert [off for _, off, _ in far.reads] == [3 * 4096, 50 * 4096, 90 * 4096]
+    near = plan_batch([3, 5], geo, alignment=4096, max_read=1 << 20, gap=4096)
+    assert len(near.reads) == 1  # the one-page hole is read rather than a second request
+
+
+def test_last_read_stops_at_the_end_of_the_file():
+    geo = _geometry(seq_len=100, itemsize=2, tokens_total=1001)  # 2002 bytes, not page aligned
+    plan = plan_batch([geo.count - 1], geo, alignment=4096, max_read=1 << 20, gap=0)
+    assert plan.reads == ((0, 0, 2002),)
+
+
+def test_order_is_kept_and_repeats_allowed():
+    geo = _geometry(seq_len=2048, itemsize=2, tokens_total=2048 * 100 + 1)
+    plan = plan_batch([7, 2, 7], geo, alignment=4096, max_read=1 << 20, gap=0)
+    assert plan.sample_at[0] == plan.sample_at[2] != plan.sample_at[1]
+
+
+def test_out_of_range_samples():
+    geo = _geometry(tokens_total=1000)
+    with pytest.raises(IndexError, match=f"sample {geo.count} out of range"):
+        plan_batch([0, geo.count], geo, alignment=4096, max_read=1 << 20, gap=0)
+    with pytest.raises(IndexError, match="out of range"):
+        geo.byte_range(-geo.count - 1)

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointFormatError",
+    "CheckpointLockedError",
     "CheckpointMismatchError",
     "ConfigError",
     "DeepNVMeError",
@@ -108,6 +110,15 @@ class ConfigError(DeepNVMeError, ValueError):
 
 class CheckpointFormatError(DeepNVMeError, ValueError):
     """A checkpoint file is truncated, corrupted or not in the expected format."""
+
+
+class CheckpointCorruptError(DeepNVMeError):
+    """A stored checksum does not match the bytes read back, or a committed checkpoint is
+    missing a file or has the wrong size; the message names the step and the tensor or file."""
+
+
+class CheckpointLockedError(DeepNVMeError, RuntimeError):
+    """Another live :class:`~deepnvme.CheckpointManager` is saving into the same directory."""
 
 
 class CheckpointMismatchError(DeepNVMeError, ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -10,10 +11,10 @@ from typing import Any
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError, CheckpointFormatError
 from ._checksums import checksum, hasher, named_storages
-from ._store import FILE, list_steps, read_manifest, step_dir
+from ._store import FILE, MANIFEST, list_steps, read_manifest, step_dir
 from .loader import load as load_file
 
-__all__ = ["load_checked", "CheckResult", "check_path"]
+__all__ = ["load_checked", "check_tensors", "CheckResult", "find_targets", "check_one"]
 
 
 def load_checked(path: str, step: int | None, *, map_location: Any = None,
@@ -33,7 +34,7 @@ def load_checked(path: str, step: int | None, *, map_location: Any = None,
                                      f"says {manifest['file_size']}")
     try:
         obj = load_file(file, map_location, config=config)
-    except CheckpointFormatError as exc:
+    except (CheckpointFormatError, pickle.UnpicklingError) as exc:
         raise CheckpointCorruptError(f"checkpoint {what}: {exc}") from exc
     check_tensors(obj, manifest, what)
     return obj, manifest
@@ -71,22 +72,20 @@ class CheckResult:
     tensors: int
 
 
-def check_path(path: str, *, config: IOConfig | Mapping[str, Any] | None = None) -> list[CheckResult]:
-    """Check one checkpoint directory, or every committed step of a manager directory.
+def find_targets(path: str) -> list[tuple[str, int | None]]:
+    """The checkpoints at ``path``: itself if it is one checkpoint directory, else every committed
+    step of the manager directory ``path`` (step None: read from the manifest). Empty: none."""
+    if os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, FILE)):
+        return [(path, None)]
+    return [(step_dir(path, s), s) for s in list_steps(path)]
 
-    Empty list: ``path`` holds no checkpoint. Reads every byte of each checkpoint (blocks).
-    """
-    if os.path.isfile(os.path.join(path, "manifest.json")) or os.path.isfile(os.path.join(path, FILE)):
-        targets: list[tuple[str, int | None]] = [(path, None)]
-    else:
-        targets = [(step_dir(path, s), s) for s in list_steps(path)]
-    results = []
-    for target, step in targets:
-        try:
-            _, manifest = load_checked(target, step, config=config)
-        except CheckpointCorruptError as exc:
-            results.append(CheckResult(path=target, step=step, problem=str(exc), checksum=None, tensors=0))
-            continue
-        results.append(CheckResult(path=target, step=int(manifest["step"]), problem=None,
-                                   checksum=manifest.get("checksum"), tensors=len(manifest["tensors"])))
-    return results
+
+def check_one(path: str, step: int | None, *,
+              config: IOConfig | Mapping[str, Any] | None = None) -> CheckResult:
+    """Read the checkpoint directory ``path`` whole and check it (sizes, tensors, checksums)."""
+    try:
+        _, manifest = load_checked(path, step, config=config)
+    except CheckpointCorruptError as exc:
+        return CheckResult(path=path, step=step, problem=str(exc), checksum=None, tensors=0)
+    return CheckResult(path=path, step=int(manifest["step"]), problem=None,
+                       checksum=manifest.get("checksum"), tensors=len(manifest["tensors"]))

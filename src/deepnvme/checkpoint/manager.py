@@ -57,6 +57,7 @@ class SaveStats:
     saves: int
     blocked_seconds: float  # inside save() plus fenced optimizer steps waiting
     fence_wait_seconds: float  # the fenced optimizer steps' part of blocked_seconds
+    arena_wait_seconds: float  # snapshot: save() waiting for the previous write to free the arena
     last_write_seconds: float  # background: the newest finished save's write + fsync
 
 
@@ -96,6 +97,7 @@ class CheckpointManager:
         self._hooks: dict[int, Any] = {}
         self._closed = False
         self._saves, self._blocked, self._fence_wait, self._last_write = 0, 0.0, 0.0, 0.0
+        self._arena_wait = 0.0
         self._tidy()
 
     def _tidy(self) -> None:
@@ -184,7 +186,9 @@ class CheckpointManager:
 
     def _snapshot(self, layout: StorageLayout) -> tuple[list[tuple[torch.Tensor, int]], Any]:
         """Copy the storages into the arena (waiting until the previous save released it)."""
+        start = time.perf_counter()
         self._arena_free.wait()
+        self._arena_wait += time.perf_counter() - start
         self._arena_free.clear()
         try:
             arena, self._arena = self._arena, None  # never keep a freed arena if allocation fails
@@ -281,7 +285,8 @@ class CheckpointManager:
     def stats(self) -> SaveStats:
         """Cumulative cost of this manager's saves to the caller (see :class:`SaveStats`)."""
         return SaveStats(saves=self._saves, blocked_seconds=self._blocked,
-                         fence_wait_seconds=self._fence_wait, last_write_seconds=self._last_write)
+                         fence_wait_seconds=self._fence_wait, arena_wait_seconds=self._arena_wait,
+                         last_write_seconds=self._last_write)
 
     # ---- reading --------------------------------------------------------------------------
 

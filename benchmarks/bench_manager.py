@@ -106,6 +106,7 @@ class Saver:
         self.blocked: list[float] = []
         self.writes: list[float] = []
         self._extra = 0.0
+        self._fence_seen = 0.0
         self.arena_wait: list[float] = []
         self._mgr: deepnvme.CheckpointManager | None = None
         self._hook: Any = None
@@ -131,11 +132,9 @@ class Saver:
             return
         t0 = time.perf_counter()
         if self._mgr is not None:
-            before = self._mgr.stats
+            before = self._mgr.stats.arena_wait_seconds
             self._mgr.save(step, {"model": loop.model, "opt": loop.opt})
-            after = self._mgr.stats
-            self._extra += after.fence_wait_seconds - before.fence_wait_seconds  # this step's fence
-            self.arena_wait.append(after.arena_wait_seconds - before.arena_wait_seconds)
+            self.arena_wait.append(self._mgr.stats.arena_wait_seconds - before)
         elif self.kind == "dcp_async":
             import torch.distributed.checkpoint as dcp
             if self._resp is not None:
@@ -162,6 +161,10 @@ class Saver:
         self.writes.append(time.perf_counter() - t0)
 
     def take_extra(self) -> float:
+        """Waits outside the save call since the last call: DCP staging, the manager's fence."""
+        if self._mgr is not None:
+            fence = self._mgr.stats.fence_wait_seconds
+            self._extra, self._fence_seen = fence - self._fence_seen, fence
         extra, self._extra = self._extra, 0.0
         return extra
 
@@ -199,7 +202,7 @@ def run_config(kind: str, loop: Loop, directory: str, *, steps: int, warmup: int
             loop.step()
             saver.save(i)
             dt = time.perf_counter() - t0
-            extra = saver.take_extra()  # waits inside this iteration's optimizer step
+            extra = saver.take_extra()  # waits inside this iteration's optimizer step (fence, staging)
             if i >= warmup:
                 times.append(dt)
                 blocked.append(saver.blocked[-1] + extra if saver.blocked else extra)

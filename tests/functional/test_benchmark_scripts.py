@@ -100,3 +100,13 @@ def test_bench_load(tmp_path):
 def test_bench_fresh_memory(tmp_path):
     out = run("bench_fresh_memory.py", "--size", "16M", "--reps", "1", cwd=tmp_path)
     assert "MAP_POPULATE" in out and "touch every 4 KiB page" in out
+
+
+def test_bench_manager(tmp_path):
+    out = run("bench_manager.py", "--dir", str(tmp_path), "--state-gb", "0.004", "--steps", "1",
+              "--warmup", "1", "--reps", "1", "--batch", "4", "--restore-reps", "1",
+              "--json", str(tmp_path / "out.json"), cwd=tmp_path)
+    for name in ("none", "fenced", "snapshot", "dcp_async", "torch_thread", "restore (cold)",
+                 "snapshot_blocked_over_copy", "restore_speedup_vs_stock"):
+        assert name in out
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]

@@ -8,6 +8,7 @@ the manifest, publishes the step directory and applies retention.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -108,7 +109,9 @@ class Writer:
                     "file": FILE, "file_size": os.path.getsize(file), "checksum": self._algorithm,
                     "tensors": {name: {"nbytes": nbytes[name], "checksum": checksums.get(name)}
                                 for name in job.order}}
-        durable.write_json(os.path.join(job.building, MANIFEST), manifest)
+        # a new file in the unpublished directory: publish_dir fsyncs it before the rename
+        with open(os.path.join(job.building, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
         durable.publish_dir(job.building, step_dir(self.directory, job.step))
         for old in retention_victims(list_steps(self.directory), self._keep):
             delete_step(self.directory, old)

@@ -230,19 +230,20 @@ def plain_copy_seconds(loop: Loop, reps: int = 3) -> float:
     return statistics.median(out)
 
 
-def write_seconds(loop: Loop, directory: str) -> float:
-    """One durable deepnvme.save of the state (the write time the step is sized against)."""
+def write_seconds(loop: Loop, directory: str, reps: int = 3) -> float:
+    """Median of ``reps`` durable deepnvme.save calls of the state (after one untimed warm-up):
+    the write time the step is sized against and the fenced target is computed from."""
     path = os.path.join(directory, "calibrate.pt")
     state = {"model": loop.model.state_dict(), "opt": loop.opt.state_dict()}
-    deepnvme.save(state, path)  # first: allocates, warms the engine
-    os.unlink(path)
-    wait_for_releases()
-    t0 = time.perf_counter()
-    deepnvme.save(state, path)
-    dt = time.perf_counter() - t0
-    os.unlink(path)
-    wait_for_releases()
-    return dt
+    out = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        deepnvme.save(state, path)
+        if i:
+            out.append(time.perf_counter() - t0)
+        os.unlink(path)
+        wait_for_releases()
+    return statistics.median(out)
 
 
 def calibrate_batch(loop: Loop, target: float) -> int:

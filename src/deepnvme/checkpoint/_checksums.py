@@ -12,14 +12,14 @@ that reaches it in :func:`named_storages`' walk order, which loading reproduces.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from ..memory.views import byte_view, storage_bytes
 
-__all__ = ["ALGORITHMS", "resolve_algorithm", "hasher", "named_storages", "checksum"]
+__all__ = ["ALGORITHMS", "resolve_algorithm", "hasher", "named_storages", "record_names", "checksum"]
 
 # algorithm -> (module, function taking a buffer and returning an int)
 ALGORITHMS: dict[str, tuple[str, str]] = {"crc32c": ("crc32c", "crc32c"),
@@ -73,3 +73,20 @@ def checksum(fn: Callable[[Any], int], data: torch.UntypedStorage | torch.Tensor
     """``fn`` over the bytes of a storage (or a contiguous uint8 CPU tensor), without a copy."""
     tensor = storage_bytes(data) if isinstance(data, torch.UntypedStorage) else data
     return fn(byte_view(tensor))
+
+
+def record_names(saved: Mapping[str, Any], layout: Any) -> tuple[dict[str, str], list[str]]:
+    """Each storage record's tensor name, and the names in walk order (the manifest's)."""
+    by_storage: dict[int, str] = {}
+    for name, storage in named_storages(saved):
+        by_storage.setdefault(storage._cdata, name)
+    names: dict[str, str] = {}
+    for key, (storage, _) in layout.items.items():
+        found = by_storage.get(storage._cdata)
+        if found is None:
+            raise ValueError(f"CheckpointManager.save: a tensor (record {key}) sits inside an object "
+                             "other than a dict, list or tuple; keep tensors in those containers")
+        names[key] = found
+    used = set(names.values())
+    order = [n for n in by_storage.values() if n in used]
+    return names, order

@@ -18,7 +18,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -112,7 +112,7 @@ class AsyncCheckpointer:
         try:
             layout = write_skeleton(obj, tmp)
             arena = None  # never hand back a freed arena if allocation fails
-            arena = ensure_arena(held, layout)
+            arena = ensure_arena(held, (span.size for _, span in layout.items.values()))
             items = snapshot_storages(arena, layout)
         except BaseException:
             durable.remove_quietly(tmp)
@@ -198,10 +198,10 @@ class AsyncCheckpointer:
         self.close()
 
 
-def ensure_arena(arena: torch.Tensor | None, layout: Any) -> torch.Tensor:
-    """``arena`` if it holds every storage of ``layout`` in 4096-aligned slots, else a new locked
-    arena of that size (the old one is freed). Size: sum of storages, each rounded up to 4096."""
-    need = sum(align_up(span.size, _ALIGN) for _, span in layout.items.values())
+def ensure_arena(arena: torch.Tensor | None, sizes: Iterable[int]) -> torch.Tensor:
+    """``arena`` if it holds storages of ``sizes`` bytes in 4096-aligned slots, else a new locked
+    arena of that size (the old one is freed). Size: sum of the sizes, each rounded up to 4096."""
+    need = sum(align_up(size, _ALIGN) for size in sizes)
     if arena is not None and arena.numel() >= need:
         return arena
     if arena is not None:  # outgrown: a new, larger arena

@@ -23,7 +23,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,7 +32,10 @@ import torch
 from ..config import IOConfig, checkpoint_config
 from ..errors import CheckpointLockedError, CheckpointMismatchError, FileNotFoundIOError
 from ..handles.aio import AioHandle
-from ._checksums import named_storages, resolve_algorithm
+from ..io.plan import align_up
+from ..memory.copy import ParallelCopy
+from ..memory.views import storage_bytes
+from ._checksums import named_storages, record_names, resolve_algorithm
 from ._lock import DirectoryLock, try_lock
 from ._paths import as_path
 from ._policy import check_policy, is_due
@@ -40,7 +43,7 @@ from ._rng import capture_rng, restore_rng
 from ._store import FILE, list_steps, new_building, remove_leftovers, step_dir
 from ._verify import load_checked
 from ._writer import Job, Writer
-from .async_saver import ensure_arena, snapshot_storages
+from .async_saver import ensure_arena
 from .saver import StorageLayout, write_skeleton
 
 __all__ = ["CheckpointManager", "SaveStats", "RNG_KEY"]
@@ -138,11 +141,19 @@ class CheckpointManager:
         writer = self._start_writer()
         self._last_start, self._last_step = time.monotonic(), step
         building = new_building(self.directory, step)
+        file = os.path.join(building, FILE)
+        items: list[tuple[torch.Tensor, int]] | None
+        release: Callable[[], None] | None = None
         try:
-            layout = write_skeleton(saved, os.path.join(building, FILE))
-            names, order = _record_names(saved, layout)
-            items, release = self._snapshot(layout) if self.mode == "snapshot" else self._fence(state)
+            if self.mode == "snapshot":
+                layout, items, release = self._snapshot(saved, file)
+            else:
+                layout = write_skeleton(saved, file)
+                items, release = self._fence(state)
+            names, order = record_names(saved, layout)
         except BaseException:
+            if release is not None:
+                release()
             shutil.rmtree(building, ignore_errors=True)
             raise
         job = Job(step=step, building=building, layout=layout, names=names, order=order,
@@ -184,20 +195,35 @@ class CheckpointManager:
                                   algorithm=self._algorithm)
         return self._writer
 
-    def _snapshot(self, layout: StorageLayout) -> tuple[list[tuple[torch.Tensor, int]], Any]:
-        """Copy the storages into the arena (waiting until the previous save released it)."""
+    def _snapshot(self, saved: Mapping[str, Any], file: str
+                  ) -> tuple[StorageLayout, list[tuple[torch.Tensor, int]], Callable[[], None]]:
+        """Copy the storages into the arena (waiting until the previous save released it) while
+        the caller's thread writes the skeleton; each storage's (arena slice, file offset)."""
         start = time.perf_counter()
         self._arena_free.wait()
         self._arena_wait += time.perf_counter() - start
         self._arena_free.clear()
         try:
+            storages = [st for _, st in named_storages(saved)]
             arena, self._arena = self._arena, None  # never keep a freed arena if allocation fails
-            self._arena = ensure_arena(arena, layout)
-            items = snapshot_storages(self._arena, layout)
+            self._arena = ensure_arena(arena, (st.nbytes() for st in storages))
+            copy, slots, pos = ParallelCopy(), {}, 0
+            try:
+                for st in storages:  # copies start now, on the pool's threads
+                    n = st.nbytes()
+                    slots[st._cdata] = dst = self._arena[pos:pos + n]
+                    if n:
+                        copy.add(dst, storage_bytes(st))
+                    pos += align_up(n, 4096)
+                layout = write_skeleton(saved, file)
+            finally:
+                copy.finish()
+            # a storage the walk missed is refused by _record_names before anything is written
+            items = [(slots[st._cdata], span.offset) for st, span in layout.items.values() if st._cdata in slots]
         except BaseException:
             self._arena_free.set()
             raise
-        return items, self._arena_free.set
+        return layout, items, self._arena_free.set
 
     def _fence(self, state: Mapping[str, Any]) -> tuple[None, Any]:
         """Hook every optimizer in ``state`` (once) and open a fence their next step() waits on."""
@@ -357,18 +383,3 @@ class CheckpointManager:
         return (f"CheckpointManager({self.directory!r}, mode={self.mode!r}, keep={self.keep}, "
                 f"steps={self.steps()})")
 
-
-def _record_names(saved: Mapping[str, Any], layout: StorageLayout) -> tuple[dict[str, str], list[str]]:
-    """Each storage record's tensor name, and the names in walk order (the manifest's)."""
-    by_storage: dict[int, str] = {}
-    for name, storage in named_storages(saved):
-        by_storage.setdefault(storage._cdata, name)
-    names: dict[str, str] = {}
-    for key, (storage, _) in layout.items.items():
-        found = by_storage.get(storage._cdata)
-        if found is None:
-            raise ValueError(f"CheckpointManager.save: a tensor (record {key}) sits inside an object "
-                             "other than a dict, list or tuple; keep tensors in those containers")
-        names[key] = found
-    order = [n for n in by_storage.values() if n in set(names.values())]
-    return names, order

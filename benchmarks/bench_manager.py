@@ -32,6 +32,7 @@ a read pass over every state tensor is done (so mmap's deferred reads are counte
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -282,6 +283,7 @@ def restore_bench(loop: Loop, directory: str, reps: int) -> dict[str, list[float
         for r in range(reps):
             order = list(cases) if r % 2 == 0 else list(reversed(cases))
             for name in order:
+                gc.collect()  # a torch.load(mmap=True) result in a reference cycle keeps its pages mapped
                 drop_cache([mdir, tpath])
                 t0 = time.perf_counter()
                 cases[name]()

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointFormatError",
+    "CheckpointLockedError",
     "CheckpointMismatchError",
     "ConfigError",
     "DatasetFormatError",
@@ -114,6 +116,15 @@ class CheckpointFormatError(DeepNVMeError, ValueError):
 class DatasetFormatError(DeepNVMeError, ValueError):
     """A token dataset's ``.idx``/``.bin`` pair is truncated, inconsistent or not in Megatron's
     indexed-dataset format; the message names the file and the field."""
+
+
+class CheckpointCorruptError(DeepNVMeError):
+    """A stored checksum does not match the bytes read back, or a committed checkpoint is
+    missing a file or has the wrong size; the message names the step and the tensor or file."""
+
+
+class CheckpointLockedError(DeepNVMeError, RuntimeError):
+    """Another live :class:`~deepnvme.CheckpointManager` is saving into the same directory."""
 
 
 class CheckpointMismatchError(DeepNVMeError, ValueError):

@@ -112,3 +112,13 @@ def test_bench_data(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["made_corpus"] and {r["order"] for r in data["rows"]} == {"shuffled", "sequential"}
     assert list(corpus.iterdir()) == []
+
+
+def test_bench_manager(tmp_path):
+    out = run("bench_manager.py", "--dir", str(tmp_path), "--state-gb", "0.004", "--steps", "1",
+              "--warmup", "1", "--reps", "1", "--batch", "4", "--restore-reps", "1",
+              "--json", str(tmp_path / "out.json"), cwd=tmp_path)
+    for name in ("none", "fenced", "snapshot", "dcp_async", "torch_thread", "restore (cold)",
+                 "snapshot_blocked_over_copy", "restore_speedup_vs_stock"):
+        assert name in out
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]

@@ -1,21 +1,32 @@
 """FastPersist checkpoints: torch.save/safetensors-compatible files at the storage's speed."""
 
-from ..errors import CheckpointFormatError, CheckpointMismatchError, DistributedSaveError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointLockedError,
+    CheckpointMismatchError,
+    DistributedSaveError,
+)
 from ..io.durable import clean_temp_files, wait_for_releases
 from .async_saver import AsyncCheckpointer, AsyncSaveHandle, async_save
 from .distributed import save_distributed
 from .inplace import LoadResult, load_into
 from .loader import load
+from .manager import CheckpointManager, SaveStats
 from .safetensors import load_safetensors, save_safetensors
 from .saver import save
 
 __all__ = [
     "AsyncCheckpointer",
     "AsyncSaveHandle",
+    "CheckpointCorruptError",
     "CheckpointFormatError",
+    "CheckpointLockedError",
+    "CheckpointManager",
     "CheckpointMismatchError",
     "DistributedSaveError",
     "LoadResult",
+    "SaveStats",
     "async_save",
     "clean_temp_files",
     "load",

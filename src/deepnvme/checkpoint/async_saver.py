@@ -18,7 +18,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -35,7 +35,7 @@ from ..memory.views import storage_bytes
 from ._paths import as_path
 from .saver import write_skeleton
 
-__all__ = ["AsyncCheckpointer", "AsyncSaveHandle", "async_save"]
+__all__ = ["AsyncCheckpointer", "AsyncSaveHandle", "async_save", "snapshot_storages", "ensure_arena"]
 
 log = logging.getLogger(__name__)
 _ALIGN = 4096
@@ -107,17 +107,13 @@ class AsyncCheckpointer:
                 raise RuntimeError("AsyncCheckpointer is closed")
             self._start()
         durable.check_target_dir(path)
-        arena = self._arenas.get()  # waits while max_in_flight saves are pending
+        arena = held = self._arenas.get()  # waits while max_in_flight saves are pending
         tmp = (durable.take_spare(path) if recycle else None) or durable.temp_name(path)
         try:
             layout = write_skeleton(obj, tmp)
-            need = sum(align_up(span.size, _ALIGN) for _, span in layout.items.values())
-            if arena is None or arena.numel() < need:  # outgrown: a new, larger arena
-                old, arena = arena, None  # never hand back a freed arena if allocation fails
-                if old is not None:
-                    free_cpu_locked_tensor(old)
-                arena = new_cpu_locked_tensor(max(need, 1), torch.uint8)
-            items = _snapshot(arena, layout)
+            arena = None  # never hand back a freed arena if allocation fails
+            arena = ensure_arena(held, (span.size for _, span in layout.items.values()))
+            items = snapshot_storages(arena, layout)
         except BaseException:
             durable.remove_quietly(tmp)
             self._arenas.put(arena)
@@ -202,7 +198,18 @@ class AsyncCheckpointer:
         self.close()
 
 
-def _snapshot(arena: torch.Tensor, layout: Any) -> list[tuple[torch.Tensor, int]]:
+def ensure_arena(arena: torch.Tensor | None, sizes: Iterable[int]) -> torch.Tensor:
+    """``arena`` if it holds storages of ``sizes`` bytes in 4096-aligned slots, else a new locked
+    arena of that size (the old one is freed). Size: sum of the sizes, each rounded up to 4096."""
+    need = sum(align_up(size, _ALIGN) for size in sizes)
+    if arena is not None and arena.numel() >= need:
+        return arena
+    if arena is not None:  # outgrown: a new, larger arena
+        free_cpu_locked_tensor(arena)
+    return new_cpu_locked_tensor(max(need, 1), torch.uint8)
+
+
+def snapshot_storages(arena: torch.Tensor, layout: Any) -> list[tuple[torch.Tensor, int]]:
     """Copy every storage into ``arena`` (4096-aligned slots); each one's (slice, file offset).
 
     Copying while PyTorch was still pickling was tried and measured no faster on 2 vCPUs

@@ -1,9 +1,11 @@
 """deepnvme: check the environment (report), measure the storage path (bench), pick handle
-settings (tune), time generation with weights streamed from disk (generate).
+settings (tune), time generation with weights streamed from disk (generate), plan and verify
+checkpoints (plan, verify).
 
-Exit codes: 0 success; 1 ``report`` found a FAIL; 2 a usage, configuration or I/O error
-(one line on stderr that says what to change; no command at all prints this help there);
-130 interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM). Temporary files are removed on
+Exit codes: 0 success; 1 ``report`` found a FAIL or ``verify`` a corrupt checkpoint; 2 a usage,
+configuration or I/O error (one line on stderr that says what to change; no command at all
+prints this help there), or ``verify`` found no checkpoint; 130 interrupted (Ctrl-C, SIGINT);
+143 terminated (SIGTERM). Temporary files are removed on
 either signal; ``deepnvme clean DIR`` removes those of killed (SIGKILL) processes.
 """
 
@@ -25,15 +27,18 @@ from ._args import CliParser
 from .bench import add_bench_parser
 from .clean import add_clean_parser
 from .generate import add_generate_parser
+from .plan import add_plan_parser
 from .report import add_report_parser
 from .tune import add_tune_parser
+from .verify import add_verify_parser
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 # Each function registers one subcommand on the argparse subparsers object and sets
 # ``func`` (args -> exit code) as its default. Add a subcommand by appending its function.
 SUBCOMMANDS: list[Callable[[Any], Any]] = [add_report_parser, add_bench_parser, add_tune_parser,
-                                          add_generate_parser, add_clean_parser]
+                                          add_generate_parser, add_clean_parser, add_plan_parser,
+                                          add_verify_parser]
 
 
 class Terminated(KeyboardInterrupt):

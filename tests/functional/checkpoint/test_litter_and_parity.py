@@ -43,7 +43,7 @@ def test_keyboard_interrupt_during_a_save_removes_the_temporary_file(tmp_path, m
     deepnvme.save(_state(1.0), path)
     before = path.read_bytes()
     if kind == "async_save":  # Ctrl-C while the tensors are copied to the staging arena
-        monkeypatch.setattr(async_mod, "_snapshot", _interrupt)
+        monkeypatch.setattr(async_mod, "snapshot_storages", _interrupt)
         with async_mod.AsyncCheckpointer() as saver, pytest.raises(KeyboardInterrupt):
             saver.save(_state(2.0), path)
     else:  # Ctrl-C while the tensor bytes are written

@@ -1,0 +1,92 @@
+"""Per-tensor checksums of manager checkpoints: algorithm choice, tensor naming, computing.
+
+Algorithms: ``"crc32c"`` (the ``crc32c`` package: CRC-32C with SSE4.2/ARMv8 instructions,
+software otherwise) and ``"xxh64"`` (the ``xxhash`` package). Both ship wheels, hash a
+``memoryview`` without copying and release the GIL while hashing. ``checksums=True`` means
+``"crc32c"``. Neither is a hard dependency: ``pip install deepnvme[checksums]``.
+
+One checksum per stored storage (a tensor and its views share one), keyed by the first name
+that reaches it in :func:`named_storages`' walk order, which loading reproduces.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..memory.views import byte_view, storage_bytes
+
+__all__ = ["ALGORITHMS", "resolve_algorithm", "hasher", "named_storages", "record_names", "checksum"]
+
+# algorithm -> (module, function taking a buffer and returning an int)
+ALGORITHMS: dict[str, tuple[str, str]] = {"crc32c": ("crc32c", "crc32c"),
+                                          "xxh64": ("xxhash", "xxh64_intdigest")}
+
+
+def resolve_algorithm(checksums: bool | str) -> str | None:
+    """The algorithm name for the manager's ``checksums`` option (None: off); checks it is usable."""
+    if checksums is False:
+        return None
+    name = "crc32c" if checksums is True else checksums
+    if name not in ALGORITHMS:
+        raise ValueError(f"CheckpointManager: checksums must be True, False or one of "
+                         f"{sorted(ALGORITHMS)}, got {checksums!r}")
+    hasher(name)
+    return name
+
+
+def hasher(name: str) -> Callable[[Any], int]:
+    """The hashing function of algorithm ``name``; ImportError naming the package to install."""
+    module, func = ALGORITHMS[name]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"checksums {name!r} need the {module!r} package: pip install {module} "
+                          "(or pip install deepnvme[checksums])") from None
+    fn: Callable[[Any], int] = getattr(mod, func)
+    return fn
+
+
+def named_storages(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.UntypedStorage]]:
+    """Every tensor storage in nested dicts, lists and tuples, once, named by its key path
+    (``"model/fc.weight"``, ``"optim/state/0/exp_avg"``), in iteration order."""
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [(prefix, obj)]
+    while stack:
+        name, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            if storage._cdata not in seen:
+                seen.add(storage._cdata)
+                yield name, storage
+        elif isinstance(value, dict):
+            stack.extend((f"{name}/{k}" if name else str(k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{name}/{i}" if name else str(i), v)
+                         for i, v in reversed(list(enumerate(value))))
+
+
+def checksum(fn: Callable[[Any], int], data: torch.UntypedStorage | torch.Tensor) -> int:
+    """``fn`` over the bytes of a storage (or a contiguous uint8 CPU tensor), without a copy."""
+    tensor = storage_bytes(data) if isinstance(data, torch.UntypedStorage) else data
+    return fn(byte_view(tensor))
+
+
+def record_names(saved: Mapping[str, Any], layout: Any) -> tuple[dict[str, str], list[str]]:
+    """Each storage record's tensor name, and the names in walk order (the manifest's)."""
+    by_storage: dict[int, str] = {}
+    for name, storage in named_storages(saved):
+        by_storage.setdefault(storage._cdata, name)
+    names: dict[str, str] = {}
+    for key, (storage, _) in layout.items.items():
+        found = by_storage.get(storage._cdata)
+        if found is None:
+            raise ValueError(f"CheckpointManager.save: a tensor (record {key}) sits inside an object "
+                             "other than a dict, list or tuple; keep tensors in those containers")
+        names[key] = found
+    used = set(names.values())
+    order = [n for n in by_storage.values() if n in used]
+    return names, order

@@ -1,0 +1,91 @@
+"""Reading a manager checkpoint back with its manifest checked: file size, tensors, checksums."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import IOConfig
+from ..errors import CheckpointCorruptError, CheckpointFormatError
+from ._checksums import checksum, hasher, named_storages
+from ._store import FILE, MANIFEST, list_steps, read_manifest, step_dir
+from .loader import load as load_file
+
+__all__ = ["load_checked", "check_tensors", "CheckResult", "find_targets", "check_one"]
+
+
+def load_checked(path: str, step: int | None, *, map_location: Any = None,
+                 config: IOConfig | Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """Load the checkpoint directory ``path`` and check it against its manifest; return
+    ``(object, manifest)``. Any mismatch is a :class:`CheckpointCorruptError` naming the step
+    and the file or tensor. Blocks; memory: the loaded checkpoint."""
+    manifest = read_manifest(path, step)
+    what = f"step {manifest.get('step', step)}"
+    file = os.path.join(path, FILE)
+    try:
+        size = os.path.getsize(file)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"checkpoint {what} is incomplete: {file!r} is missing") from None
+    if size != manifest["file_size"]:
+        raise CheckpointCorruptError(f"checkpoint {what}: {file!r} is {size} bytes; the manifest "
+                                     f"says {manifest['file_size']}")
+    try:
+        obj = load_file(file, map_location, config=config)
+    except (CheckpointFormatError, pickle.UnpicklingError) as exc:
+        raise CheckpointCorruptError(f"checkpoint {what}: {exc}") from exc
+    check_tensors(obj, manifest, what)
+    return obj, manifest
+
+
+def check_tensors(obj: Any, manifest: Mapping[str, Any], what: str) -> None:
+    """Compare the loaded object's storages with the manifest's names, sizes and checksums."""
+    want: dict[str, dict[str, Any]] = manifest["tensors"]
+    have = dict(named_storages(obj))
+    missing = [n for n in want if n not in have]
+    extra = [n for n in have if n not in want]
+    if missing or extra:
+        raise CheckpointCorruptError(f"checkpoint {what}: tensors do not match the manifest "
+                                     f"(missing {missing[:5]}, unexpected {extra[:5]})")
+    algorithm = manifest.get("checksum")
+    fn = hasher(algorithm) if algorithm else None
+    for name, entry in want.items():
+        storage = have[name]
+        if storage.nbytes() != entry["nbytes"]:
+            raise CheckpointCorruptError(f"checkpoint {what}: tensor {name!r} has {storage.nbytes()} "
+                                         f"bytes; the manifest says {entry['nbytes']}")
+        if fn is not None and checksum(fn, storage) != entry["checksum"]:
+            raise CheckpointCorruptError(f"checkpoint {what}: tensor {name!r} fails its {algorithm} "
+                                         "checksum (its bytes changed after the save)")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The verdict on one checkpoint: ``problem`` is None when intact."""
+
+    path: str
+    step: int | None
+    problem: str | None
+    checksum: str | None  # the algorithm whose sums were checked; None: they were absent
+    tensors: int
+
+
+def find_targets(path: str) -> list[tuple[str, int | None]]:
+    """The checkpoints at ``path``: itself if it is one checkpoint directory, else every committed
+    step of the manager directory ``path`` (step None: read from the manifest). Empty: none."""
+    if os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, FILE)):
+        return [(path, None)]
+    return [(step_dir(path, s), s) for s in list_steps(path)]
+
+
+def check_one(path: str, step: int | None, *,
+              config: IOConfig | Mapping[str, Any] | None = None) -> CheckResult:
+    """Read the checkpoint directory ``path`` whole and check it (sizes, tensors, checksums)."""
+    try:
+        _, manifest = load_checked(path, step, config=config)
+    except CheckpointCorruptError as exc:
+        return CheckResult(path=path, step=step, problem=str(exc), checksum=None, tensors=0)
+    return CheckResult(path=path, step=int(manifest["step"]), problem=None,
+                       checksum=manifest.get("checksum"), tensors=len(manifest["tensors"]))

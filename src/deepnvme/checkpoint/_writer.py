@@ -1,0 +1,147 @@
+"""The background writer of :class:`~deepnvme.CheckpointManager`: one thread, saves in order.
+
+Each job is one step already turned into a torch.save skeleton in its hidden building
+directory. The thread writes the tensor bytes (from the snapshot arena, or, fenced, from the
+live tensors), fsyncs, computes checksums alongside, releases the arena or the fence, writes
+the manifest, publishes the step directory and applies retention.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import DeepNVMeIOError
+from ..handles.aio import AioHandle
+from ..io import durable
+from ..io.file import reserve
+from ._checksums import checksum, hasher
+from ._policy import retention_victims
+from ._store import FILE, FORMAT, MANIFEST, delete_step, list_steps, step_dir
+from .saver import StorageLayout, write_storages
+
+__all__ = ["Job", "Writer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """One step to write. ``items``: arena slices and file offsets (snapshot mode), or None to
+    write ``layout``'s live storages (fenced). ``release`` runs once the tensor bytes are on
+    disk and summed (frees the arena or opens the fence), whatever happens."""
+
+    step: int
+    building: str
+    layout: StorageLayout
+    names: dict[str, str]  # storage record key -> tensor name
+    order: list[str]  # tensor names in manifest order
+    items: list[tuple[torch.Tensor, int]] | None
+    release: Callable[[], None]
+    future: Future[None] = field(default_factory=Future)
+    write_seconds: float = 0.0
+
+
+class Writer:
+    """Runs :class:`Job` s on one daemon thread through one :class:`AioHandle`."""
+
+    def __init__(self, directory: str, *, handle: AioHandle, keep: int | None,
+                 algorithm: str | None) -> None:
+        self.directory = directory
+        self._handle = handle
+        self._keep = keep
+        self._algorithm = algorithm
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="deepnvme-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """Finish queued jobs, then end the thread."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._write(job)
+            except BaseException as exc:  # delivered by wait() / the next save()
+                shutil.rmtree(job.building, ignore_errors=True)
+                job.future.set_exception(_explain(exc, job.step, self.directory))
+            else:
+                job.future.set_result(None)
+
+    def _write(self, job: Job) -> None:
+        file = os.path.join(job.building, FILE)
+        start = time.perf_counter()
+        try:
+            sums: Future[dict[str, int]] = Future()
+            summer = threading.Thread(target=self._sum, args=(job, sums), daemon=True)
+            summer.start()  # hashing overlaps the write; both only read the bytes
+            reserve(file, os.path.getsize(file))
+            if job.items is not None:
+                self._handle.write_many(file, job.items, fsync=True).result()
+            else:
+                write_storages(self._handle, file, job.layout, fsync=True)
+            summer.join()
+            checksums = sums.result()
+        finally:
+            job.release()
+        job.write_seconds = time.perf_counter() - start
+        nbytes = {job.names[key]: span.size for key, (_, span) in job.layout.items.items()}
+        manifest = {"format": FORMAT, "version": 1, "step": job.step, "time": time.time(),
+                    "file": FILE, "file_size": os.path.getsize(file), "checksum": self._algorithm,
+                    "tensors": {name: {"nbytes": nbytes[name], "checksum": checksums.get(name)}
+                                for name in job.order}}
+        # a new file in the unpublished directory: publish_dir fsyncs it before the rename
+        with open(os.path.join(job.building, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+        durable.publish_dir(job.building, step_dir(self.directory, job.step))
+        for old in retention_victims(list_steps(self.directory), self._keep):
+            delete_step(self.directory, old)
+            log.debug("deepnvme.CheckpointManager: removed step %d (keep=%s)", old, self._keep)
+
+    def _sum(self, job: Job, out: Future[dict[str, int]]) -> None:
+        try:
+            if self._algorithm is None:
+                out.set_result({})
+                return
+            fn = hasher(self._algorithm)
+            if job.items is not None:
+                sources: list[Any] = [dst for dst, _ in job.items]
+            else:
+                sources = [storage for storage, _ in job.layout.items.values()]
+            out.set_result({job.names[key]: checksum(fn, src)
+                            for key, src in zip(job.layout.items, sources)})
+        except BaseException as exc:
+            out.set_exception(exc)
+
+
+def _explain(exc: BaseException, step: int, directory: str) -> BaseException:
+    """The error a failed save reports: I/O errors become a :class:`DeepNVMeIOError` with the same
+    errno that names the step (the original is its ``__cause__``); others are logged with the step."""
+    if isinstance(exc, OSError):
+        err = DeepNVMeIOError(f"checkpoint step {step} was not saved in {directory!r}, earlier "
+                              f"checkpoints are intact: {exc}", path=getattr(exc, "path", exc.filename),
+                              offset=getattr(exc, "offset", None), size=getattr(exc, "size", None),
+                              errno=exc.errno)
+        err.__cause__ = exc
+        return err
+    log.error("deepnvme.CheckpointManager: step %d was not saved in %r: %r", step, directory, exc)
+    return exc

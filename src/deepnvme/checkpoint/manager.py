@@ -1,0 +1,385 @@
+"""``deepnvme.CheckpointManager``: the checkpoint loop of a training job in one object.
+
+Where checkpoints go (``DIR/step-N``, see :mod:`._store`), which are due (orbax's interval
+rule), how many stay (``keep``), the newest complete one after a crash, bit-exact resume
+(state dicts, tensors, plain data and RNG states) and optional per-tensor checksums. Saves are
+asynchronous, in one of two modes:
+
+* ``"snapshot"``: ``save()`` copies every tensor into one reused page-locked arena (size: sum of
+  the storages, each rounded up to 4096 bytes) and returns; a background thread writes it. The
+  caller waits for the copy, and for the previous save when its arena is still being written.
+* ``"fenced"``: no copy; the background thread writes straight from the live CPU tensors.
+  Each optimizer in ``state`` gets a step pre-hook: its next ``step()`` waits until every
+  pending save's tensors are on disk (and summed). Requirement: between ``save()`` and that
+  ``step()``, nothing else may change a saved tensor in place (e.g. BatchNorm running stats in
+  ``forward``, a manual ``param.add_``, an optimizer not in ``state``); call :meth:`wait` first
+  or use ``"snapshot"`` for such loops. Gradients are not saved, so ``backward`` is free to run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..config import IOConfig, checkpoint_config
+from ..errors import CheckpointLockedError, CheckpointMismatchError, FileNotFoundIOError
+from ..handles.aio import AioHandle
+from ..io.plan import align_up
+from ..memory.copy import ParallelCopy
+from ..memory.views import storage_bytes
+from ._checksums import named_storages, record_names, resolve_algorithm
+from ._lock import DirectoryLock, try_lock
+from ._paths import as_path
+from ._policy import check_policy, is_due
+from ._rng import capture_rng, restore_rng
+from ._store import FILE, list_steps, new_building, remove_leftovers, step_dir
+from ._verify import load_checked
+from ._writer import Job, Writer
+from .async_saver import ensure_arena
+from .saver import StorageLayout, write_skeleton
+
+__all__ = ["CheckpointManager", "SaveStats", "RNG_KEY"]
+
+log = logging.getLogger(__name__)
+
+RNG_KEY = "_deepnvme_rng"  # the reserved entry holding RNG states in a saved checkpoint
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What this manager's saves cost the training thread so far (seconds, cumulative)."""
+
+    saves: int
+    blocked_seconds: float  # inside save() plus fenced optimizer steps waiting
+    fence_wait_seconds: float  # the fenced optimizer steps' part of blocked_seconds
+    arena_wait_seconds: float  # snapshot: save() waiting for the previous write to free the arena
+    last_write_seconds: float  # background: the newest finished save's write + fsync
+
+
+class CheckpointManager:
+    """Saves ``state`` dicts of a training loop into ``directory`` and restores them.
+
+    ``keep``: newest committed checkpoints kept (None: all). ``every_steps``/``every_seconds``:
+    when ``save()`` writes (neither: every call). ``mode``: ``"snapshot"`` or ``"fenced"`` (module
+    docstring). ``checksums``: False, True (``"crc32c"``), ``"crc32c"`` or ``"xxh64"``. ``rng``:
+    save and restore RNG states. One thread drives a manager; one manager may write a directory
+    at a time (:class:`CheckpointLockedError` for a second); reading needs no lock.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3,
+                 every_steps: int | None = None, every_seconds: float | None = None,
+                 mode: Literal["snapshot", "fenced"] = "snapshot", checksums: bool | str = False,
+                 rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None) -> None:
+        check_policy(keep=keep, every_steps=every_steps, every_seconds=every_seconds)
+        if mode not in ("snapshot", "fenced"):
+            raise ValueError(f"CheckpointManager: mode must be 'snapshot' or 'fenced', got {mode!r}")
+        self.directory = os.path.abspath(as_path(directory, "CheckpointManager"))
+        self.keep, self.every_steps, self.every_seconds = keep, every_steps, every_seconds
+        self.mode, self.rng = mode, rng
+        self._algorithm = resolve_algorithm(checksums)
+        self._config = checkpoint_config(config)
+        os.makedirs(self.directory, exist_ok=True)
+        self._lock: DirectoryLock | None = None
+        self._handle: AioHandle | None = None
+        self._writer: Writer | None = None
+        self._pending: list[Job] = []
+        self._last_step: int | None = None
+        self._last_start = time.monotonic()
+        self._arena: torch.Tensor | None = None
+        self._arena_free = threading.Event()
+        self._arena_free.set()
+        self._fences: list[threading.Event] = []
+        self._hooks: dict[int, Any] = {}
+        self._closed = False
+        self._saves, self._blocked, self._fence_wait, self._last_write = 0, 0.0, 0.0, 0.0
+        self._arena_wait = 0.0
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Remove leftovers of killed runs now if no writer holds the directory."""
+        try:
+            lock = try_lock(self.directory)
+        except CheckpointLockedError:
+            return  # a live writer owns the directory and its hidden directories
+        try:
+            remove_leftovers(self.directory)
+        finally:
+            lock.release()
+
+    # ---- saving -------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False) -> bool:
+        """Start saving ``state`` as ``step`` if it is due (or ``force``); False if not due.
+
+        Returns once the loop may go on (snapshot: after the copy; fenced: at once). Raises
+        ``ValueError`` for a step not greater than the newest saved or started one, and the
+        error of an earlier failed save not yet reported.
+        """
+        start = time.perf_counter()
+        self._check_open()
+        self._raise_failures()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"CheckpointManager.save: step must be an int >= 0, got {step!r}")
+        committed = list_steps(self.directory)
+        newest = max([*committed[-1:], *([] if self._last_step is None else [self._last_step])], default=None)
+        if newest is not None and step <= newest:
+            raise ValueError(f"CheckpointManager.save: step {step} is not greater than the newest saved "
+                             f"step {newest} in {self.directory!r}")
+        due = is_due(step, first=newest is None, every_steps=self.every_steps,
+                     every_seconds=self.every_seconds, seconds_since_last=time.monotonic() - self._last_start)
+        if not (due or force):
+            return False
+        saved = self._collect(state)
+        writer = self._start_writer()
+        self._last_start, self._last_step = time.monotonic(), step
+        building = new_building(self.directory, step)
+        file = os.path.join(building, FILE)
+        items: list[tuple[torch.Tensor, int]] | None
+        release: Callable[[], None] | None = None
+        try:
+            if self.mode == "snapshot":
+                layout, items, release = self._snapshot(saved, file)
+            else:
+                layout = write_skeleton(saved, file)
+                items, release = self._fence(state)
+            names, order = record_names(saved, layout)
+        except BaseException:
+            if release is not None:
+                release()
+            shutil.rmtree(building, ignore_errors=True)
+            raise
+        job = Job(step=step, building=building, layout=layout, names=names, order=order,
+                  items=items, release=release)
+        self._pending.append(job)
+        writer.submit(job)
+        self._saves += 1
+        self._blocked += time.perf_counter() - start
+        return True
+
+    def _collect(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """What is saved: state dicts of objects, tensors (detached), plain data, RNG states."""
+        saved: dict[str, Any] = {}
+        for name, value in state.items():
+            if not isinstance(name, str) or name == RNG_KEY:
+                raise ValueError(f"CheckpointManager.save: state keys must be str other than {RNG_KEY!r}, "
+                                 f"got {name!r}")
+            if isinstance(value, torch.Tensor):
+                saved[name] = value.detach()
+            elif callable(getattr(value, "state_dict", None)):
+                saved[name] = value.state_dict()
+            else:
+                saved[name] = value
+        if self.rng:
+            saved[RNG_KEY] = capture_rng()
+        if self.mode == "fenced":
+            for tname, storage in named_storages(saved):
+                if storage.device.type != "cpu":
+                    raise ValueError(f"CheckpointManager(mode='fenced') writes from live CPU tensors; "
+                                     f"{tname!r} is on {storage.device}: use mode='snapshot'")
+        return saved
+
+    def _start_writer(self) -> Writer:
+        if self._writer is None:
+            self._lock = try_lock(self.directory)
+            remove_leftovers(self.directory)
+            self._handle = AioHandle(config=self._config)
+            self._writer = Writer(self.directory, handle=self._handle, keep=self.keep,
+                                  algorithm=self._algorithm)
+        return self._writer
+
+    def _snapshot(self, saved: Mapping[str, Any], file: str
+                  ) -> tuple[StorageLayout, list[tuple[torch.Tensor, int]], Callable[[], None]]:
+        """Copy the storages into the arena (waiting until the previous save released it) while
+        the caller's thread writes the skeleton; each storage's (arena slice, file offset)."""
+        start = time.perf_counter()
+        self._arena_free.wait()
+        self._arena_wait += time.perf_counter() - start
+        self._arena_free.clear()
+        try:
+            storages = [st for _, st in named_storages(saved)]
+            arena, self._arena = self._arena, None  # never keep a freed arena if allocation fails
+            self._arena = ensure_arena(arena, (st.nbytes() for st in storages))
+            copy, slots, pos = ParallelCopy(), {}, 0
+            try:
+                for st in storages:  # copies start now, on the pool's threads
+                    n = st.nbytes()
+                    slots[st._cdata] = dst = self._arena[pos:pos + n]
+                    if n:
+                        copy.add(dst, storage_bytes(st))
+                    pos += align_up(n, 4096)
+                layout = write_skeleton(saved, file)
+            finally:
+                copy.finish()
+            # a storage the walk missed is refused by _record_names before anything is written
+            items = [(slots[st._cdata], span.offset) for st, span in layout.items.values() if st._cdata in slots]
+        except BaseException:
+            self._arena_free.set()
+            raise
+        return layout, items, self._arena_free.set
+
+    def _fence(self, state: Mapping[str, Any]) -> tuple[None, Any]:
+        """Hook every optimizer in ``state`` (once) and open a fence their next step() waits on."""
+        for value in state.values():
+            if isinstance(value, torch.optim.Optimizer) and id(value) not in self._hooks:
+                self._hooks[id(value)] = value.register_step_pre_hook(self._wait_fences)
+        fence = threading.Event()
+        self._fences.append(fence)
+
+        def release() -> None:
+            fence.set()
+            self._fences.remove(fence)
+        return None, release
+
+    def _wait_fences(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._fences:
+            return
+        start = time.perf_counter()
+        for fence in list(self._fences):
+            fence.wait()
+        waited = time.perf_counter() - start
+        self._fence_wait += waited
+        self._blocked += waited
+
+    # ---- completion -----------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until every save started so far is committed; raise the first failure not
+        reported yet."""
+        for job in list(self._pending):
+            job.future.exception()
+        self._raise_failures()
+
+    def _raise_failures(self) -> None:
+        done = [job for job in self._pending if job.future.done()]
+        self._pending = [job for job in self._pending if not job.future.done()]
+        for job in done:
+            self._last_write = job.write_seconds or self._last_write
+        for job in done:
+            exc = job.future.exception()
+            if exc is not None:
+                self._last_step = max(list_steps(self.directory), default=None)
+                raise exc
+
+    def close(self) -> None:
+        """Wait for pending saves, then release the thread, arena, hooks and lock (idempotent).
+        Raises the first failure not reported yet, after releasing everything."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._writer is not None:
+                self._writer.stop()
+            self.wait()
+        finally:
+            for hook in self._hooks.values():
+                hook.remove()
+            self._hooks.clear()
+            if self._arena is not None:
+                from ..memory.pinned import free_cpu_locked_tensor
+                free_cpu_locked_tensor(self._arena)
+                self._arena = None
+            if self._handle is not None:
+                self._handle.close()
+            if self._lock is not None:
+                self._lock.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as err:  # the body's exception is the one to see
+            log.error("deepnvme.CheckpointManager: a save failed while closing: %s", err)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager({self.directory!r}) is closed")
+
+    @property
+    def stats(self) -> SaveStats:
+        """Cumulative cost of this manager's saves to the caller (see :class:`SaveStats`)."""
+        return SaveStats(saves=self._saves, blocked_seconds=self._blocked,
+                         fence_wait_seconds=self._fence_wait, arena_wait_seconds=self._arena_wait,
+                         last_write_seconds=self._last_write)
+
+    # ---- reading --------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending (only complete checkpoints are ever listed)."""
+        return list_steps(self.directory)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        return max(self.steps(), default=None)
+
+    def load(self, step: int | None = None, *, map_location: Any = None) -> dict[str, Any]:
+        """The saved entries of ``step`` (default: the newest) by name: state dicts for objects,
+        tensors, plain data, and the RNG states under ``RNG_KEY``. Verifies sizes and any stored
+        checksums (:class:`CheckpointCorruptError`). Blocks; waits for this manager's pending saves."""
+        if self._writer is not None and not self._closed:
+            self.wait()
+        chosen = self._resolve(step)
+        obj, _ = load_checked(step_dir(self.directory, chosen), chosen, map_location=map_location,
+                              config=self._config)
+        if not isinstance(obj, dict):
+            raise CheckpointMismatchError(f"step {chosen} in {self.directory!r} holds a {type(obj).__name__}")
+        return obj
+
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None) -> int:
+        """Load ``step`` (default: the newest) into ``state`` in place and return the step.
+
+        Objects get ``load_state_dict``, tensors ``copy_``, plain data replaces ``state[name]``;
+        RNG states are restored when saved and ``rng=True``. The names of ``state`` and the
+        checkpoint must match (:class:`CheckpointMismatchError` before anything changes).
+        """
+        chosen = self._resolve(step)
+        saved = self.load(chosen, map_location="cpu")
+        names = [n for n in saved if n != RNG_KEY]
+        missing = [n for n in state if n not in saved]
+        extra = [n for n in names if n not in state]
+        shapes = [(n, tuple(saved[n].shape), tuple(v.shape)) for n, v in state.items()
+                  if isinstance(v, torch.Tensor) and n in saved
+                  and (not isinstance(saved[n], torch.Tensor) or saved[n].shape != v.shape)]
+        if missing or extra or shapes:
+            raise CheckpointMismatchError(
+                f"step {chosen} in {self.directory!r} does not fit the state: not in the checkpoint "
+                f"{missing}, not in the state {extra}, shapes {shapes}",
+                missing_keys=missing, unexpected_keys=extra, mismatched=shapes)
+        for name, value in list(state.items()):
+            if isinstance(value, torch.Tensor):
+                with torch.no_grad():
+                    value.copy_(saved[name])
+            elif callable(getattr(value, "load_state_dict", None)):
+                value.load_state_dict(saved[name])
+            else:
+                state[name] = saved[name]
+        if self.rng and RNG_KEY in saved:
+            restore_rng(saved[RNG_KEY])
+        return chosen
+
+    def _resolve(self, step: int | None) -> int:
+        steps = self.steps()
+        if step is None and steps:
+            return steps[-1]
+        if step is not None and step in steps:
+            return step
+        want = "no checkpoint" if step is None else f"no checkpoint of step {step}"
+        raise FileNotFoundIOError(f"{want} in {self.directory!r} (committed steps: {steps})",
+                                  path=self.directory, offset=None, size=None, errno=2)
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({self.directory!r}, mode={self.mode!r}, keep={self.keep}, "
+                f"steps={self.steps()})")
+

@@ -1,0 +1,289 @@
+"""CheckpointManager end to end: bitwise round trips in both modes, the fence, the interval
+policy, retention, the lock, leftovers, ENOSPC and RNG states."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import deepnvme
+from deepnvme.checkpoint import _writer
+from deepnvme.io.posix import Posix, injected
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def _train(model, opt, sched=None, steps=1):
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 32)).pow(2).mean().backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def _bits(obj):
+    """Every tensor's bytes and every other leaf, for bitwise comparison of state dicts."""
+    if isinstance(obj, torch.Tensor):
+        return ("t", str(obj.dtype), tuple(obj.shape), obj.contiguous().reshape(-1).view(torch.uint8).tolist()
+                if obj.numel() else [])
+    if isinstance(obj, dict):
+        return {k: _bits(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_bits(v) for v in obj]
+    return obj
+
+
+def _setup(seed=0):
+    model = _model(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "fenced"])
+def test_round_trip_is_bitwise_and_torch_loadable(tmp_path, mode):
+    model, opt, sched = _setup()
+    _train(model, opt, sched, steps=3)
+    extra = torch.arange(10, dtype=torch.int16)
+    with deepnvme.CheckpointManager(tmp_path, mode=mode) as mgr:
+        state = {"model": model, "opt": opt, "sched": sched, "extra": extra, "epoch": 7,
+                 "notes": {"name": "run", "lrs": [0.1, 0.2]}}
+        want = {"model": _bits(model.state_dict()), "opt": _bits(opt.state_dict()),
+                "sched": _bits(sched.state_dict()), "extra": _bits(extra)}
+        assert mgr.save(3, state) is True
+        draws = (torch.rand(4), random.random())  # what the saved RNG states produce next
+        _train(model, opt, sched, steps=2)  # the fence (or the snapshot) keeps step 3 intact
+        extra.add_(1) if mode == "snapshot" else None
+        mgr.wait()
+        assert mgr.steps() == [3] and mgr.latest_step() == 3
+    plain = torch.load(tmp_path / "step-000000000003" / "state.pt", weights_only=True)
+    assert _bits(plain["model"]) == want["model"] and plain["epoch"] == 7
+
+    model2, opt2, sched2 = _setup(seed=1)
+    _train(model2, opt2, sched2)
+    state2 = {"model": model2, "opt": opt2, "sched": sched2, "extra": torch.zeros(10, dtype=torch.int16),
+              "epoch": None, "notes": None}
+    reader = deepnvme.CheckpointManager(tmp_path)
+    assert reader.restore(state2) == 3
+    assert _bits(model2.state_dict()) == want["model"]
+    assert _bits(opt2.state_dict()) == want["opt"]
+    assert _bits(sched2.state_dict()) == want["sched"]
+    assert _bits(state2["extra"]) == want["extra"]
+    assert state2["epoch"] == 7 and state2["notes"] == {"name": "run", "lrs": [0.1, 0.2]}
+    assert torch.equal(torch.rand(4), draws[0]) and random.random() == draws[1]  # RNG restored
+    loaded = reader.load()
+    assert set(loaded) == {"model", "opt", "sched", "extra", "epoch", "notes", "_deepnvme_rng"}
+    reader.close()
+
+
+def test_numpy_rng_state_is_restored(tmp_path):
+    np = pytest.importorskip("numpy")
+    with deepnvme.CheckpointManager(tmp_path) as mgr:
+        mgr.save(0, {"x": 1})
+        mgr.wait()
+        want = np.random.rand(3)
+        mgr.restore({"x": 0})
+        assert np.array_equal(np.random.rand(3), want)
+
+
+def _slow_writes(monkeypatch, delay: float, log: list):
+    real = _writer.write_storages
+
+    def slow(*args, **kwargs):
+        time.sleep(delay)
+        real(*args, **kwargs)
+        log.append(("written", time.perf_counter()))
+
+    monkeypatch.setattr(_writer, "write_storages", slow)
+
+
+def test_fenced_step_waits_for_the_write(tmp_path, monkeypatch):
+    events: list = []
+    _slow_writes(monkeypatch, 0.4, events)
+    model, opt, _ = _setup()
+    _train(model, opt)
+    want = _bits(model.state_dict())
+    opt.register_step_post_hook(lambda *a: events.append(("stepped", time.perf_counter())))
+    with deepnvme.CheckpointManager(tmp_path, mode="fenced") as mgr:
+        t0 = time.perf_counter()
+        mgr.save(1, {"model": model, "opt": opt})
+        assert time.perf_counter() - t0 < 0.3  # save() does not wait for the write
+        _train(model, opt)  # forward/backward run; step() blocks until the bytes are written
+        assert [e[0] for e in events] == ["written", "stepped"]
+        assert mgr.stats.fence_wait_seconds > 0.2
+        mgr.wait()
+        _train(model, opt)  # no save pending: no waiting
+    assert [e[0] for e in events] == ["written", "stepped", "stepped"]
+    assert _bits(deepnvme.CheckpointManager(tmp_path).load()["model"]) == want
+
+
+def test_fenced_refuses_non_cpu_tensors(tmp_path):
+    with deepnvme.CheckpointManager(tmp_path, mode="fenced") as mgr:
+        with pytest.raises(ValueError, match="mode='snapshot'"):
+            mgr.save(0, {"w": torch.zeros(2, device="meta")})
+
+
+def test_interval_policy_and_step_order(tmp_path):
+    with deepnvme.CheckpointManager(tmp_path, every_steps=3, keep=None) as mgr:
+        saved = [s for s in range(1, 10) if mgr.save(s, {"s": s})]
+        assert saved == [1, 3, 6, 9]  # the first save of a directory is always due
+        assert mgr.save(10, {"s": 10}, force=True)
+        with pytest.raises(ValueError, match="not greater than the newest saved step 10"):
+            mgr.save(10, {"s": 10})
+        with pytest.raises(ValueError, match="not greater"):
+            mgr.save(4, {"s": 4}, force=True)
+        mgr.wait()
+        assert mgr.steps() == [1, 3, 6, 9, 10]
+    with deepnvme.CheckpointManager(tmp_path, every_seconds=3600) as mgr:
+        assert not mgr.save(11, {"s": 11})  # not first any more, and no hour has passed
+        assert mgr.load()["s"] == 10
+
+
+def test_retention_keeps_newest(tmp_path):
+    with deepnvme.CheckpointManager(tmp_path, keep=2) as mgr:
+        for s in range(5):
+            mgr.save(s, {"w": torch.full((100,), float(s))})
+        mgr.wait()
+        assert mgr.steps() == [3, 4]
+    assert sorted(os.listdir(tmp_path)) == [".deepnvme-writer.lock", "step-000000000003", "step-000000000004"]
+    with deepnvme.CheckpointManager(tmp_path, keep=1) as mgr:
+        mgr.save(5, {"w": torch.zeros(1)})
+    assert mgr.steps() == [5]
+
+
+def test_second_writer_gets_a_clear_error_readers_do_not(tmp_path):
+    first = deepnvme.CheckpointManager(tmp_path)
+    first.save(1, {"a": 1})
+    first.wait()
+    second = deepnvme.CheckpointManager(tmp_path)
+    assert second.steps() == [1] and second.load()["a"] == 1  # reading needs no lock
+    with pytest.raises(deepnvme.CheckpointLockedError, match=f"pid {os.getpid()}"):
+        second.save(2, {"a": 2})
+    first.close()
+    second.save(2, {"a": 2})
+    second.close()
+    assert second.steps() == [1, 2]
+
+
+def test_lock_of_a_killed_process_does_not_block(tmp_path):
+    code = ("import sys, os, deepnvme; m = deepnvme.CheckpointManager(sys.argv[1]); "
+            "m.save(1, {'a': 1}); m.wait(); print('locked', flush=True); os.kill(os.getpid(), 9)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(deepnvme.__file__))})
+    assert proc.returncode == -9 and "locked" in proc.stdout
+    with deepnvme.CheckpointManager(tmp_path) as mgr:
+        assert mgr.save(2, {"a": 2})
+    assert mgr.steps() == [1, 2]
+
+
+def test_leftovers_are_removed_and_logged_when_a_manager_opens(tmp_path, caplog):
+    (tmp_path / ".step-000000000009.deepnvme-building-12345-abcd").mkdir()
+    (tmp_path / ".step-000000000009.deepnvme-building-12345-abcd" / "state.pt").write_bytes(b"x")
+    (tmp_path / ".step-000000000002.deepnvme-deleting-12345-ef01").mkdir()
+    with caplog.at_level(logging.WARNING, logger="deepnvme"):
+        mgr = deepnvme.CheckpointManager(tmp_path)
+    assert os.listdir(tmp_path) == [".deepnvme-writer.lock"]
+    assert caplog.text.count("left by an interrupted save") == 2
+    assert mgr.steps() == [] and mgr.latest_step() is None
+    mgr.close()
+
+
+class _FullDisk(Posix):
+    """pwritev fails with ENOSPC while ``full`` is set."""
+
+    full = False
+
+    def pwritev(self, fd, buffers, offset):
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().pwritev(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "fenced"])
+def test_enospc_fails_that_save_and_keeps_earlier_ones(tmp_path, mode):
+    disk = _FullDisk()
+    with injected(disk):
+        mgr = deepnvme.CheckpointManager(tmp_path, mode=mode, keep=1)
+        mgr.save(1, {"w": torch.ones(1 << 18)})
+        mgr.wait()
+        disk.full = True
+        mgr.save(2, {"w": torch.zeros(1 << 18)})
+        with pytest.raises(OSError) as info:
+            mgr.wait()
+        assert info.value.errno == errno.ENOSPC
+        assert "step 2 was not saved" in str(info.value) and "earlier checkpoints are intact" in str(info.value)
+        assert mgr.steps() == [1] and torch.equal(mgr.load()["w"], torch.ones(1 << 18))
+        assert sorted(os.listdir(tmp_path)) == [".deepnvme-writer.lock", "step-000000000001"]
+        disk.full = False
+        mgr.save(2, {"w": torch.zeros(1 << 18)})  # the failed step may be saved again
+        mgr.close()
+    assert mgr.steps() == [2]
+
+
+def test_failure_is_raised_by_the_next_save(tmp_path):
+    disk = _FullDisk()
+    with injected(disk):
+        mgr = deepnvme.CheckpointManager(tmp_path)
+        disk.full = True
+        mgr.save(1, {"w": torch.ones(1 << 18)})
+        deadline = time.monotonic() + 10
+        while not all(j.future.done() for j in mgr._pending):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(OSError, match="step 1 was not saved"):
+            mgr.save(2, {"w": torch.ones(1)})
+        disk.full = False
+        mgr.close()  # the error was reported once; close does not raise it again
+    assert mgr.steps() == []
+
+
+def test_restore_mismatch_changes_nothing(tmp_path):
+    with deepnvme.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": torch.ones(3), "n": 1})
+    target = {"w": torch.zeros(4), "n": 0}
+    with pytest.raises(deepnvme.CheckpointMismatchError, match="shapes"):
+        mgr.restore(target)
+    with pytest.raises(deepnvme.CheckpointMismatchError) as info:
+        mgr.restore({"w": torch.zeros(3)})
+    assert info.value.unexpected_keys == ["n"]
+    assert torch.equal(target["w"], torch.zeros(4)) and target["n"] == 0
+    with pytest.raises(FileNotFoundError, match="no checkpoint of step 5"):
+        mgr.load(5)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="mode"):
+        deepnvme.CheckpointManager(tmp_path, mode="eager")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="checksums"):
+        deepnvme.CheckpointManager(tmp_path, checksums="md5")
+    with deepnvme.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ValueError, match="reserved|str other than"):
+            mgr.save(0, {"_deepnvme_rng": 1})
+        with pytest.raises(ValueError, match="int >= 0"):
+            mgr.save(-1, {})
+    with pytest.raises(RuntimeError, match="closed"):
+        mgr.save(5, {})
+
+
+def test_wait_from_another_thread_sees_commits(tmp_path):
+    mgr = deepnvme.CheckpointManager(tmp_path, keep=None)
+    for s in range(3):
+        mgr.save(s, {"w": torch.full((1000,), s)})
+    t = threading.Thread(target=mgr.wait)
+    t.start()
+    t.join(30)
+    mgr.close()
+    assert mgr.steps() == [0, 1, 2]

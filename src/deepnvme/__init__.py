@@ -39,6 +39,7 @@ from .errors import (
     ConfigError,
     DeepNVMeError,
     DeepNVMeIOError,
+    OffloadMemoryError,
     ShortTransferError,
     UnsupportedBufferError,
     ValidationError,
@@ -47,6 +48,7 @@ from .handles import AioHandle, GdsHandle, gds_status
 from .io.movers import EngineProbe, probe_engines
 from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
 from .memory.views import cast_to_byte_tensor
+from .offload import OffloadStats, ParameterOffload, offload_parameters
 from .optim import NVMeOptimizer
 from .swap import SwapBufferError, SwapError, TensorSwapper
 
@@ -66,6 +68,9 @@ __all__ = [
     "IOConfig",
     "LoadResult",
     "NVMeOptimizer",
+    "OffloadMemoryError",
+    "OffloadStats",
+    "ParameterOffload",
     "ShortTransferError",
     "SwapBufferError",
     "SwapError",
@@ -84,6 +89,7 @@ __all__ = [
     "load_into",
     "load_safetensors",
     "new_cpu_locked_tensor",
+    "offload_parameters",
     "override",
     "probe_engines",
     "resolve_config",

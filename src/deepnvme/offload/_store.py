@@ -78,6 +78,7 @@ class TensorStore:
         self.peak = 0
         self.bytes_read = 0
         self.bytes_written = 0
+        self.prefetch_hits = 0    # fetches served by a read started ahead
         self._ticks = itertools.count(1)
         self._present: dict[int, Entry] = {}          # key -> present entry
         self.by_storage: dict[int, Entry] = {}        # storage address -> present parameter
@@ -203,8 +204,10 @@ class TensorStore:
                     e.pins += 1
                     pinned.append(e)
                     if e.tensor is None:
-                        self.make_room(e.nbytes, demand=True, what=what)
+                        self.make_room(e.nbytes, demand=True, what=f"{what} ({e.name})")
                         self._start_read(e)
+                    elif e.prefetched:
+                        self.prefetch_hits += 1
                     e.tick = next(self._ticks)
                     e.prefetched = False
                 for e in entries:

@@ -51,6 +51,7 @@ class OffloadStats:
     peak_bytes: int
     bytes_read: int
     bytes_written: int
+    prefetch_hits: int  # parameter reads that a prefetch had started before they were needed
 
 
 class _SavedParam:
@@ -313,11 +314,12 @@ class ParameterOffload:
     def stats(self) -> OffloadStats:
         s = self._store
         return OffloadStats(budget_bytes=s.budget, held_bytes=s.held, peak_bytes=s.peak,
-                            bytes_read=s.bytes_read, bytes_written=s.bytes_written)
+                            bytes_read=s.bytes_read, bytes_written=s.bytes_written,
+                            prefetch_hits=s.prefetch_hits)
 
     def reset_stats(self) -> None:
         s = self._store
-        s.peak, s.bytes_read, s.bytes_written = s.held, 0, 0
+        s.peak, s.bytes_read, s.bytes_written, s.prefetch_hits = s.held, 0, 0, 0
 
     @property
     def directory(self) -> str:

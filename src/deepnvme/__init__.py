@@ -48,7 +48,13 @@ from .handles import AioHandle, GdsHandle, gds_status
 from .io.movers import EngineProbe, probe_engines
 from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
 from .memory.views import cast_to_byte_tensor
-from .offload import OffloadStats, ParameterOffload, offload_parameters
+from .offload import (
+    DeepSpeedOffloadSettings,
+    OffloadStats,
+    ParameterOffload,
+    from_deepspeed_config,
+    offload_parameters,
+)
 from .optim import NVMeOptimizer
 from .swap import SwapBufferError, SwapError, TensorSwapper
 
@@ -62,6 +68,7 @@ __all__ = [
     "ConfigError",
     "DeepNVMeError",
     "DeepNVMeIOError",
+    "DeepSpeedOffloadSettings",
     "DistributedSaveError",
     "EngineProbe",
     "GdsHandle",
@@ -82,6 +89,7 @@ __all__ = [
     "cast_to_byte_tensor",
     "clean_temp_files",
     "free_cpu_locked_tensor",
+    "from_deepspeed_config",
     "gds_status",
     "inference",
     "is_pinned",

@@ -119,7 +119,8 @@ class TensorStore:
                 return False
             if self._reap(block=True):
                 continue
-            pinned = sorted(e.name + (".grad" if e.grad else "") for e in self._present.values())
+            pinned = sorted(e.name + (".grad" if e.grad else "") for e in self._present.values()
+                            if e.pins)
             raise OffloadMemoryError(
                 f"{what or 'a tensor'} needs {nbytes} bytes but {self.held} of the "
                 f"max_in_memory_bytes={self.budget} are held by tensors in use "

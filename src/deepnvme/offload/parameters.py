@@ -234,6 +234,11 @@ class ParameterOffload:
             if pair is not None:
                 yield p, pair[0], pair[1]
 
+    def update_bytes(self) -> int:
+        """The parameter bytes an optimizer sub-group may have: its parameters and gradients,
+        and those of the next sub-group read ahead, fit the budget."""
+        return max(1, self._store.budget // 4)
+
     def prefetch_update(self, params: Iterable[torch.Tensor]) -> None:
         """Start reading ``params`` and their gradients for an optimizer update."""
         self._store.prefetch(e for _, d, g in self._pairs(params) for e in (d, g))

@@ -89,12 +89,16 @@ class NVMeOptimizer(torch.optim.Optimizer):
         for name in _HOOK_DICTS:
             setattr(self, name, OrderedDict())
         self._patch_step_function()
+        self._offload = _find_offload(self._all_params())
         self.sub_group_bytes = int(sub_group_bytes)
+        if self._offload is not None and self.sub_group_bytes > self._offload.update_bytes():
+            self.sub_group_bytes = self._offload.update_bytes()
+            log.info("NVMeOptimizer: sub_group_bytes lowered to %d to fit the parameter "
+                     "offload's budget", self.sub_group_bytes)
         self._probes: dict[tuple[int, torch.dtype, tuple[int, ...]], list[tuple[float, int]]] = {}
         self._groups: list[list[tuple[int, torch.Tensor]]] = []   # (group index, param)
         self._layouts: list[StateLayout | None] = []              # None: state is in memory
         bounds = self._add_sub_groups(self._all_params())
-        self._offload = _find_offload(self._all_params())
         self._swapper = TensorSwapper(swap_dir, config=config, buffer_bytes=max(bounds + [1]),
                                       buffer_count=buffer_count, min_swap_bytes=0, stale=stale,
                                       handle=handle)

@@ -209,3 +209,21 @@ def test_dtype_converts_the_parameters(tmp_path):
     assert off.parameter("weight").dtype == torch.bfloat16
     assert model(torch.ones(1, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
     off.close()
+
+
+def test_a_deepspeed_config_applied_to_a_torch_loop_trains_like_memory(tmp_path):
+    a, b = make_pair()
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    train(a, ref, 2, 2)
+    settings = deepnvme.from_deepspeed_config({
+        "zero_optimization": {
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "p"), "buffer_count": 2,
+                              "buffer_size": 3000},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "o"), "buffer_count": 3}},
+        "aio": {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 2}})
+    off, opt = settings.apply(b, torch.optim.AdamW, lr=1e-2)
+    assert isinstance(opt, deepnvme.NVMeOptimizer) and off.stats().budget_bytes == 2 * 3000 * 4
+    train(b, opt, 2, 2)
+    assert_same(a, off)
+    off.close()
+    opt.close()

@@ -33,6 +33,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
 from ._order import OrderTracker
+from ._sources import Init, Source, make_source
 from ._store import Entry, TensorStore, placeholder
 
 __all__ = ["OffloadStats", "ParameterOffload", "offload_parameters"]
@@ -68,7 +69,8 @@ class ParameterOffload:
 
     def __init__(self, model: torch.nn.Module, directory: str | os.PathLike[str], *,
                  max_in_memory_bytes: int, prefetch: int = 2, dtype: torch.dtype | None = None,
-                 config: IOConfig | None = None) -> None:
+                 config: IOConfig | None = None,
+                 source: str | os.PathLike[str] | Init | None = None) -> None:
         if max_in_memory_bytes < 1:
             raise OffloadMemoryError(f"max_in_memory_bytes must be >= 1, got {max_in_memory_bytes}")
         self.model = model
@@ -81,24 +83,35 @@ class ParameterOffload:
         self._pushed: list[tuple[int, saved_tensors_hooks]] = []
         self._backward_pending = False
         self._hooks: list[Any] = []
+        self._meta: dict[int, tuple[torch.Tensor, torch.nn.Parameter]] = {}  # id -> (meta, new)
+        self._values: dict[int, torch.Tensor] = {}   # id(new parameter) -> its value
+        filler = make_source(source, config)
         try:
-            self._collect(dtype)
+            self._collect(dtype, filler)
             self._install_hooks()
         except BaseException:
             self.close()
             raise
+        finally:
+            self._meta.clear()
+            self._values.clear()
+            if filler is not None:
+                filler.close()
 
     # --- setup --------------------------------------------------------------------------
 
-    def _collect(self, dtype: torch.dtype | None) -> None:
-        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=True)}
+    def _collect(self, dtype: torch.dtype | None, filler: Source | None) -> None:
+        aliases: dict[int, list[str]] = {}
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(n)
         for mname, module in self.model.named_modules():
+            self._materialize(mname, module, aliases, filler, dtype)
             unit: list[Entry] = []
             for p in module.parameters(recurse=False):
                 if id(p) not in self._entries:
                     if p.numel() == 0:
                         continue
-                    self._offload_one(p, names[id(p)], dtype)
+                    self._offload_one(p, aliases[id(p)][0], dtype, self._values.pop(id(p), None))
                 data = self._entries[id(p)][0]
                 if data not in unit:
                     unit.append(data)
@@ -116,17 +129,53 @@ class ParameterOffload:
                     self._post_hook(len(self._units) - 1), always_call=True))
         self._store.wait_writes()
 
-    def _offload_one(self, p: torch.nn.Parameter, name: str, dtype: torch.dtype | None) -> None:
-        if p.device.type != "cpu":
-            raise ValueError(f"offload_parameters needs CPU parameters; {name} is on {p.device}")
-        if dtype is not None and p.dtype != dtype:
-            p.data = p.data.to(dtype)
+    def _materialize(self, prefix: str, module: torch.nn.Module, aliases: dict[int, list[str]],
+                     filler: Source | None, dtype: torch.dtype | None) -> None:
+        """Replace the module's meta parameters (each tied one once, everywhere) by CPU ones whose
+        value comes from ``filler``, and fill its meta buffers."""
+        for key, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in self._meta:
+                if filler is None:
+                    raise ValueError(f"parameter {aliases[id(p)][0]} is on the meta device: pass "
+                                     "source= (a safetensors checkpoint or an init function)")
+                want = dtype or p.dtype
+                nbytes = p.numel() * torch.empty((), dtype=want).element_size()
+                with self._store.lock:
+                    self._store.make_room(nbytes, demand=True, what=f"building {aliases[id(p)][0]}")
+                    self._store.count(nbytes)
+                value = filler.value(aliases[id(p)], p.shape, want)
+                fresh = torch.nn.Parameter(placeholder(p.shape, want), requires_grad=p.requires_grad)
+                self._meta[id(p)] = (p, fresh)
+                self._values[id(fresh)] = value
+                aliases[id(fresh)] = aliases[id(p)]
+                for m in self.model.modules():  # the same parameter in every module holding it
+                    for k, q in m._parameters.items():
+                        if q is p:
+                            m._parameters[k] = fresh
+            module._parameters[key] = self._meta[id(p)][1]
+        for key, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                name = f"{prefix}.{key}" if prefix else key
+                if filler is None:
+                    raise ValueError(f"buffer {name} is on the meta device: pass source=")
+                module._buffers[key] = filler.value([name], b.shape, b.dtype)
+
+    def _offload_one(self, p: torch.nn.Parameter, name: str, dtype: torch.dtype | None,
+                     value: torch.Tensor | None) -> None:
+        if value is None:
+            if p.device.type != "cpu":
+                raise ValueError(f"offload_parameters needs CPU parameters; {name} is on {p.device}")
+            if dtype is not None and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+            value = p.data
+            self._store.count(value.numel() * value.element_size())  # until written
         key = 2 * len(self._entries)
         data = Entry(key, name, p, grad=False)
         grad = Entry(key + 1, name, p, grad=True)
         self._entries[id(p)] = (data, grad)
-        self._store.count(data.nbytes)          # the model's own copy, until written
-        self._store.store(data, p.data, keep=False)
+        self._store.store(data, value, keep=False)
         p.data = placeholder(data.shape, data.dtype)
         setattr(p, STORE_ATTRIBUTE, self)
         if p.requires_grad:
@@ -348,7 +397,8 @@ class ParameterOffload:
 def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str], *,
                        max_in_memory_bytes: int, prefetch: int = 2,
                        dtype: torch.dtype | None = None,
-                       config: IOConfig | None = None) -> ParameterOffload:
+                       config: IOConfig | None = None,
+                       source: str | os.PathLike[str] | Init | None = None) -> ParameterOffload:
     """Move ``model``'s parameters (and, in training, their gradients) to files under ``directory``.
 
     Each submodule's own parameters are read in before its forward and again when the backward
@@ -356,6 +406,12 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     learned on the first pass and re-learned when it changes), and gradients are written as
     autograd produces them, accumulated across backward passes until ``zero_grad``.
     ``dtype`` converts the parameters first; ``config`` sets the I/O engine.
+
+    A model built on the meta device (``with torch.device("meta"): model = Net()``) never
+    exists whole in memory: ``source`` gives each meta parameter (and buffer) its value, one
+    at a time, written to its file before the next: a safetensors checkpoint (a file, or a
+    folder with ``model.safetensors`` or a sharded index; names as in ``model.state_dict()``)
+    or a function ``init(name, tensor)`` filling an uninitialised tensor in place.
 
     Memory: at most ``max_in_memory_bytes`` of parameters and gradients (reads in flight and
     writes not yet finished included), plus a gradient that autograd has just produced, plus
@@ -365,4 +421,4 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     Train with :class:`~deepnvme.NVMeOptimizer`, which reads and writes the offloaded tensors.
     """
     return ParameterOffload(model, directory, max_in_memory_bytes=max_in_memory_bytes,
-                            prefetch=prefetch, dtype=dtype, config=config)
+                            prefetch=prefetch, dtype=dtype, config=config, source=source)

@@ -100,3 +100,10 @@ def test_bench_load(tmp_path):
 def test_bench_fresh_memory(tmp_path):
     out = run("bench_fresh_memory.py", "--size", "16M", "--reps", "1", cwd=tmp_path)
     assert "MAP_POPULATE" in out and "touch every 4 KiB page" in out
+
+
+def test_bench_offload_params(tmp_path):
+    out = run("bench_offload_params.py", "--dir", str(tmp_path), "--layers", "3", "--dim", "256",
+              "--batch", "4", "--budget-mib", "0.75", "--steps", "1", "--reps", "1", cwd=tmp_path)
+    assert "step time, offloaded" in out and "<= 1.3 x roof" in out and "peak RSS above baseline" in out
+    assert list(tmp_path.iterdir()) == []

@@ -20,6 +20,7 @@ from ..errors import CheckpointMismatchError
 from ..formats.hf_index import find_checkpoint
 from ..formats.safetensors import StoredTensor, locate, read_header
 from ..handles.aio import AioHandle
+from ..memory.heap import mapped_empty
 from ..memory.views import aligned_empty
 
 __all__ = ["Init", "Source", "make_source"]
@@ -43,7 +44,7 @@ class _InitSource(Source):
 
     def value(self, names: Sequence[str], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        out = aligned_empty(nbytes).view(dtype).view(shape)
+        out = mapped_empty(nbytes).view(dtype).view(shape)
         with torch.no_grad():
             self._init(names[0], out)
         return out

@@ -25,7 +25,7 @@ import torch
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
-from ..memory.views import aligned_empty
+from ..memory.heap import mapped_empty
 from ..swap import TensorSwapper
 
 __all__ = ["Entry", "TensorStore", "placeholder"]
@@ -177,7 +177,7 @@ class TensorStore:
         entry.tensor, entry.read, entry.prefetched = None, None, False
 
     def _start_read(self, entry: Entry) -> None:
-        out = aligned_empty(entry.nbytes).view(entry.dtype).view(entry.shape)
+        out = mapped_empty(entry.nbytes).view(entry.dtype).view(entry.shape)
         self._count(entry.nbytes)
         entry.tensor = out
         entry.read = self.swapper.swap_in(entry.key, out=out)

@@ -32,6 +32,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
+from ..memory.heap import trim_heap
 from ._order import OrderTracker
 from ._sources import Init, Source, make_source
 from ._store import Entry, TensorStore, placeholder
@@ -323,6 +324,7 @@ class ParameterOffload:
                 assert d.tensor is not None  # begin_update made it present; internal invariant
                 store.store(d, d.tensor, keep=True)
                 store.unpin([d])
+        trim_heap()  # gradients and the optimizer's temporaries came from torch's heap
 
     # --- the user's side ----------------------------------------------------------------
 

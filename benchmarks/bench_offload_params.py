@@ -42,7 +42,8 @@ def make_model(layers: int, dim: int) -> torch.nn.Sequential:
 
 
 def init(name: str, t: torch.Tensor) -> None:
-    t.normal_(0.0, 0.02) if t.dim() > 1 else t.zero_()
+    """He init (activations keep their scale through the ReLU stack: no denormals), zero biases."""
+    t.normal_(0.0, (2.0 / t.shape[1]) ** 0.5) if t.dim() > 1 else t.zero_()
 
 
 def run_mode(args: argparse.Namespace) -> dict:
@@ -56,6 +57,9 @@ def run_mode(args: argparse.Namespace) -> dict:
     offload = None
     if args.mode == "memory":
         model = make_model(args.layers, args.dim)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                init(name, p)
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         with torch.device("meta"):

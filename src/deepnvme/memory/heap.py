@@ -24,10 +24,16 @@ _malloc_trim = getattr(_libc, "malloc_trim", None)   # glibc only
 
 
 def mapped_empty(nbytes: int) -> torch.Tensor:
-    """A zeroed, page-aligned uint8 tensor of ``nbytes`` in its own anonymous mapping, unmapped
-    when the tensor is freed (below :data:`MAPPED_MIN`: a plain ``torch.empty``)."""
-    if nbytes < MAPPED_MIN:
+    """A page-aligned uint8 tensor of ``nbytes`` in its own anonymous mapping (zeroed), unmapped
+    when the tensor is freed; below :data:`MAPPED_MIN` a page-aligned view of a heap allocation
+    (one page larger), below a page a plain one.
+    Page alignment lets O_DIRECT use the memory without the engine's bounce buffers."""
+    if nbytes < mmap.PAGESIZE:  # whole in a buffered edge chunk: alignment would not help
         return torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes < MAPPED_MIN:
+        raw = torch.empty(nbytes + mmap.PAGESIZE, dtype=torch.uint8)
+        pad = -raw.data_ptr() % mmap.PAGESIZE
+        return raw[pad:pad + nbytes]
     mm = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE,
                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]

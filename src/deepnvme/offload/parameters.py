@@ -32,7 +32,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
-from ..memory.heap import trim_heap
+from ..memory.heap import mapped_empty, trim_heap
 from ._order import OrderTracker
 from ._sources import Init, Source, make_source
 from ._store import Entry, TensorStore, placeholder
@@ -41,6 +41,7 @@ __all__ = ["OffloadStats", "ParameterOffload", "offload_parameters"]
 
 log = logging.getLogger(__name__)
 
+_PAGE = 4096
 STORE_ATTRIBUTE = "_deepnvme_offload"   # set on each offloaded Parameter: its ParameterOffload
 
 
@@ -61,8 +62,10 @@ class _SavedParam:
 
     __slots__ = ("entry", "size", "stride", "offset")
 
-    def __init__(self, entry: Entry, t: torch.Tensor) -> None:
-        self.entry, self.size, self.stride, self.offset = entry, t.size(), t.stride(), t.storage_offset()
+    def __init__(self, entry: Entry, t: torch.Tensor, base: torch.Tensor) -> None:
+        # the offset is relative to the parameter's data: a later read lands elsewhere
+        self.entry, self.size, self.stride = entry, t.size(), t.stride()
+        self.offset = t.storage_offset() - base.storage_offset()
 
 
 class ParameterOffload:
@@ -232,9 +235,9 @@ class ParameterOffload:
         if t.device.type != "cpu" or t.numel() == 0:
             return t
         entry = self._store.by_storage.get(t.untyped_storage().data_ptr())
-        if entry is None or t.dtype != entry.dtype:
+        if entry is None or t.dtype != entry.dtype or entry.tensor is None:
             return t
-        return _SavedParam(entry, t)
+        return _SavedParam(entry, t, entry.tensor)
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _SavedParam):
@@ -246,7 +249,8 @@ class ParameterOffload:
         self._store.fetch([entry], f"parameter {entry.name} (backward)")
         try:
             assert entry.tensor is not None  # fetch made it present; internal invariant
-            view = entry.tensor.as_strided(saved.size, saved.stride, saved.offset)
+            view = entry.tensor.as_strided(saved.size, saved.stride,
+                                           entry.tensor.storage_offset() + saved.offset)
             ahead = self._backward.visit(self._unit_of[entry.key])
             if ahead:
                 self._store.prefetch(e for u in ahead for e in self._units[u])
@@ -263,6 +267,10 @@ class ParameterOffload:
         with store.lock:
             store.count(entry.nbytes)
             if not entry.valid:
+                if grad.data_ptr() % _PAGE or not grad.is_contiguous():
+                    # written from page-aligned memory: no bounce buffers in the engine
+                    aligned = mapped_empty(entry.nbytes).view(entry.dtype).view(entry.shape)
+                    grad = aligned.copy_(grad)
                 store.store(entry, grad, keep=False)
                 entry.valid = True
                 return

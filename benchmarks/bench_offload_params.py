@@ -125,12 +125,20 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--io-threads", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--report", help="only print the table of a --json file written earlier")
     ap.add_argument("--child", choices=["memory", "offload"], default=None, help=argparse.SUPPRESS)
     return ap.parse_args()
 
 
 def main() -> None:
     args = parse()
+    if args.report:  # print the table of an earlier run's --json file
+        with open(args.report) as f:
+            saved = json.load(f)
+        bw = saved["bandwidth_GBps"]
+        args = argparse.Namespace(**{**vars(args), **saved["args"], "json": None})
+        report(args, saved["runs"], bw["write"], bw["read"], bw["concurrent"])
+        return
     if args.child:
         args.mode = args.child
         print(json.dumps(run_mode(args)))
@@ -181,10 +189,14 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], w_bw: float, r
     print(f"{'  held params+grads at peak (MiB)':<34}{off['peak_held'] / 2**20:>12.0f}")
     print(f"{'  first step (creates the state)':<34}"
           f"{max(r['rss_first_step'] for r in runs['offload']) / 2**20:>12.0f}")
-    print(f"{'peak RSS in memory (MiB)':<34}{max(r['rss'] for r in runs['memory']) / 2**20:>12.0f}")
+    mem_rss = max(r["rss"] for r in runs["memory"])
+    loop = max(mem_rss - 16 * off["n_params"], 0)  # activations, temporaries: not params/grads/state
+    print(f"{'peak RSS in memory (MiB)':<34}{mem_rss / 2**20:>12.0f}")
+    print(f"{'  of it beyond params+grads+state':<34}{loop / 2**20:>12.0f}")
+    print(f"{'offloaded RSS / (bound + that)':<34}{'':>12}{'<= 1.1':>14}{rss / (bound + loop):>9.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "child"}, "runs": runs,
+            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("child", "report")}, "runs": runs,
                        "bandwidth_GBps": {"write": w_bw, "read": r_bw, "concurrent": m_bw},
                        "step_s": {"memory": mem_t, "offload": off_t}, "roofline_s": roof,
                        "io_roofline_s": io_t}, f, indent=1)

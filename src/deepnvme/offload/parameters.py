@@ -423,11 +423,14 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     folder with ``model.safetensors`` or a sharded index; names as in ``model.state_dict()``)
     or a function ``init(name, tensor)`` filling an uninitialised tensor in place.
 
-    Memory: at most ``max_in_memory_bytes`` of parameters and gradients (reads in flight and
-    writes not yet finished included), plus a gradient that autograd has just produced, plus
-    the engine's bounce buffers (``config``); each module's own parameters, and each
-    optimizer sub-group's parameters plus gradients, must fit the budget. If a module needs
-    more than is free while everything is pinned, :class:`~deepnvme.OffloadMemoryError` is raised.
+    Memory: ``max_in_memory_bytes`` (parameters and gradients, reads in flight and writes not
+    yet finished included) + one gradient (and its page-aligned copy) that autograd just
+    produced + the NVMeOptimizer's ``buffer_count x`` one sub-group's state; the I/O buffers are
+    the tensors themselves (page-aligned, so the engine needs no bounce buffers). Activations
+    and the optimizer's temporaries are the training loop's own, as in memory. Each module's
+    own parameters, and each optimizer sub-group's parameters plus gradients, must fit the
+    budget; if a module needs more than is free while everything is pinned,
+    :class:`~deepnvme.OffloadMemoryError` is raised.
     Train with :class:`~deepnvme.NVMeOptimizer`, which reads and writes the offloaded tensors.
     """
     return ParameterOffload(model, directory, max_in_memory_bytes=max_in_memory_bytes,

@@ -44,6 +44,7 @@ from .errors import (
     DatasetFormatError,
     DeepNVMeError,
     DeepNVMeIOError,
+    OffloadMemoryError,
     ShortTransferError,
     UnsupportedBufferError,
     ValidationError,
@@ -52,6 +53,13 @@ from .handles import AioHandle, GdsHandle, gds_status
 from .io.movers import EngineProbe, probe_engines
 from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
 from .memory.views import cast_to_byte_tensor
+from .offload import (
+    DeepSpeedOffloadSettings,
+    OffloadStats,
+    ParameterOffload,
+    from_deepspeed_config,
+    offload_parameters,
+)
 from .optim import NVMeOptimizer
 from .swap import SwapBufferError, SwapError, TensorSwapper
 
@@ -69,12 +77,16 @@ __all__ = [
     "DatasetFormatError",
     "DeepNVMeError",
     "DeepNVMeIOError",
+    "DeepSpeedOffloadSettings",
     "DistributedSaveError",
     "EngineProbe",
     "GdsHandle",
     "IOConfig",
     "LoadResult",
     "NVMeOptimizer",
+    "OffloadMemoryError",
+    "OffloadStats",
+    "ParameterOffload",
     "ShortTransferError",
     "SwapBufferError",
     "SwapError",
@@ -87,6 +99,7 @@ __all__ = [
     "cast_to_byte_tensor",
     "clean_temp_files",
     "free_cpu_locked_tensor",
+    "from_deepspeed_config",
     "gds_status",
     "inference",
     "is_pinned",
@@ -94,6 +107,7 @@ __all__ = [
     "load_into",
     "load_safetensors",
     "new_cpu_locked_tensor",
+    "offload_parameters",
     "override",
     "probe_engines",
     "resolve_config",

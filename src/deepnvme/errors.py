@@ -164,6 +164,11 @@ class SwapBufferError(DeepNVMeError, RuntimeError):
 
 
 
+class OffloadMemoryError(DeepNVMeError, RuntimeError):
+    """Offloaded parameters and gradients cannot fit the memory budget: a module's parameters,
+    or an optimizer sub-group's parameters and gradients, exceed it, or all of it is in use."""
+
+
 class GdsUnavailableError(DeepNVMeError, RuntimeError):
     """GPUDirect Storage cannot run here (no CUDA device, no cuFile binding, driver open failed)."""
 

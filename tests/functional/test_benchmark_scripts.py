@@ -122,3 +122,10 @@ def test_bench_manager(tmp_path):
                  "snapshot_blocked_over_copy", "restore_speedup_vs_stock"):
         assert name in out
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_bench_offload_params(tmp_path):
+    out = run("bench_offload_params.py", "--dir", str(tmp_path), "--layers", "3", "--dim", "256",
+              "--batch", "4", "--budget-mib", "0.75", "--steps", "1", "--reps", "1", cwd=tmp_path)
+    assert "step time, offloaded" in out and "<= 1.3 x roof" in out and "peak RSS above baseline" in out
+    assert list(tmp_path.iterdir()) == []

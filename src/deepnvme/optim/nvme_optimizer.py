@@ -31,6 +31,8 @@ from ._layout import StateLayout, bound_bytes, partition, plan_layout
 
 __all__ = ["NVMeOptimizer"]
 
+_OFFLOAD_ATTRIBUTE = "_deepnvme_offload"  # set by deepnvme.offload on the parameters it holds
+
 log = logging.getLogger(__name__)
 
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -41,6 +43,16 @@ _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
 def _swapped(value: Any) -> bool:
     """State values that go to NVMe: tensors with at least one dimension."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 0
+
+
+def _find_offload(params: list[tuple[int, torch.Tensor]]) -> Any:
+    """The :class:`~deepnvme.offload.ParameterOffload` holding these parameters, if any (it
+    marks each parameter it holds); parameters of two offloads are refused."""
+    found = {id(o): o for _, p in params if (o := getattr(p, _OFFLOAD_ATTRIBUTE, None)) is not None}
+    if len(found) > 1:
+        raise ValueError("NVMeOptimizer got parameters of several offload_parameters calls; "
+                         "offload the whole model once")
+    return next(iter(found.values()), None)
 
 
 def _check_cpu(params: list[tuple[int, torch.Tensor]]) -> None:
@@ -77,7 +89,12 @@ class NVMeOptimizer(torch.optim.Optimizer):
         for name in _HOOK_DICTS:
             setattr(self, name, OrderedDict())
         self._patch_step_function()
+        self._offload = _find_offload(self._all_params())
         self.sub_group_bytes = int(sub_group_bytes)
+        if self._offload is not None and self.sub_group_bytes > self._offload.update_bytes():
+            self.sub_group_bytes = self._offload.update_bytes()
+            log.info("NVMeOptimizer: sub_group_bytes lowered to %d to fit the parameter "
+                     "offload's budget", self.sub_group_bytes)
         self._probes: dict[tuple[int, torch.dtype, tuple[int, ...]], list[tuple[float, int]]] = {}
         self._groups: list[list[tuple[int, torch.Tensor]]] = []   # (group index, param)
         self._layouts: list[StateLayout | None] = []              # None: state is in memory
@@ -111,7 +128,10 @@ class NVMeOptimizer(torch.optim.Optimizer):
         return len(self._groups)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the wrapped optimizer's gradients, and those of offloaded parameters."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._offload is not None:
+            self._offload.zero_grad()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; its parameters form new sub-groups."""
@@ -162,7 +182,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
                     g["params"] = []
                 for gi, p in self._groups[i]:
                     groups[gi]["params"].append(p)
-                self.optimizer.step()
+                self._update(i)
                 done = i
                 fut = self._store(i)
                 current = None
@@ -223,6 +243,24 @@ class NVMeOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (f"NVMeOptimizer({type(self.optimizer).__name__}, sub_groups={len(self._groups)}, "
                 f"swap_dir={self._swapper.directory!r})")
+
+    def _update(self, i: int) -> None:
+        """The wrapped optimizer's step on sub-group i (narrowed param groups), with offloaded
+        parameters and gradients read in first and written back after (i+1's read ahead)."""
+        offload = self._offload
+        if offload is None:
+            self.optimizer.step()
+            return
+        params = [p for _, p in self._groups[i]]
+        offload.begin_update(params)
+        if i + 1 < len(self._groups):
+            offload.prefetch_update(p for _, p in self._groups[i + 1])
+        try:
+            self.optimizer.step()
+        except BaseException:
+            offload.abort_update(params)
+            raise
+        offload.end_update(params)
 
     # --- sub-groups --------------------------------------------------------------------------
 

@@ -52,6 +52,8 @@ class TensorSwapper:
     completes; the swapper never writes into it); a tensor of ``min_swap_bytes`` or more must
     fit one buffer (``buffer_bytes``), else swap_out raises :class:`SwapBufferError` at once.
     ``swap_in`` reads into a pool buffer lent to the key, or into a tensor you pass.
+    ``buffer_count=0`` makes a swapper without a pool: any size may be swapped out and every
+    ``swap_in`` needs ``out`` (the caller owns all memory, e.g. parameter offload).
 
     Buffer lifetime: a tensor from ``swap_in`` (without ``out``) or ``new_buffer`` is a view of a
     buffer lent to its key and is the caller's until ``release(key)`` (or discard/close): no
@@ -73,9 +75,9 @@ class TensorSwapper:
                  buffer_bytes: int = 64 << 20, buffer_count: int = 4, min_swap_bytes: int = 64 << 10,
                  acquire_timeout: float | None = None, stale: str = "warn",
                  handle: AioHandle | None = None) -> None:
-        if buffer_bytes < 1 or buffer_count < 1:
-            raise ValueError(f"buffer_bytes and buffer_count must be >= 1, got {buffer_bytes}, "
-                             f"{buffer_count}")
+        if buffer_bytes < 1 or buffer_count < 0:
+            raise ValueError(f"buffer_bytes must be >= 1 and buffer_count >= 0, got "
+                             f"{buffer_bytes}, {buffer_count}")
         if stale not in ("warn", "remove", "error"):
             raise ValueError(f"stale must be 'warn', 'remove' or 'error', got {stale!r}")
         directory = os.fspath(directory)
@@ -87,7 +89,7 @@ class TensorSwapper:
         self.acquire_timeout = acquire_timeout
         owned = handle is None
         self._handle = AioHandle(config=config) if handle is None else handle
-        self._lender = Lender(self.buffer_bytes, self.buffer_count)
+        self._lender = Lender(self.buffer_bytes, max(self.buffer_count, 1))
         self._lock = self._lender.lock  # one lock for key state and buffers: no lock ordering
         self._slots: dict[Hashable, _Slot] = {}
         self._next_index = 0
@@ -127,6 +129,7 @@ class TensorSwapper:
         """A pool buffer of ``shape``/``dtype`` held by ``key`` until :meth:`release`; fill it,
         then ``swap_out(key, buffer)`` writes it with no copy. Blocks like :meth:`swap_in`."""
         self._check_open()
+        self._check_pool(key)
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         self._lender.check_fits(key, nbytes)
         with self._lock:
@@ -155,7 +158,7 @@ class TensorSwapper:
         self._check_open()
         check_io_tensor(tensor, f"tensor for key {key!r}")
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes >= self.min_swap_bytes:  # it must fit a buffer, or swap_in could never read it
+        if nbytes >= self.min_swap_bytes and self.buffer_count:  # else swap_in could never read it
             self._lender.check_fits(key, nbytes, op="swap_out")
         data = cast_to_byte_tensor(tensor)
         with self._lock:
@@ -182,6 +185,7 @@ class TensorSwapper:
             with self._lock:
                 return slot.read_into(self._handle, self._lender, cast_to_byte_tensor(out),
                                       self._lender.find(out), lambda: out)
+        self._check_pool(key)
         with self._lock:
             held = slot.serve_held(self._lender)
             if held is not None:
@@ -270,6 +274,11 @@ class TensorSwapper:
         if slot is None:
             raise KeyError(f"no tensor was swapped out under key {key!r}")
         return slot
+
+    def _check_pool(self, key: Hashable) -> None:
+        if not self.buffer_count:
+            raise SwapBufferError(f"key {key!r}: this TensorSwapper has no buffer pool "
+                                  "(buffer_count=0); swap_in needs out=")
 
     def _check_open(self) -> None:
         if self._closed:

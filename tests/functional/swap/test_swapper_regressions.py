@@ -5,6 +5,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 
 import deepnvme
@@ -186,3 +187,25 @@ def test_swap_out_from_the_held_buffer_gives_the_new_shape_and_clears_a_failed_r
         b.fill_(5.0)
         s.swap_out("j", b).result()
         assert s.swap_in("j").result().tolist() == [5.0] * 4
+
+
+def test_a_kept_future_does_not_keep_later_ops_tensors_alive(tmp_path):
+    # concurrent.futures keeps done-callbacks: the chain's closures must drop the tensors they
+    # hold once used, or a caller keeping one future (e.g. the last write's) keeps every later
+    # read target and written tensor of the key alive (parameter offload relies on this)
+    import gc
+    import weakref
+
+    with TensorSwapper(tmp_path, buffer_count=0, min_swap_bytes=0) as sw:
+        first = sw.swap_out("k", torch.randn(1000))
+        later = torch.randn(1000)
+        gone_written = weakref.ref(later)
+        sw.swap_out("k", later).result()
+        target = torch.empty(1000)
+        gone_read = weakref.ref(target)
+        assert torch.equal(sw.swap_in("k", out=target).result(), target)
+        del later, target
+        gc.collect()
+        assert first.done() and gone_written() is None and gone_read() is None
+        with pytest.raises(deepnvme.SwapBufferError, match="no buffer pool"):
+            sw.swap_in("k")

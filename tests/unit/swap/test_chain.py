@@ -16,7 +16,8 @@ def test_ops_start_in_order_and_only_after_the_previous_one_ended():
         return chain.then(lambda: started.append(name) or io[name], lambda exc, n: (name, exc, n))
 
     fa, fb, fc = op("a"), op("b"), op("c")
-    assert started == ["a"] and chain.last() is fc
+    tail = chain.last()
+    assert started == ["a"] and tail is not fc and not tail.done()  # fc's end, not its value
     io["a"].set_result(4)
     assert fa.result() == ("a", None, 4) and started == ["a", "b"]
     io["b"].set_exception(OSError(5, "EIO"))
@@ -25,6 +26,7 @@ def test_ops_start_in_order_and_only_after_the_previous_one_ended():
     assert started == ["a", "b", "c"]
     io["c"].set_result(1)
     assert fc.result() == ("c", None, 1)
+    assert tail.done() and tail.result() is None
 
 
 def test_a_failing_start_or_settle_fails_only_its_own_future():

@@ -1,0 +1,12 @@
+"""Parameter and gradient offload for training: models larger than memory, on NVMe."""
+
+from .deepspeed_config import (
+    DeepSpeedOffloadSettings,
+    OptimizerOffloadSettings,
+    ParamOffloadSettings,
+    from_deepspeed_config,
+)
+from .parameters import OffloadStats, ParameterOffload, offload_parameters
+
+__all__ = ["DeepSpeedOffloadSettings", "OffloadStats", "OptimizerOffloadSettings",
+           "ParamOffloadSettings", "ParameterOffload", "from_deepspeed_config", "offload_parameters"]

@@ -1,0 +1,238 @@
+"""Parameters and gradients in files, brought into memory under a byte budget.
+
+Each tensor (a parameter's data, or its gradient) is an :class:`Entry` whose value lives in one
+file of a pool-less :class:`~deepnvme.swap.TensorSwapper` (which orders each key's reads after its
+writes). A present entry holds a tensor allocated for it; a released parameter's ``.data`` is a
+one-element placeholder expanded to its shape (NaN for floating types, so a stray use shows).
+
+Memory bound: ``held`` = present tensors + reads in flight + tensors still being written after
+they left their entry; every allocation first makes room (evicting unpinned entries, least
+recently used first, then waiting for the oldest writes) so ``held <= budget``. A gradient
+handed over by autograd already exists, so it is counted and room is made after the fact.
+Thread-safety: every public method takes one lock (autograd may run hooks on other threads).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future
+
+import torch
+
+from ..config import IOConfig
+from ..errors import OffloadMemoryError
+from ..memory.heap import mapped_empty
+from ..swap import TensorSwapper
+
+__all__ = ["Entry", "TensorStore", "placeholder"]
+
+_PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` that holds one element (NaN for floating types)."""
+    base = _PLACEHOLDERS.get(dtype)
+    if base is None:
+        fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+        base = _PLACEHOLDERS[dtype] = torch.full((1,), fill, dtype=dtype)
+    return base.expand(shape) if len(shape) else base.view(())
+
+
+class Entry:
+    """One offloaded tensor: a parameter's data (``grad=False``) or its gradient."""
+
+    __slots__ = ("key", "name", "param", "grad", "shape", "dtype", "nbytes", "tensor", "read",
+                 "write", "pins", "tick", "prefetched", "valid")
+
+    def __init__(self, key: int, name: str, param: torch.nn.Parameter, *, grad: bool) -> None:
+        self.key = key
+        self.name = name                  # the parameter's qualified name (for messages)
+        self.param = param
+        self.grad = grad
+        self.shape = param.shape
+        self.dtype = param.dtype
+        self.nbytes = param.numel() * param.element_size()
+        self.tensor: torch.Tensor | None = None   # present value (maybe still being read)
+        self.read: Future[torch.Tensor] | None = None
+        self.write: Future[None] | None = None    # the last write of ``tensor``
+        self.pins = 0
+        self.tick = 0
+        self.prefetched = False
+        self.valid = not grad             # a gradient is valid once one was accumulated
+
+
+class TensorStore:
+    """The entries of one offloaded model and the budget they share (see the module doc)."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, budget: int,
+                 config: IOConfig | None) -> None:
+        self.budget = int(budget)
+        self.swapper = TensorSwapper(directory, config=config, buffer_bytes=1, buffer_count=0,
+                                     min_swap_bytes=0)
+        self.lock = threading.RLock()
+        self.held = 0
+        self.peak = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.prefetch_hits = 0    # fetches served by a read started ahead
+        self._ticks = itertools.count(1)
+        self._present: dict[int, Entry] = {}          # key -> present entry
+        self.by_storage: dict[int, Entry] = {}        # storage address -> present parameter
+        self._orphans: deque[tuple[Future[None], int]] = deque()  # writes whose tensor left
+
+    # --- accounting ----------------------------------------------------------------------
+
+    def _count(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def _reap(self, *, block: bool) -> bool:
+        """Forget the oldest finished write (waiting for it with ``block``); raise its error."""
+        if not self._orphans or not (block or self._orphans[0][0].done()):
+            return False
+        fut, nbytes = self._orphans.popleft()
+        self.held -= nbytes
+        fut.result()
+        return True
+
+    def _evict_one(self, *, spare_prefetched: bool) -> bool:
+        victims = [e for e in self._present.values() if e.pins == 0
+                   and (e.read is None or e.read.done())
+                   and not (spare_prefetched and e.prefetched)]
+        if not victims:
+            return False
+        self.drop(min(victims, key=lambda e: e.tick))
+        return True
+
+    def make_room(self, nbytes: int, *, demand: bool, what: str = "") -> bool:
+        """Get ``held + nbytes`` within the budget. A demand that cannot be met raises
+        :class:`OffloadMemoryError`; a prefetch gives up (returns False) instead of evicting
+        other prefetched entries or waiting."""
+        while self.held + nbytes > self.budget:
+            if self._reap(block=False) or self._evict_one(spare_prefetched=not demand):
+                continue
+            if not demand:
+                return False
+            if self._reap(block=True):
+                continue
+            pinned = sorted(e.name + (".grad" if e.grad else "") for e in self._present.values()
+                            if e.pins)
+            raise OffloadMemoryError(
+                f"{what or 'a tensor'} needs {nbytes} bytes but {self.held} of the "
+                f"max_in_memory_bytes={self.budget} are held by tensors in use "
+                f"({', '.join(pinned[:8])}{' ...' if len(pinned) > 8 else ''}); raise "
+                "max_in_memory_bytes or use smaller modules / optimizer sub-groups")
+        return True
+
+    # --- moving entries ----------------------------------------------------------------
+
+    def store(self, entry: Entry, tensor: torch.Tensor, *, keep: bool) -> None:
+        """Start writing ``tensor`` (already counted in ``held``) as ``entry``'s value. With
+        ``keep`` it is the entry's present tensor and stays (unchanged until the write ends);
+        else it leaves memory once written, waiting for writes while over the budget."""
+        data = tensor.detach()
+        if not data.is_contiguous():
+            data = data.contiguous()
+        entry.write = self.swapper.swap_out(entry.key, data)
+        self.bytes_written += entry.nbytes
+        if keep:
+            return
+        if entry.tensor is not None:
+            self._present.pop(entry.key, None)
+            entry.tensor, entry.read, entry.prefetched = None, None, False
+        self._orphans.append((entry.write, entry.nbytes))
+        self.settle()
+
+    def settle(self) -> None:
+        """After memory arrived uncounted-for (a gradient from autograd): get back within the
+        budget by evicting and waiting for writes, as far as that goes."""
+        while self.held > self.budget:
+            if not (self._reap(block=False) or self._evict_one(spare_prefetched=False)
+                    or self._reap(block=True)):
+                return
+
+    def count(self, nbytes: int) -> None:
+        """Count ``nbytes`` that arrived from outside (a gradient handed over by autograd)."""
+        self._count(nbytes)
+
+    def uncount(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+    def drop(self, entry: Entry) -> None:
+        """Forget the present value (a parameter gets its placeholder back)."""
+        if entry.tensor is None:
+            return
+        if entry.write is not None and not entry.write.done():
+            self._orphans.append((entry.write, entry.nbytes))  # the write keeps it alive
+        else:
+            self.held -= entry.nbytes
+        self._present.pop(entry.key, None)
+        if not entry.grad:
+            self.by_storage.pop(entry.tensor.untyped_storage().data_ptr(), None)
+            entry.param.data = placeholder(entry.shape, entry.dtype)
+        entry.tensor, entry.read, entry.prefetched = None, None, False
+
+    def _start_read(self, entry: Entry) -> None:
+        out = mapped_empty(entry.nbytes).view(entry.dtype).view(entry.shape)
+        self._count(entry.nbytes)
+        entry.tensor = out
+        entry.read = self.swapper.swap_in(entry.key, out=out)
+        entry.tick = next(self._ticks)
+        self._present[entry.key] = entry
+        if not entry.grad:
+            self.by_storage[out.untyped_storage().data_ptr()] = entry
+        self.bytes_read += entry.nbytes
+
+    def prefetch(self, entries: Iterable[Entry]) -> None:
+        """Start reading entries not present, while the budget has room without waiting."""
+        with self.lock:
+            for e in entries:
+                if e.tensor is None and e.valid and self.make_room(e.nbytes, demand=False):
+                    self._start_read(e)
+                    e.prefetched = True
+
+    def fetch(self, entries: list[Entry], what: str) -> None:
+        """Make ``entries`` present and pin them (parameters get their data back); blocks on
+        the reads. Raises :class:`OffloadMemoryError` (pinning nothing) if they cannot fit."""
+        with self.lock:
+            pinned: list[Entry] = []
+            try:
+                for e in entries:
+                    e.pins += 1
+                    pinned.append(e)
+                    if e.tensor is None:
+                        self.make_room(e.nbytes, demand=True, what=f"{what} ({e.name})")
+                        self._start_read(e)
+                    elif e.prefetched:
+                        self.prefetch_hits += 1
+                    e.tick = next(self._ticks)
+                    e.prefetched = False
+                for e in entries:
+                    if e.read is not None:
+                        e.read.result()
+                        e.read = None
+                    if not e.grad and e.param.data is not e.tensor:
+                        e.param.data = e.tensor  # type: ignore[assignment]
+            except BaseException:
+                self.unpin(pinned)
+                raise
+
+    def unpin(self, entries: Iterable[Entry]) -> None:
+        with self.lock:
+            for e in entries:
+                e.pins -= 1
+
+    def wait_writes(self) -> None:
+        """Block until every write finished; raise the first failure."""
+        with self.lock:
+            while self._reap(block=True):
+                pass
+            self.swapper.wait()
+
+    def close(self) -> None:
+        with self.lock:
+            self.swapper.close()

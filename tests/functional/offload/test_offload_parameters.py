@@ -1,0 +1,244 @@
+"""offload_parameters: training with parameters, gradients and optimizer state in files equals
+training in memory bitwise; the budget holds; tied parameters, modules called twice,
+no_grad evaluation, gradient accumulation and clear errors."""
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import deepnvme
+from deepnvme.offload import offload_parameters
+
+VOCAB, DIM = 50, 32
+
+
+class TinyLM(nn.Module):
+    """Embedding tied to the head; l1/l2/ln called twice per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.l1 = nn.Linear(DIM, 64)
+        self.l2 = nn.Linear(64, DIM)
+        self.ln = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = self.l2(torch.relu(self.l1(h))) + h
+        h = self.l2(torch.relu(self.l1(self.ln(h)))) + h
+        return self.head(self.ln(h))
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (4, 8), generator=g), torch.randint(0, VOCAB, (4, 8), generator=g))
+            for _ in range(n)]
+
+
+def loss_of(model, x, y):
+    return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def train(model, opt, steps, accum):
+    data = iter(batches(steps * accum))
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(accum):
+            loss_of(model, *next(data)).backward()
+        opt.step()
+
+
+def assert_same(reference, offload):
+    got = offload.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(value, got[name]), name
+
+
+def make_pair():
+    torch.manual_seed(0)
+    a = TinyLM()
+    return a, copy.deepcopy(a)
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+@pytest.mark.parametrize("opt_cls,kwargs", [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+                                            (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})])
+def test_training_offloaded_equals_training_in_memory_bitwise(tmp_path, accum, opt_cls, kwargs):
+    a, b = make_pair()
+    ref = opt_cls(a.parameters(), **kwargs)
+    train(a, ref, 3, accum)
+    off = offload_parameters(b, tmp_path, max_in_memory_bytes=24_000, prefetch=2)
+    opt = deepnvme.NVMeOptimizer(b.parameters(), opt_cls, swap_dir=tmp_path, sub_group_bytes=8_000,
+                                 **kwargs)
+    train(b, opt, 3, accum)
+    assert_same(a, off)
+    stats = off.stats()
+    # the budget holds, give or take the one gradient autograd just handed over
+    largest = max(p.numel() * p.element_size() for p in a.parameters())
+    assert stats.peak_bytes <= stats.budget_bytes + largest
+    assert stats.bytes_read > 0 and stats.prefetch_hits > 0
+    # parameters live in files: those still in memory fit the budget
+    resident = {p.untyped_storage().data_ptr(): p.numel() * p.element_size() for p in b.parameters()
+                if p.untyped_storage().nbytes() > p.element_size()}   # not a placeholder
+    assert sum(resident.values()) <= stats.budget_bytes
+    with torch.no_grad():
+        x, _ = batches(1, seed=7)[0]
+        assert torch.equal(a(x), b(x))
+    off.close()
+    opt.close()
+
+
+def test_gradients_accumulate_across_backward_passes_until_zero_grad(tmp_path):
+    a, b = make_pair()
+    off = offload_parameters(b, tmp_path, max_in_memory_bytes=20_000)
+    for x, y in batches(2):
+        loss_of(a, x, y).backward()
+        loss_of(b, x, y).backward()
+    for name, p in a.named_parameters():
+        assert torch.equal(off.gradient(name), p.grad), name
+    off.zero_grad()
+    assert off.gradient("l1.weight") is None
+    x, y = batches(1, seed=3)[0]
+    loss_of(b, x, y).backward()
+    a.zero_grad()
+    loss_of(a, x, y).backward()
+    assert torch.equal(off.gradient("l1.weight"), a.l1.weight.grad)
+    off.close()
+
+
+def test_files_hold_the_parameters_and_close_removes_them(tmp_path):
+    _, b = make_pair()
+    total = sum(p.numel() * p.element_size() for p in b.parameters())
+    off = offload_parameters(b, tmp_path, max_in_memory_bytes=20_000)
+    on_disk = sum(os.path.getsize(os.path.join(off.directory, f)) for f in os.listdir(off.directory)
+                  if f.endswith(".swp"))
+    assert on_disk == total
+    assert torch.isnan(b.l1.weight).all()  # a released parameter is a NaN placeholder
+    off.close()
+    assert not os.path.exists(off.directory)
+
+
+def test_a_parameter_as_large_as_the_budget_works(tmp_path):
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 4))
+    b = copy.deepcopy(a)
+    x = torch.randn(3, 256)
+    big = 256 * 256 * 4
+    off = offload_parameters(b, tmp_path, max_in_memory_bytes=big)
+    a(x).sum().backward()
+    b(x).sum().backward()
+    assert torch.equal(off.gradient("0.weight"), a[0].weight.grad)
+    assert off.stats().peak_bytes <= 2 * big
+    off.close()
+
+
+def test_a_module_larger_than_the_budget_is_refused_at_once(tmp_path):
+    model = nn.Linear(64, 64)
+    with pytest.raises(deepnvme.OffloadMemoryError, match="module .* has 16640 bytes"):
+        offload_parameters(model, tmp_path, max_in_memory_bytes=10_000)
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(150))
+        self.inner = nn.Linear(10, 15)
+
+    def forward(self, x):
+        return self.inner(x).sum() * self.w.sum()
+
+
+def test_exhausted_budget_raises_a_clear_error_and_recovers(tmp_path):
+    model = Outer()
+    off = offload_parameters(model, tmp_path, max_in_memory_bytes=1000)  # w 600 B, inner 660 B
+    with pytest.raises(deepnvme.OffloadMemoryError, match=r"module 'inner' \(inner.weight\) needs 600 bytes .*\(w\)"):
+        model(torch.ones(2, 10))
+    off.close()
+    model = Outer()
+    off = offload_parameters(model, tmp_path, max_in_memory_bytes=1300)
+    assert model(torch.ones(2, 10)).item() == pytest.approx(
+        (nn.functional.linear(torch.ones(2, 10), off.parameter("inner.weight"),
+                              off.parameter("inner.bias")).sum() * 150).item())
+    off.close()
+
+
+def test_the_execution_order_is_relearned_when_it_changes(tmp_path):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = layers
+            self.order = [0, 1, 2, 3]
+
+        def forward(self, x):
+            for i in self.order:
+                x = self.layers[i](x)
+            return x
+
+    net = Net()
+    off = offload_parameters(net, tmp_path, max_in_memory_bytes=3 * 1088, prefetch=1)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        net(x)
+        off.reset_stats()
+        net(x)
+        assert off.stats().prefetch_hits == 6  # weight and bias of layers 1..3
+        net.order = [3, 2, 1, 0]
+        net(x)
+        off.reset_stats()
+        net(x)
+        assert off.stats().prefetch_hits == 6  # learned again
+        net.order = [0, 1, 2, 3]
+        expected = x
+        for i in range(4):
+            expected = nn.functional.linear(expected, off.parameter(f"layers.{i}.weight"),
+                                            off.parameter(f"layers.{i}.bias"))
+        assert torch.equal(net(x), expected)
+    off.close()
+
+
+def test_dtype_converts_the_parameters(tmp_path):
+    model = nn.Linear(8, 8)
+    off = offload_parameters(model, tmp_path, max_in_memory_bytes=1 << 20, dtype=torch.bfloat16)
+    assert off.parameter("weight").dtype == torch.bfloat16
+    assert model(torch.ones(1, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    off.close()
+
+
+def test_a_deepspeed_config_applied_to_a_torch_loop_trains_like_memory(tmp_path):
+    a, b = make_pair()
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    train(a, ref, 2, 2)
+    settings = deepnvme.from_deepspeed_config({
+        "zero_optimization": {
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "p"), "buffer_count": 2,
+                              "buffer_size": 3000},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "o"), "buffer_count": 3}},
+        "aio": {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 2}})
+    off, opt = settings.apply(b, torch.optim.AdamW, lr=1e-2)
+    assert isinstance(opt, deepnvme.NVMeOptimizer) and off.stats().budget_bytes == 2 * 3000 * 4
+    train(b, opt, 2, 2)
+    assert_same(a, off)
+    off.close()
+    opt.close()
+
+
+def test_io_failures_surface_as_swap_errors_naming_the_file(tmp_path):
+    import shutil
+
+    _, b = make_pair()
+    off = offload_parameters(b, tmp_path, max_in_memory_bytes=20_000)
+    x, y = batches(1)[0]
+    loss_of(b, x, y).backward()
+    shutil.rmtree(off.directory)      # the files are gone: reads fail, and are reported
+    with pytest.raises(deepnvme.SwapError, match="has vanished") as info:
+        loss_of(b, x, y)
+    assert info.value.path.startswith(off.directory)
+    off.close()

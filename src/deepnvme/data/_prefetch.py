@@ -33,9 +33,14 @@ _InFlight = tuple[BatchPlan, torch.Tensor, "Future[int]"]
 
 
 def iterate_batches(ds: TokenDataset, order: Iterable[int], batch_size: int, *, prefetch: int,
-                    pin_memory: bool, drop_last: bool) -> Iterator[torch.Tensor]:
+                    pin_memory: bool, drop_last: bool,
+                    device: torch.device | None = None) -> Iterator[torch.Tensor]:
     """Yield the batches of ``order``; see :meth:`TokenDataset.batches` for the contract.
     Leaving early (``close()``, an error) waits for the reads in flight and frees the buffers."""
+    if device is not None and device.type != "cpu":
+        yield from _to_device(iterate_batches(ds, order, batch_size, prefetch=prefetch, pin_memory=False,
+                                              drop_last=drop_last), device, batch_size, ds)
+        return
     group = group_size(prefetch)
     slots = prefetch // group
     pool = BufferPool(ds.buffer_bytes(batch_size * group), slots)
@@ -61,6 +66,22 @@ def iterate_batches(ds: TokenDataset, order: Iterable[int], batch_size: int, *, 
             yield from _finish(ds, pending.popleft(), pool, batch_size, pin_memory)
     finally:
         _abandon(pending, pool)
+
+
+def _to_device(batches: Iterator[torch.Tensor], device: torch.device, batch_size: int,
+               ds: TokenDataset) -> Iterator[torch.Tensor]:
+    """Each batch copied to ``device`` through one reused page-locked staging batch; the copy
+    is complete when the batch is yielded (``Tensor.to`` from page-locked memory, blocking)."""
+    staging: torch.Tensor | None = None
+    try:
+        for batch in batches:
+            if staging is None:
+                staging = new_cpu_locked_tensor(batch_size * ds.geometry.tokens, batch.dtype)
+            stage = staging[:batch.numel()].view(batch.shape)
+            stage.copy_(batch)
+            yield stage.to(device)
+    finally:
+        batches.close()  # type: ignore[attr-defined]  # a generator: waits for its reads in flight
 
 
 def group_size(prefetch: int) -> int:

@@ -38,6 +38,20 @@ def _aligned_bytes(nbytes: int, alignment: int) -> torch.Tensor:
     return raw[pad:pad + nbytes]
 
 
+def _batch_device(device: str | torch.device | None) -> torch.device | None:
+    """``device`` checked up front: a name torch does not know, or CUDA where there is none, is
+    a ValueError naming it (not an error at the first batch)."""
+    if device is None:
+        return None
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"batches(device={device!r}): not a torch device: {exc}") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"batches(device={device!r}): CUDA is not available here")
+    return target
+
+
 class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
     """Samples of ``seq_len + 1`` tokens from ``prefix.bin`` / ``prefix.idx`` (Megatron's format).
 
@@ -169,7 +183,8 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
         return buffer[start - lo:start - lo + nbytes].view(self.dtype).to(self._out_dtype(), copy=True)
 
     def batches(self, order: Iterable[int] | torch.Tensor, batch_size: int, *, prefetch: int = 8,
-                pin_memory: bool = False, drop_last: bool = False) -> Iterator[torch.Tensor]:
+                pin_memory: bool = False, drop_last: bool = False,
+                device: str | torch.device | None = None) -> Iterator[torch.Tensor]:
         """Yield ``[batch, seq_len + 1]`` tensors of the samples of ``order`` in that order.
 
         Reads run up to ``prefetch`` batches ahead of the consumer (in groups of
@@ -181,15 +196,18 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
         iterator ends, plus the yielded batches, which the caller owns (``pin_memory``:
         allocated page-locked). The last short batch is dropped with
         ``drop_last``. Out-of-range indices raise IndexError before their batch is read.
+        ``device`` (e.g. ``"cuda"``): batches are yielded there, each copied through one reused
+        page-locked staging batch, the copy done when the batch is yielded.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
+        target = _batch_device(device)
         if isinstance(order, torch.Tensor):
             order = order.tolist()
         return iterate_batches(self, order, batch_size, prefetch=prefetch, pin_memory=pin_memory,
-                               drop_last=drop_last)
+                               drop_last=drop_last, device=target)
 
     def gather(self, at: Sequence[int], buffer: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the samples starting at bytes ``at`` of the read ``buffer`` (whose length is a

@@ -130,6 +130,29 @@ def test_batches_options(corpus):
     assert list(ds.batches([], 4)) == []
 
 
+def test_batches_to_a_device_go_through_one_staging_batch(corpus, monkeypatch):
+    prefix, tokens = corpus
+    ds = TokenDataset(prefix, seq_len=50)
+    order = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    assert torch.equal(torch.cat(list(ds.batches(order, 4, device="cpu"))), _rows(tokens, order, 50))
+    staged = []
+    real_to = torch.Tensor.to
+
+    def record(self, *args, **kwargs):
+        staged.append((self.data_ptr(), is_pinned(self), self.clone()))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", record)
+    got = list(ds.batches(order, 4, device="meta"))  # the staging path, with no GPU needed
+    monkeypatch.undo()
+    assert [b.device.type for b in got] == ["meta"] * 3 and [b.shape[0] for b in got] == [4, 4, 3]
+    assert len({ptr for ptr, _, _ in staged}) == 1 and all(pinned for _, pinned, _ in staged)
+    assert torch.equal(torch.cat([copy for _, _, copy in staged]), _rows(tokens, order, 50))
+    for bad in ("nonsense", "cuda:0" if not torch.cuda.is_available() else "nonsense:1"):
+        with pytest.raises(ValueError, match="batches\\(device="):
+            ds.batches(order, 4, device=bad)
+
+
 def test_batches_errors_and_early_exit(corpus):
     prefix, _tokens = corpus
     ds = TokenDataset(prefix, seq_len=50)

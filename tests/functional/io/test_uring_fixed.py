@@ -53,9 +53,11 @@ def test_locked_buffers_are_registered_and_used(tmp_path, slots):
 
     # 4 chunks written from `locked`, 4 read into `back`, all through registered slots
     assert sorted(s >= 0 for a, n, s in slots if inside(locked, a) or inside(back, a)) == [True] * 8
-    # `plain` is not locked memory: never registered (its unaligned chunks go through locked
-    # bounce buffers, which are)
-    assert not any(inside(plain, a) for a, n, s in slots)
+    # `plain` is not locked memory: never registered. Its chunks go through locked bounce
+    # buffers (which are) when it is not page-aligned; torch.empty happens to return a
+    # page-aligned address now and then (1 in 64 here), and then they go straight to it and are
+    # asked for a slot, which must be refused
+    assert all(s < 0 for a, n, s in slots if inside(plain, a))
 
 
 def test_a_freed_allocation_is_unregistered_and_its_address_reused_safely(tmp_path, slots):

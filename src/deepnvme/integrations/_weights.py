@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -148,10 +148,12 @@ def _view(buffer: torch.Tensor, start: int, t: StoredTensor) -> torch.Tensor:
     return raw.view(t.dtype).reshape(t.shape)
 
 
-def stream_weights(model_dir: str, options: LoaderOptions) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_weights(model_dir: str, options: LoaderOptions
+                   ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``model_dir`` (CPU tensors,
     the file's dtype), reading the next range while the caller consumes the current one.
-    Blocks while a range is read; a failed or short read raises. Not thread-safe."""
+    Blocks while a range is read; a failed or short read raises. ``close()`` (or exhausting it)
+    waits for the read in flight and stops the engine's threads. Not thread-safe."""
     ranges = plan_ranges(checkpoint_tensors(model_dir), options.read_window)
     with AioHandle(config=options.io) as handle:
         def start(r: ReadRange) -> tuple[ReadRange, torch.Tensor, Future[int] | None]:
@@ -168,5 +170,6 @@ def stream_weights(model_dir: str, options: LoaderOptions) -> Iterator[tuple[str
             pending = start(ranges[i + 1]) if i + 1 < len(ranges) else None
             views = [(t.name, _view(buf, t.offset - r.offset, t)) for t in r.tensors]
             del buf
-            while views:
-                yield views.pop(0)
+            views.reverse()
+            while views:   # popped as yielded: the stream keeps no reference to a consumed tensor
+                yield views.pop()

@@ -53,7 +53,11 @@ class DeepNVMeModelLoader(BaseModelLoader):  # type: ignore[misc]
             raise DeepNVMeError(f"{type(model).__name__} has no load_weights(weights) method, which "
                                 f"load_format {LOAD_FORMAT!r} feeds; it is not a vLLM model")
         t0 = time.perf_counter()
-        loaded = load(stream_weights(model_config.model, self.options))
+        weights = stream_weights(model_config.model, self.options)
+        try:
+            loaded = load(weights)
+        finally:
+            weights.close()   # if load_weights stopped early: end the read in flight and the engine
         log.info("deepnvme: loaded the weights of %s in %.2f s", model_config.model,
                  time.perf_counter() - t0)
         if model_config.quantization is None and loaded is not None:

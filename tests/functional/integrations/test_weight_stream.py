@@ -106,3 +106,14 @@ def test_truncated_shard_is_an_error_not_a_short_tensor(folder):
     os.truncate(path, os.path.getsize(path) - 100)
     with pytest.raises(CheckpointFormatError, match="model-00001-of-00002"):
         list(stream_weights(str(folder), loader_options({})))
+
+
+def test_closing_early_stops_the_engine_threads(folder):
+    import threading
+    before = threading.active_count()
+    stream = stream_weights(str(folder), loader_options({"read_window": 4096, "engine": "threads",
+                                                         "intra_op_parallelism": 3}))
+    next(stream)
+    assert threading.active_count() > before
+    stream.close()
+    assert threading.active_count() == before

@@ -1,0 +1,175 @@
+"""A model folder's safetensors weights as a stream of ``(name, tensor)``, read in bounded windows.
+
+Framework-free (a serving engine's loader consumes the iterator): tensors are grouped, in file
+order, into contiguous byte ranges of at most ``read_window`` bytes (a larger tensor is a range
+of its own); each range is one engine read into a fresh O_DIRECT-aligned buffer and yielded as
+views of it. The next range is read while the consumer copies the current one, so the stream
+holds at most ``2 x max(read_window, largest tensor)`` bytes of buffers (plus the engine's bounce
+space, see :mod:`deepnvme.config`); tensors the consumer keeps alive keep their range alive.
+Yielded tensors are never overwritten: each range has its own buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Generator, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from ..config import SETTINGS, IOConfig, checkpoint_config, parse_size
+from ..errors import CheckpointFormatError, ConfigError, DeepNVMeError
+from ..formats.hf_index import check_weight_map, find_checkpoint
+from ..formats.safetensors import StoredTensor, locate, read_header
+from ..handles.aio import AioHandle
+from ..memory.views import aligned_empty
+
+__all__ = ["DEFAULT_READ_WINDOW", "LOADER_KEYS", "LoaderOptions", "ReadRange", "loader_options",
+           "plan_ranges", "checkpoint_tensors", "stream_weights"]
+
+DEFAULT_READ_WINDOW = 64 << 20
+"""Bytes per read range unless ``read_window`` says otherwise."""
+
+LOADER_KEYS: Mapping[str, str] = {
+    "read_window": "bytes read per range (int or size string such as '64M'); the stream holds "
+                   "at most two ranges (or two of the largest tensor, if larger)",
+}
+"""Extra-config keys of the loader itself; every other key must be a deepnvme I/O setting."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderOptions:
+    """Validated loader settings: the engine's ``io`` config and the ``read_window`` in bytes."""
+
+    io: IOConfig
+    read_window: int = DEFAULT_READ_WINDOW
+
+
+def loader_options(extra: Mapping[str, Any] | None, *, source: str = "model_loader_extra_config"
+                   ) -> LoaderOptions:
+    """Check ``extra`` (e.g. vLLM's ``model_loader_extra_config``) and resolve it.
+
+    Keys are :data:`LOADER_KEYS` and the I/O settings of :data:`deepnvme.config.SETTINGS`;
+    unset I/O settings take the checkpoint profile (several threads: weights are large reads).
+    Any unknown key or bad value raises :class:`ConfigError` naming ``source`` and the key.
+    """
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"{source} must be a JSON object (a dict), got {type(extra).__name__}")
+    io_keys = {s.name for s in SETTINGS}
+    known = sorted(io_keys | set(LOADER_KEYS))
+    io: dict[str, Any] = {}
+    window = DEFAULT_READ_WINDOW
+    for key, value in extra.items():
+        if key == "read_window":
+            try:
+                window = parse_size(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{source}[{key!r}]: {exc}") from None
+            if window < 1:
+                raise ConfigError(f"{source}[{key!r}] must be at least 1 byte, got {value!r}")
+        elif key in io_keys:
+            io[key] = value
+        else:
+            raise ConfigError(f"{source}: unknown key {key!r} for load_format 'deepnvme'; known keys: "
+                              f"{', '.join(known)}")
+    for key, value in io.items():
+        try:
+            checkpoint_config({key: value})
+        except ConfigError as exc:
+            raise ConfigError(f"{source}[{key!r}]: {exc}") from None
+    return LoaderOptions(io=checkpoint_config(io), read_window=window)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRange:
+    """One read: ``nbytes`` at absolute ``offset`` of ``file``, holding ``tensors`` back to back."""
+
+    file: str
+    offset: int
+    nbytes: int
+    tensors: tuple[StoredTensor, ...]
+
+
+def plan_ranges(tensors: Sequence[StoredTensor], window: int) -> list[ReadRange]:
+    """Group ``tensors`` (sorted by file, then offset) into contiguous ranges of at most ``window``
+    bytes; a tensor larger than ``window`` gets a range of its own. Pure."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1 byte, got {window}")
+    out: list[ReadRange] = []
+    group: list[StoredTensor] = []
+    start = end = 0
+    for t in tensors:
+        joins = (group and t.file == group[0].file and t.offset == end
+                 and t.offset + t.nbytes - start <= window)
+        if group and not joins:
+            out.append(ReadRange(group[0].file, start, end - start, tuple(group)))
+            group = []
+        if not group:
+            start = end = t.offset
+        group.append(t)
+        end = t.offset + t.nbytes
+    if group:
+        out.append(ReadRange(group[0].file, start, end - start, tuple(group)))
+    return out
+
+
+def checkpoint_tensors(model_dir: str) -> list[StoredTensor]:
+    """Every tensor of the safetensors checkpoint in the local folder ``model_dir``, sorted by
+    file and offset: ``model.safetensors``, or the shards ``model.safetensors.index.json`` names
+    (other files are ignored). Reads headers only."""
+    if not os.path.isdir(model_dir):
+        raise DeepNVMeError(f"load_format 'deepnvme' reads a local model folder, and {model_dir!r} is "
+                            "not one: download the model first (e.g. `hf download REPO --local-dir "
+                            "DIR`) and pass DIR as the model")
+    files = find_checkpoint(model_dir, kinds=("safetensors",))
+    found: dict[str, str] = {}
+    out: list[StoredTensor] = []
+    for path in files.files:
+        for name, stored in locate(read_header(path), path).items():
+            if name in found:
+                raise CheckpointFormatError(f"tensor {name!r} is in both {found[name]!r} and {path!r}")
+            found[name] = path
+            out.append(stored)
+    check_weight_map(files, found)
+    out.sort(key=lambda t: (t.file, t.offset))
+    return out
+
+
+def _view(buffer: torch.Tensor, start: int, t: StoredTensor) -> torch.Tensor:
+    if t.nbytes == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    raw = buffer[start:start + t.nbytes]
+    if start % t.dtype.itemsize:   # not element-aligned in the range: view() refuses, so copy
+        raw = raw.clone()
+    return raw.view(t.dtype).reshape(t.shape)
+
+
+def stream_weights(model_dir: str, options: LoaderOptions
+                   ) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``model_dir`` (CPU tensors,
+    the file's dtype), reading the next range while the caller consumes the current one.
+    Blocks while a range is read; a failed or short read raises. ``close()`` (or exhausting it)
+    waits for the read in flight and stops the engine's threads. Not thread-safe."""
+    ranges = plan_ranges(checkpoint_tensors(model_dir), options.read_window)
+    with AioHandle(config=options.io) as handle:
+        def start(r: ReadRange) -> tuple[ReadRange, torch.Tensor, Future[int] | None]:
+            buf = aligned_empty(r.nbytes, r.offset, options.io.alignment)
+            return r, buf, handle.submit_read(buf, r.file, offset=r.offset) if r.nbytes else None
+
+        pending = start(ranges[0]) if ranges else None
+        for i in range(len(ranges)):
+            if pending is None:
+                break
+            r, buf, fut = pending
+            if fut is not None and fut.result() != r.nbytes:
+                raise CheckpointFormatError(f"{r.file!r}: short read of {r.nbytes} bytes at offset {r.offset}")
+            pending = start(ranges[i + 1]) if i + 1 < len(ranges) else None
+            views = [(t.name, _view(buf, t.offset - r.offset, t)) for t in r.tensors]
+            del buf
+            views.reverse()
+            while views:   # popped as yielded: the stream keeps no reference to a consumed tensor
+                yield views.pop()

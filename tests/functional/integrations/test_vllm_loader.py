@@ -1,0 +1,146 @@
+"""``load_format="deepnvme"`` inside vLLM, against vLLM's own ``safetensors`` loader.
+
+Needs the vLLM side environment (``scripts/test_vllm.sh`` builds it and runs this file); skipped
+where vLLM is not importable. The loader must come from the ``vllm.general_plugins`` entry point
+(deepnvme installed in that environment): nothing here imports deepnvme's vLLM module first.
+"""
+
+import gc
+import importlib.util
+import json
+import os
+import types
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:   # before touching the environment of other tests
+    pytest.skip("vLLM is not installed (tools/test_vllm.sh builds its side environment)", allow_module_level=True)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+vllm = pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from deepnvme.errors import ConfigError, DeepNVMeError  # noqa: E402
+
+PROMPTS = [[1, 5, 9, 17, 33], [200, 3, 3, 140, 7, 64, 2]]
+
+
+def _tiny_llama(folder, dtype):
+    """A random 2-layer Llama saved in ``dtype`` as 6 shards named by an index."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(folder, max_shard_size="300KB")
+    shards = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
+    assert len(shards) >= 2 and os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
+    return str(folder)
+
+
+def _run(model_dir, load_format, dtype, **extra):
+    """Greedy tokens, their logprobs and every parameter of vLLM's model after loading."""
+    llm = vllm.LLM(model=model_dir, load_format=load_format, skip_tokenizer_init=True,
+                   distributed_executor_backend="uni", enforce_eager=True, dtype=dtype,
+                   max_model_len=128, seed=0, **extra)
+    try:
+        params = vllm.SamplingParams(temperature=0, max_tokens=6, logprobs=3)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        logprobs = [[{k: v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs] for o in outs]
+        weights = llm.apply_model(lambda m: {n: p.detach().clone() for n, p in m.named_parameters()})[0]
+    finally:
+        del llm
+        gc.collect()
+    return tokens, logprobs, weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_deepnvme_equals_vllm_safetensors(tmp_path, dtype, caplog):
+    model_dir = _tiny_llama(tmp_path / "llama", dtype)
+    name = str(dtype).removeprefix("torch.")
+    with caplog.at_level("INFO", logger="deepnvme.integrations.vllm"):
+        ours = _run(model_dir, "deepnvme", name, model_loader_extra_config={"read_window": "128K"})
+    assert any("deepnvme: loaded the weights" in r.getMessage() for r in caplog.records)
+    theirs = _run(model_dir, "safetensors", name)
+    assert ours[0] == theirs[0]
+    assert ours[1] == theirs[1]
+    assert ours[2].keys() == theirs[2].keys() and ours[2]
+    for key, value in theirs[2].items():
+        assert ours[2][key].dtype == value.dtype and torch.equal(ours[2][key], value), key
+
+
+@pytest.fixture(scope="module")
+def loader_cls():
+    """The loader class vLLM resolves for "deepnvme" once its plugins are loaded."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    loader = get_model_loader(LoadConfig(load_format="deepnvme"))
+    assert type(loader).__module__ == "deepnvme.integrations.vllm"
+    return type(loader), LoadConfig
+
+
+def test_extra_config_is_validated(loader_cls):
+    cls, load_config = loader_cls
+    loader = cls(load_config(load_format="deepnvme", model_loader_extra_config={
+        "block_size": "2M", "queue_depth": 16, "engine": "threads", "read_window": "8M"}))
+    assert (loader.options.io.block_size, loader.options.io.queue_depth) == (2 << 20, 16)
+    assert loader.options.read_window == 8 << 20
+    with pytest.raises(ConfigError, match="'blok_size'"):
+        cls(load_config(load_format="deepnvme", model_loader_extra_config={"blok_size": 1}))
+
+
+def test_remote_model_name_is_one_clear_error(loader_cls):
+    cls, load_config = loader_cls
+    loader = cls(load_config(load_format="deepnvme"))
+    with pytest.raises(DeepNVMeError, match="local model folder"):
+        loader.download_model(types.SimpleNamespace(model="meta-llama/Llama-3.1-8B"))
+
+
+class _TwoParams(torch.nn.Module):
+    """A stand-in for a vLLM model: ``load_weights`` copies the tensors it knows, returns their names."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(4))
+        self.b = torch.nn.Parameter(torch.zeros(3))
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+def test_every_parameter_must_be_loaded(loader_cls, tmp_path):
+    cls, load_config = loader_cls
+    loader = cls(load_config(load_format="deepnvme"))
+    config = types.SimpleNamespace(model=str(tmp_path), quantization=None)
+    safetensors_torch.save_file({"a": torch.arange(4.0), "b": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    model = _TwoParams()
+    loader.load_weights(model, config)
+    assert torch.equal(model.a, torch.arange(4.0)) and torch.equal(model.b, torch.ones(3))
+    safetensors_torch.save_file({"a": torch.arange(4.0)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="not initialized from checkpoint.*'b'"):
+        loader.load_weights(_TwoParams(), config)
+
+
+def test_index_with_unnamed_files_ignored(loader_cls, tmp_path):
+    cls, load_config = loader_cls
+    safetensors_torch.save_file({"a": torch.arange(4.0)}, str(tmp_path / "s1.safetensors"))
+    safetensors_torch.save_file({"b": torch.ones(3)}, str(tmp_path / "s2.safetensors"))
+    safetensors_torch.save_file({"b": torch.zeros(3), "c": torch.ones(1)}, str(tmp_path / "old.safetensors"))
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}, f)
+    model = _TwoParams()
+    cls(load_config(load_format="deepnvme")).load_weights(
+        model, types.SimpleNamespace(model=str(tmp_path), quantization=None))
+    assert torch.equal(model.b, torch.ones(3))

@@ -1,0 +1,119 @@
+"""The vLLM loader's weight stream against the safetensors package, on real files (no vLLM needed)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from deepnvme.errors import CheckpointFormatError, DeepNVMeError  # noqa: E402
+from deepnvme.integrations import _weights  # noqa: E402
+from deepnvme.integrations._weights import loader_options, stream_weights  # noqa: E402
+
+
+def _sharded(folder, shards):
+    """Write ``shards`` ({file name: {tensor name: tensor}}) and their index into ``folder``."""
+    weight_map = {}
+    for file, tensors in shards.items():
+        safetensors_torch.save_file(tensors, os.path.join(folder, file))
+        weight_map.update({name: file for name in tensors})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    shards = {
+        "model-00001-of-00002.safetensors": {
+            "odd.bf16": torch.randn(3, generator=g).to(torch.bfloat16),   # leaves the next tensor misaligned
+            "big": torch.randn(300, 700, generator=g),
+            "ints": torch.arange(17, dtype=torch.int64),
+            "empty": torch.empty(0, 4),
+        },
+        "model-00002-of-00002.safetensors": {
+            "w.f16": torch.randn(64, 33, generator=g).to(torch.float16),
+            "scalar": torch.tensor(2.5),
+            "u8": torch.randint(0, 255, (5,), dtype=torch.uint8, generator=g),
+        },
+    }
+    _sharded(tmp_path, shards)
+    with open(tmp_path / "stray.safetensors", "wb") as f:   # not in the index: must be ignored
+        f.write(b"not a safetensors file")
+    return tmp_path
+
+
+@pytest.mark.parametrize("window", ["64K", "1", "64M"])
+def test_stream_equals_the_safetensors_package(folder, window):
+    expected = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("model-"):
+            expected.update(safetensors_torch.load_file(str(folder / name)))
+    got = dict(stream_weights(str(folder), loader_options({"read_window": window, "engine": "threads"})))
+    assert got.keys() == expected.keys()
+    for name, t in expected.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)), name
+
+
+def test_single_file_and_default_engine(tmp_path):
+    tensors = {"a": torch.randn(1000, 300), "b": torch.ones(7, dtype=torch.int32)}
+    safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
+    got = dict(stream_weights(str(tmp_path), loader_options({"read_window": "256K"})))
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+def test_at_most_two_ranges_are_read_ahead(folder, monkeypatch):
+    """When the consumer gets range k's tensors, buffers exist for ranges <= k + 1 only."""
+    allocated = []
+    real = _weights.aligned_empty
+
+    def counting(nbytes, offset, alignment):
+        allocated.append(nbytes)
+        return real(nbytes, offset, alignment)
+
+    monkeypatch.setattr(_weights, "aligned_empty", counting)
+    options = loader_options({"read_window": 4096, "engine": "threads"})
+    ranges = _weights.plan_ranges(_weights.checkpoint_tensors(str(folder)), 4096)
+    assert len(ranges) >= 4
+    range_of = {t.name: i for i, r in enumerate(ranges) for t in r.tensors}
+    for name, _ in stream_weights(str(folder), options):
+        assert len(allocated) <= range_of[name] + 2
+    assert len(allocated) == len(ranges)
+
+
+def test_not_a_local_folder():
+    with pytest.raises(DeepNVMeError, match="local model folder.*meta-llama/Llama-3.1-8B"):
+        next(stream_weights("meta-llama/Llama-3.1-8B", loader_options({})))
+
+
+def test_folder_without_safetensors(tmp_path):
+    torch.save({"a": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointFormatError, match="model.safetensors"):
+        next(stream_weights(str(tmp_path), loader_options({})))
+
+
+def test_index_naming_a_missing_shard(folder):
+    os.remove(folder / "model-00002-of-00002.safetensors")
+    with pytest.raises(CheckpointFormatError, match="model-00002-of-00002.safetensors"):
+        next(stream_weights(str(folder), loader_options({})))
+
+
+def test_truncated_shard_is_an_error_not_a_short_tensor(folder):
+    path = folder / "model-00001-of-00002.safetensors"
+    os.truncate(path, os.path.getsize(path) - 100)
+    with pytest.raises(CheckpointFormatError, match="model-00001-of-00002"):
+        list(stream_weights(str(folder), loader_options({})))
+
+
+def test_closing_early_stops_the_engine_threads(folder):
+    import threading
+    before = threading.active_count()
+    stream = stream_weights(str(folder), loader_options({"read_window": 4096, "engine": "threads",
+                                                         "intra_op_parallelism": 3}))
+    next(stream)
+    assert threading.active_count() > before
+    stream.close()
+    assert threading.active_count() == before

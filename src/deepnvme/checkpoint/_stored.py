@@ -22,7 +22,7 @@ from ..formats.hf_index import CheckpointFiles, check_weight_map
 from ..formats.safetensors import StoredTensor, locate, read_header
 from ..formats.torchzip import RecordSpan, read_record_spans, storage_spans
 
-__all__ = ["StoredTensor", "read_stored", "safetensors_layout", "torch_layout"]
+__all__ = ["StoredTensor", "read_stored", "safetensors_layout", "torch_layout", "torch_skeleton"]
 
 
 def safetensors_layout(path: str) -> dict[str, StoredTensor]:
@@ -77,8 +77,9 @@ def _unpickle(path: str, spans: Mapping[str, RecordSpan], byteorder: bool) -> tu
     return obj, meta.keys
 
 
-def torch_layout(path: str) -> dict[str, StoredTensor]:
-    """The tensors of a torch.save file holding a flat dict of name -> tensor (a state dict)."""
+def torch_skeleton(path: str) -> tuple[Any, dict[int, str], dict[str, RecordSpan]]:
+    """A torch.save file's object with ``meta`` tensors in place of data, each meta storage's
+    record key (by ``UntypedStorage._cdata``), and the storage records' spans; no data read."""
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -91,6 +92,12 @@ def torch_layout(path: str) -> dict[str, StoredTensor]:
                                            size=0) from None
     spans = storage_spans(all_spans)
     obj, keys = _unpickle(path, spans, "byteorder" in all_spans)
+    return obj, keys, spans
+
+
+def torch_layout(path: str) -> dict[str, StoredTensor]:
+    """The tensors of a torch.save file holding a flat dict of name -> tensor (a state dict)."""
+    obj, keys, spans = torch_skeleton(path)
     if not isinstance(obj, dict):
         raise CheckpointFormatError(f"{path!r} holds a {type(obj).__name__}, not a state dict "
                                     "(a dict of name -> tensor)")

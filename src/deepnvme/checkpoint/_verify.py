@@ -8,20 +8,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError, CheckpointFormatError
 from ._checksums import checksum, hasher, named_storages
 from ._store import FILE, MANIFEST, list_steps, read_manifest, step_dir
 from .loader import load as load_file
 
-__all__ = ["load_checked", "check_tensors", "CheckResult", "find_targets", "check_one"]
+__all__ = ["load_checked", "open_checked", "check_tensors", "check_structure", "check_sums",
+           "CheckResult", "find_targets", "check_one"]
 
 
-def load_checked(path: str, step: int | None, *, map_location: Any = None,
-                 config: IOConfig | Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
-    """Load the checkpoint directory ``path`` and check it against its manifest; return
-    ``(object, manifest)``. Any mismatch is a :class:`CheckpointCorruptError` naming the step
-    and the file or tensor. Blocks; memory: the loaded checkpoint."""
+def open_checked(path: str, step: int | None) -> tuple[dict[str, Any], str, str]:
+    """The manifest of checkpoint directory ``path``, the step's words for errors, and its
+    state file, whose size is checked against the manifest (:class:`CheckpointCorruptError`)."""
     manifest = read_manifest(path, step)
     what = f"step {manifest.get('step', step)}"
     file = os.path.join(path, FILE)
@@ -32,6 +33,15 @@ def load_checked(path: str, step: int | None, *, map_location: Any = None,
     if size != manifest["file_size"]:
         raise CheckpointCorruptError(f"checkpoint {what}: {file!r} is {size} bytes; the manifest "
                                      f"says {manifest['file_size']}")
+    return manifest, what, file
+
+
+def load_checked(path: str, step: int | None, *, map_location: Any = None,
+                 config: IOConfig | Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """Load the checkpoint directory ``path`` and check it against its manifest; return
+    ``(object, manifest)``. Any mismatch is a :class:`CheckpointCorruptError` naming the step
+    and the file or tensor. Blocks; memory: the loaded checkpoint."""
+    manifest, what, file = open_checked(path, step)
     try:
         obj = load_file(file, map_location, config=config)
     except (CheckpointFormatError, pickle.UnpicklingError) as exc:
@@ -42,6 +52,12 @@ def load_checked(path: str, step: int | None, *, map_location: Any = None,
 
 def check_tensors(obj: Any, manifest: Mapping[str, Any], what: str) -> None:
     """Compare the loaded object's storages with the manifest's names, sizes and checksums."""
+    check_sums(check_structure(obj, manifest, what), manifest, what)
+
+
+def check_structure(obj: Any, manifest: Mapping[str, Any], what: str) -> dict[str, torch.UntypedStorage]:
+    """Compare ``obj``'s storages (real or ``meta``) with the manifest's names and sizes; return
+    them by manifest name."""
     want: dict[str, dict[str, Any]] = manifest["tensors"]
     have = dict(named_storages(obj))
     missing = [n for n in want if n not in have]
@@ -49,14 +65,23 @@ def check_tensors(obj: Any, manifest: Mapping[str, Any], what: str) -> None:
     if missing or extra:
         raise CheckpointCorruptError(f"checkpoint {what}: tensors do not match the manifest "
                                      f"(missing {missing[:5]}, unexpected {extra[:5]})")
-    algorithm = manifest.get("checksum")
-    fn = hasher(algorithm) if algorithm else None
     for name, entry in want.items():
-        storage = have[name]
-        if storage.nbytes() != entry["nbytes"]:
-            raise CheckpointCorruptError(f"checkpoint {what}: tensor {name!r} has {storage.nbytes()} "
+        if have[name].nbytes() != entry["nbytes"]:
+            raise CheckpointCorruptError(f"checkpoint {what}: tensor {name!r} has {have[name].nbytes()} "
                                          f"bytes; the manifest says {entry['nbytes']}")
-        if fn is not None and checksum(fn, storage) != entry["checksum"]:
+    return have
+
+
+def check_sums(data: Mapping[str, torch.UntypedStorage | torch.Tensor], manifest: Mapping[str, Any],
+               what: str) -> None:
+    """Compare each manifest tensor's bytes in ``data`` (a storage, or a uint8 CPU tensor) with
+    its stored checksum; nothing to do when the manifest has none."""
+    algorithm = manifest.get("checksum")
+    if not algorithm:
+        return
+    fn = hasher(algorithm)
+    for name, entry in manifest["tensors"].items():
+        if checksum(fn, data[name]) != entry["checksum"]:
             raise CheckpointCorruptError(f"checkpoint {what}: tensor {name!r} fails its {algorithm} "
                                          "checksum (its bytes changed after the save)")
 

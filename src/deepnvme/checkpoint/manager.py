@@ -39,6 +39,7 @@ from ._checksums import named_storages, record_names, resolve_algorithm
 from ._lock import DirectoryLock, try_lock
 from ._paths import as_path
 from ._policy import check_policy, is_due
+from ._restore import open_skeleton, read_into
 from ._rng import capture_rng, restore_rng
 from ._store import FILE, list_steps, new_building, remove_leftovers, step_dir
 from ._verify import load_checked
@@ -342,21 +343,22 @@ class CheckpointManager:
 
         Objects get ``load_state_dict``, tensors ``copy_``, plain data replaces ``state[name]``;
         RNG states are restored when saved and ``rng=True``. The names of ``state`` and the
-        checkpoint must match (:class:`CheckpointMismatchError` before anything changes).
+        checkpoint must match, and so must the names and shapes of a module's state dict
+        (:class:`CheckpointMismatchError` before anything changes). Bytes are read straight
+        into the existing tensors (parameters, buffers, optimizer state, tensors in ``state``)
+        where dtype and shape match, else into new memory (:mod:`._restore`). Stored checksums
+        are checked on the bytes read: a :class:`CheckpointCorruptError` then comes after the
+        state's tensors were overwritten, as can an I/O error.
         """
+        if self._writer is not None and not self._closed:
+            self.wait()
         chosen = self._resolve(step)
-        saved = self.load(chosen, map_location="cpu")
-        names = [n for n in saved if n != RNG_KEY]
-        missing = [n for n in state if n not in saved]
-        extra = [n for n in names if n not in state]
-        shapes = [(n, tuple(saved[n].shape), tuple(v.shape)) for n, v in state.items()
-                  if isinstance(v, torch.Tensor) and n in saved
-                  and (not isinstance(saved[n], torch.Tensor) or saved[n].shape != v.shape)]
-        if missing or extra or shapes:
-            raise CheckpointMismatchError(
-                f"step {chosen} in {self.directory!r} does not fit the state: not in the checkpoint "
-                f"{missing}, not in the state {extra}, shapes {shapes}",
-                missing_keys=missing, unexpected_keys=extra, mismatched=shapes)
+        sk = open_skeleton(step_dir(self.directory, chosen), chosen)
+        if not isinstance(sk.obj, dict):
+            raise CheckpointMismatchError(f"step {chosen} in {self.directory!r} holds a {type(sk.obj).__name__}")
+        dests = {n: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for n, v in state.items()}
+        self._check_fit(chosen, sk.obj, state, dests)
+        saved = read_into(sk, dests, self._config)
         for name, value in list(state.items()):
             if isinstance(value, torch.Tensor):
                 with torch.no_grad():
@@ -368,6 +370,30 @@ class CheckpointManager:
         if self.rng and RNG_KEY in saved:
             restore_rng(saved[RNG_KEY])
         return chosen
+
+    def _check_fit(self, chosen: int, saved: Mapping[str, Any], state: Mapping[str, Any],
+                   dests: Mapping[str, Any]) -> None:
+        """Names of ``state`` and the checkpoint, shapes of its tensors and of its modules' state
+        dicts (``saved`` may hold ``meta`` tensors): one :class:`CheckpointMismatchError`."""
+        names = [n for n in saved if n != RNG_KEY]
+        missing = [n for n in state if n not in saved]
+        extra = [n for n in names if n not in state]
+        shapes = [(n, tuple(saved[n].shape), tuple(v.shape)) for n, v in state.items()
+                  if isinstance(v, torch.Tensor) and n in saved
+                  and (not isinstance(saved[n], torch.Tensor) or saved[n].shape != v.shape)]
+        for n, v in state.items():
+            if isinstance(v, torch.nn.Module) and isinstance(saved.get(n), dict):
+                have, want = saved[n], dests[n]
+                missing += [f"{n}/{k}" for k in want if k not in have]
+                extra += [f"{n}/{k}" for k in have if k not in want]
+                shapes += [(f"{n}/{k}", tuple(t.shape), tuple(want[k].shape)) for k, t in have.items()
+                           if isinstance(t, torch.Tensor) and isinstance(want.get(k), torch.Tensor)
+                           and t.shape != want[k].shape]
+        if missing or extra or shapes:
+            raise CheckpointMismatchError(
+                f"step {chosen} in {self.directory!r} does not fit the state: not in the checkpoint "
+                f"{missing}, not in the state {extra}, shapes {shapes}",
+                missing_keys=missing, unexpected_keys=extra, mismatched=shapes)
 
     def _resolve(self, step: int | None) -> int:
         steps = self.steps()

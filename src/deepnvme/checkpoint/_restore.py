@@ -1,0 +1,146 @@
+"""Reading a manager checkpoint for ``restore``: straight into the state's existing tensors.
+
+The file's object is first rebuilt with ``meta`` tensors (no data read) and checked against the
+manifest, so the caller can match names and shapes before any byte moves. Then each storage
+record is read either into the destination tensor that already holds that entry (a module's
+``state_dict()`` tensor, an optimizer's existing state tensor, a plain tensor in ``state``) or,
+where none fits, into new memory. Stored checksums are computed on the bytes as read (the
+destination's). The rebuilt object holds the filled destinations, so ``load_state_dict`` /
+``copy_`` afterwards copy a tensor onto itself, which PyTorch skips.
+
+A record is filled in place when exactly one saved tensor views it, whole and contiguous, and
+the destination is a CPU contiguous tensor of the same dtype and shape whose memory no other
+record fills. Memory: the records that are not filled in place (RNG states, an optimizer's
+state before its first step, ...), each rounded up for O_DIRECT alignment.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import IOConfig
+from ..errors import CheckpointCorruptError, CheckpointFormatError
+from ..handles.aio import AioHandle
+from ..memory.views import aligned_empty, cast_to_byte_tensor
+from ._checksums import named_storages
+from ._stored import torch_skeleton
+from ._verify import check_structure, check_sums, open_checked
+
+__all__ = ["Skeleton", "open_skeleton", "read_into"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """A checked checkpoint's object with ``meta`` tensors, and what is needed to read it."""
+
+    obj: Any
+    file: str
+    what: str
+    manifest: dict[str, Any]
+    keys: dict[int, str]  # meta storage _cdata -> record key
+    offsets: dict[str, int]  # record key -> file offset of its bytes
+    sizes: dict[str, int]  # record key -> bytes
+
+
+def open_skeleton(path: str, step: int) -> Skeleton:
+    """The checkpoint directory ``path``'s object without data, checked against its manifest
+    (file size, tensor names and sizes): :class:`CheckpointCorruptError` otherwise."""
+    manifest, what, file = open_checked(path, step)
+    try:
+        obj, keys, spans = torch_skeleton(file)
+    except CheckpointFormatError as exc:
+        raise CheckpointCorruptError(f"checkpoint {what}: {exc}") from exc
+    check_structure(obj, manifest, what)
+    return Skeleton(obj, file, what, manifest, keys, {k: s.offset for k, s in spans.items()},
+                    {k: s.size for k, s in spans.items()})
+
+
+def _pairs(saved: Any, dest: Any, out: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Every meta tensor of ``saved`` with the tensor at the same place in ``dest`` (or None)."""
+    if isinstance(saved, torch.Tensor):
+        out.append((saved, dest.detach() if isinstance(dest, torch.Tensor) else None))
+    elif isinstance(saved, dict):
+        for k, v in saved.items():
+            _pairs(v, dest.get(k) if isinstance(dest, dict) else None, out)
+    elif isinstance(saved, (list, tuple)):
+        same = isinstance(dest, (list, tuple)) and len(dest) == len(saved)
+        for i, v in enumerate(saved):
+            _pairs(v, dest[i] if same else None, out)
+
+
+def _fits(meta: torch.Tensor, dst: torch.Tensor | None, size: int) -> bool:
+    return (dst is not None and dst.device.type == "cpu" and dst.layout == torch.strided
+            and dst.is_contiguous() and dst.dtype == meta.dtype and dst.shape == meta.shape
+            and meta.is_contiguous() and meta.storage_offset() == 0
+            and meta.numel() * meta.element_size() == size > 0)
+
+
+def read_into(sk: Skeleton, dests: Mapping[str, Any], config: IOConfig) -> Any:
+    """Read ``sk``'s data, in place into the matching tensors of ``dests`` (name -> tensor or
+    state dict, parallel to the saved object) where they fit; verify stored checksums; return
+    the object with real tensors. A checksum mismatch raises after the bytes are in place."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    for name, saved in sk.obj.items():
+        _pairs(saved, dests.get(name), pairs)
+    users: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+    for meta, dst in pairs:
+        users.setdefault(sk.keys[meta.untyped_storage()._cdata], []).append((meta, dst))
+    data: dict[str, torch.Tensor] = {}  # record key -> uint8 tensor its bytes are read into
+    real: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its real tensor
+    taken: set[int] = set()
+    fresh: list[str] = []
+    for key, group in users.items():
+        meta, dst = group[0]
+        size = sk.sizes[key]
+        if (len(group) == 1 and dst is not None and _fits(meta, dst, size)
+                and dst.untyped_storage().data_ptr() not in taken):
+            taken.add(dst.untyped_storage().data_ptr())
+            data[key], real[id(meta)] = cast_to_byte_tensor(dst), _like(meta, dst)
+            continue
+        buf = data[key] = aligned_empty(size, sk.offsets[key]) if size else torch.empty(0, dtype=torch.uint8)
+        fresh.append(key)
+        for m, _ in group:
+            real[id(m)] = _like(m, torch.empty(0, dtype=m.dtype).set_(
+                buf.untyped_storage(), m.storage_offset(), m.shape, m.stride()))
+    if fresh:
+        log.debug("CheckpointManager.restore %s: %d of %d records read into new memory (no existing "
+                  "tensor of the same dtype and shape to fill): %s", sk.what, len(fresh), len(users),
+                  fresh[:20])
+    items = [(buf, sk.offsets[key]) for key, buf in data.items() if buf.numel()]
+    if items:
+        with AioHandle(config=config) as handle:
+            handle.read_many(sk.file, items).result()
+    names = {st._cdata: n for n, st in named_storages(sk.obj)}
+    check_sums({names[cdata]: data[key] for cdata, key in sk.keys.items() if cdata in names},
+               sk.manifest, sk.what)
+    return _swap(sk.obj, lambda t: real[id(t)])
+
+
+def _like(meta: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the unpickled ``meta`` was: a Parameter, or requiring grad, when it was."""
+    if isinstance(meta, torch.nn.Parameter):
+        return torch.nn.Parameter(t, requires_grad=meta.requires_grad)
+    return t.requires_grad_(True) if meta.requires_grad else t
+
+
+def _swap(value: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by ``tensor(it)``: dicts and lists in place (their
+    types and attributes such as a state dict's ``_metadata`` kept), tuples rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return tensor(value)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            value[k] = _swap(v, tensor)
+    elif isinstance(value, list):
+        value[:] = [_swap(v, tensor) for v in value]
+    elif isinstance(value, tuple):
+        items = [_swap(v, tensor) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value

@@ -93,7 +93,8 @@ def run_mode(args: argparse.Namespace) -> dict:
                    written_per_step=s.bytes_written / args.steps + state, state_bytes=state,
                    peak_held=s.peak_bytes, budget=budget, sub_groups=opt.num_sub_groups,
                    opt_buffers=args.buffers * opt._swapper.buffer_bytes,
-                   prefetch_hits=s.prefetch_hits / args.steps)
+                   prefetch_hits=s.prefetch_hits / args.steps,
+                   buffers_reused=s.buffers_reused / args.steps)
         offload.close()
         opt.close()
     return out

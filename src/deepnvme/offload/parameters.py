@@ -32,10 +32,10 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
-from ..memory.heap import trim_heap
+from ..memory.heap import mapped_empty, trim_heap
 from ._order import OrderTracker
 from ._sources import Init, Source, make_source
-from ._store import Buffer, Entry, TensorStore, placeholder
+from ._store import Entry, TensorStore, placeholder
 
 __all__ = ["OffloadStats", "ParameterOffload", "offload_parameters"]
 
@@ -275,9 +275,9 @@ class ParameterOffload:
                     buf = store.take_free(entry.nbytes)
                     if buf is not None:
                         store.uncount(entry.nbytes)
+                        grad = buf.typed(entry.dtype, entry.shape).copy_(grad)
                     else:
-                        buf = Buffer(entry.nbytes)
-                    grad = buf.typed(entry.dtype, entry.shape).copy_(grad)
+                        grad = mapped_empty(entry.nbytes).view(entry.dtype).view(entry.shape).copy_(grad)
                 store.store(entry, grad, keep=False, buf=buf)
                 entry.valid = True
                 return

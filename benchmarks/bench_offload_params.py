@@ -93,7 +93,8 @@ def run_mode(args: argparse.Namespace) -> dict:
                    written_per_step=s.bytes_written / args.steps + state, state_bytes=state,
                    peak_held=s.peak_bytes, budget=budget, sub_groups=opt.num_sub_groups,
                    opt_buffers=args.buffers * opt._swapper.buffer_bytes,
-                   prefetch_hits=s.prefetch_hits / args.steps)
+                   prefetch_hits=s.prefetch_hits / args.steps,
+                   buffers_reused=s.buffers_reused / args.steps)
         offload.close()
         opt.close()
     return out
@@ -187,6 +188,8 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], w_bw: float, r
           f"{f'<= {1.1 * bound / 2**20:.0f}':>14}{rss / bound:>9.2f}")
     print(f"{'  budget + optimizer buffers (MiB)':<34}{bound / 2**20:>12.0f}")
     print(f"{'  held params+grads at peak (MiB)':<34}{off['peak_held'] / 2**20:>12.0f}")
+    if "buffers_reused" in off:
+        print(f"{'  buffers reused per step':<34}{off['buffers_reused']:>12.0f}")
     print(f"{'  first step (creates the state)':<34}"
           f"{max(r['rss_first_step'] for r in runs['offload']) / 2**20:>12.0f}")
     mem_rss = max(r["rss"] for r in runs["memory"])

@@ -6,8 +6,12 @@ writes). A present entry holds a tensor allocated for it; a released parameter's
 one-element placeholder expanded to its shape (NaN for floating types, so a stray use shows).
 
 Memory bound: ``held`` = present tensors + reads in flight + tensors still being written after
-they left their entry; every allocation first makes room (evicting unpinned entries, least
-recently used first, then waiting for the oldest writes) so ``held <= budget``. A gradient
+they left their entry + free buffers kept for reuse; every allocation first takes a free buffer of
+its size, else makes room (dropping free buffers, evicting unpinned entries, least recently used
+first, then waiting for the oldest writes) so ``held <= budget``.
+Buffer reuse: a tensor's mapping (``nbytes >= MAPPED_MIN``) goes to a free list keyed by ``nbytes``
+once its I/O ended and nothing else refers to its storage (use count back to what it was when
+mapped), so a step maps, unmaps and page-faults nothing after the first. A gradient
 handed over by autograd already exists, so it is counted and room is made after the fact.
 Thread-safety: every public method takes one lock (autograd may run hooks on other threads).
 """
@@ -20,15 +24,16 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
-from ..memory.heap import mapped_empty
+from ..memory.heap import MAPPED_MIN, mapped_empty
 from ..swap import TensorSwapper
 
-__all__ = ["Entry", "TensorStore", "placeholder"]
+__all__ = ["Buffer", "Entry", "TensorStore", "placeholder"]
 
 _PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}
 
@@ -46,7 +51,7 @@ class Entry:
     """One offloaded tensor: a parameter's data (``grad=False``) or its gradient."""
 
     __slots__ = ("key", "name", "param", "grad", "shape", "dtype", "nbytes", "tensor", "read",
-                 "write", "pins", "tick", "prefetched", "valid")
+                 "write", "pins", "tick", "prefetched", "valid", "buf")
 
     def __init__(self, key: int, name: str, param: torch.nn.Parameter, *, grad: bool) -> None:
         self.key = key
@@ -63,6 +68,28 @@ class Entry:
         self.tick = 0
         self.prefetched = False
         self.valid = not grad             # a gradient is valid once one was accumulated
+        self.buf: Buffer | None = None   # the reusable mapping behind ``tensor``, if any
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+class Buffer:
+    """A mapping the store allocated (uint8) and the storage use count it has when unshared."""
+
+    __slots__ = ("raw", "alone")
+
+    def __init__(self, nbytes: int) -> None:
+        self.raw = mapped_empty(nbytes)
+        self.alone = _use_count(self.raw)
+
+    def unshared(self) -> bool:
+        """True if no tensor besides ``raw`` (a parameter's ``.data``, an autograd view) uses it."""
+        return _use_count(self.raw) == self.alone
+
+    def typed(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        return self.raw.view(dtype).view(shape)
 
 
 class TensorStore:
@@ -82,7 +109,11 @@ class TensorStore:
         self._ticks = itertools.count(1)
         self._present: dict[int, Entry] = {}          # key -> present entry
         self.by_storage: dict[int, Entry] = {}        # storage address -> present parameter
-        self._orphans: deque[tuple[Future[None], int]] = deque()  # writes whose tensor left
+        # I/O whose tensor left its entry: (future, bytes, its buffer, raise the future's error)
+        self._orphans: deque[tuple[Future[Any], int, Buffer | None, bool]] = deque()
+        self._free: dict[int, list[Buffer]] = {}    # nbytes -> free buffers (counted in held)
+        self.free_bytes = 0
+        self.reused = 0       # allocations served by a free buffer
 
     # --- accounting ----------------------------------------------------------------------
 
@@ -94,10 +125,46 @@ class TensorStore:
         """Forget the oldest finished write (waiting for it with ``block``); raise its error."""
         if not self._orphans or not (block or self._orphans[0][0].done()):
             return False
-        fut, nbytes = self._orphans.popleft()
-        self.held -= nbytes
-        fut.result()
+        fut, nbytes, buf, check = self._orphans.popleft()
+        error = fut.exception() if check else None
+        del fut   # a read's future holds its tensor: let go before checking the buffer is unshared
+        self._give_back(buf, nbytes)
+        if error is not None:
+            raise error
         return True
+
+    # --- free buffers --------------------------------------------------------------------
+
+    def _give_back(self, buf: Buffer | None, nbytes: int) -> None:
+        """``nbytes`` whose I/O ended leave their user: keep the buffer for reuse if unshared."""
+        if buf is not None and nbytes >= MAPPED_MIN and buf.unshared():
+            self._free.setdefault(nbytes, []).append(buf)
+            self.free_bytes += nbytes
+        else:
+            self.held -= nbytes
+
+    def _free_one(self) -> bool:
+        """Unmap one free buffer (any size); False if none."""
+        for nbytes, bufs in self._free.items():
+            bufs.pop()
+            if not bufs:
+                del self._free[nbytes]
+            self.free_bytes -= nbytes
+            self.held -= nbytes
+            return True
+        return False
+
+    def take_free(self, nbytes: int) -> Buffer | None:
+        """A free buffer of ``nbytes`` (it stays counted in ``held``), or None."""
+        bufs = self._free.get(nbytes)
+        if not bufs:
+            return None
+        buf = bufs.pop()
+        if not bufs:
+            del self._free[nbytes]
+        self.free_bytes -= nbytes
+        self.reused += 1
+        return buf
 
     def _evict_one(self, *, spare_prefetched: bool) -> bool:
         victims = [e for e in self._present.values() if e.pins == 0
@@ -108,32 +175,58 @@ class TensorStore:
         self.drop(min(victims, key=lambda e: e.tick))
         return True
 
+    def _room_step(self, *, demand: bool) -> bool:
+        """Free some counted memory: a finished write, a free buffer, an LRU entry (a demand
+        also waits for the oldest write). False if nothing could be done."""
+        return (self._reap(block=False) or self._free_one()
+                or self._evict_one(spare_prefetched=not demand)
+                or (demand and self._reap(block=True)))
+
+    def _too_big(self, nbytes: int, what: str) -> OffloadMemoryError:
+        pinned = sorted(e.name + (".grad" if e.grad else "") for e in self._present.values()
+                        if e.pins)
+        return OffloadMemoryError(
+            f"{what or 'a tensor'} needs {nbytes} bytes but {self.held} of the "
+            f"max_in_memory_bytes={self.budget} are held by tensors in use "
+            f"({', '.join(pinned[:8])}{' ...' if len(pinned) > 8 else ''}); raise "
+            "max_in_memory_bytes or use smaller modules / optimizer sub-groups")
+
     def make_room(self, nbytes: int, *, demand: bool, what: str = "") -> bool:
         """Get ``held + nbytes`` within the budget. A demand that cannot be met raises
         :class:`OffloadMemoryError`; a prefetch gives up (returns False) instead of evicting
         other prefetched entries or waiting."""
         while self.held + nbytes > self.budget:
-            if self._reap(block=False) or self._evict_one(spare_prefetched=not demand):
-                continue
-            if not demand:
-                return False
-            if self._reap(block=True):
-                continue
-            pinned = sorted(e.name + (".grad" if e.grad else "") for e in self._present.values()
-                            if e.pins)
-            raise OffloadMemoryError(
-                f"{what or 'a tensor'} needs {nbytes} bytes but {self.held} of the "
-                f"max_in_memory_bytes={self.budget} are held by tensors in use "
-                f"({', '.join(pinned[:8])}{' ...' if len(pinned) > 8 else ''}); raise "
-                "max_in_memory_bytes or use smaller modules / optimizer sub-groups")
+            if not self._room_step(demand=demand):
+                if not demand:
+                    return False
+                raise self._too_big(nbytes, what)
         return True
+
+    def buffer(self, nbytes: int, *, demand: bool, what: str = "") -> Buffer | None:
+        """A counted buffer of ``nbytes``: a free one (looked for again after each step that
+        made room, which may have freed one of this size), else a new mapping once there is
+        room; None if a prefetch finds no room, :class:`OffloadMemoryError` if a demand can't."""
+        while True:
+            if nbytes >= MAPPED_MIN:
+                buf = self.take_free(nbytes)
+                if buf is not None:
+                    return buf
+            if self.held + nbytes <= self.budget:
+                self._count(nbytes)
+                return Buffer(nbytes)
+            if not self._room_step(demand=demand):
+                if not demand:
+                    return None
+                raise self._too_big(nbytes, what)
 
     # --- moving entries ----------------------------------------------------------------
 
-    def store(self, entry: Entry, tensor: torch.Tensor, *, keep: bool) -> None:
+    def store(self, entry: Entry, tensor: torch.Tensor, *, keep: bool,
+              buf: Buffer | None = None) -> None:
         """Start writing ``tensor`` (already counted in ``held``) as ``entry``'s value. With
         ``keep`` it is the entry's present tensor and stays (unchanged until the write ends);
-        else it leaves memory once written, waiting for writes while over the budget."""
+        else it leaves memory once written (``buf``, the free buffer it is in, is then reused),
+        waiting for writes while over the budget."""
         data = tensor.detach()
         if not data.is_contiguous():
             data = data.contiguous()
@@ -143,16 +236,18 @@ class TensorStore:
             return
         if entry.tensor is not None:
             self._present.pop(entry.key, None)
-            entry.tensor, entry.read, entry.prefetched = None, None, False
-        self._orphans.append((entry.write, entry.nbytes))
+            buf = entry.buf if entry.tensor.data_ptr() == data.data_ptr() else None
+            entry.tensor, entry.read, entry.prefetched, entry.buf = None, None, False, None
+        del tensor, data
+        self._orphans.append((entry.write, entry.nbytes, buf, True))
         self.settle()
 
     def settle(self) -> None:
         """After memory arrived uncounted-for (a gradient from autograd): get back within the
         budget by evicting and waiting for writes, as far as that goes."""
         while self.held > self.budget:
-            if not (self._reap(block=False) or self._evict_one(spare_prefetched=False)
-                    or self._reap(block=True)):
+            if not (self._reap(block=False) or self._free_one()
+                    or self._evict_one(spare_prefetched=False) or self._reap(block=True)):
                 return
 
     def count(self, nbytes: int) -> None:
@@ -166,20 +261,24 @@ class TensorStore:
         """Forget the present value (a parameter gets its placeholder back)."""
         if entry.tensor is None:
             return
-        if entry.write is not None and not entry.write.done():
-            self._orphans.append((entry.write, entry.nbytes))  # the write keeps it alive
-        else:
-            self.held -= entry.nbytes
         self._present.pop(entry.key, None)
         if not entry.grad:
             self.by_storage.pop(entry.tensor.untyped_storage().data_ptr(), None)
             entry.param.data = placeholder(entry.shape, entry.dtype)
-        entry.tensor, entry.read, entry.prefetched = None, None, False
+        buf, read = entry.buf, entry.read
+        entry.tensor, entry.read, entry.prefetched, entry.buf = None, None, False, None
+        if read is not None and not read.done():   # a prefetch still lands in the buffer
+            self._orphans.append((read, entry.nbytes, buf, False))
+            return
+        del read   # its result is the tensor: let go before checking the buffer is unshared
+        if entry.write is not None and not entry.write.done():
+            self._orphans.append((entry.write, entry.nbytes, buf, True))  # the write reads it
+        else:
+            self._give_back(buf, entry.nbytes)
 
-    def _start_read(self, entry: Entry) -> None:
-        out = mapped_empty(entry.nbytes).view(entry.dtype).view(entry.shape)
-        self._count(entry.nbytes)
-        entry.tensor = out
+    def _start_read(self, entry: Entry, buf: Buffer) -> None:
+        out = buf.typed(entry.dtype, entry.shape)
+        entry.tensor, entry.buf = out, (buf if entry.nbytes >= MAPPED_MIN else None)
         entry.read = self.swapper.swap_in(entry.key, out=out)
         entry.tick = next(self._ticks)
         self._present[entry.key] = entry
@@ -191,8 +290,11 @@ class TensorStore:
         """Start reading entries not present, while the budget has room without waiting."""
         with self.lock:
             for e in entries:
-                if e.tensor is None and e.valid and self.make_room(e.nbytes, demand=False):
-                    self._start_read(e)
+                if e.tensor is None and e.valid:
+                    buf = self.buffer(e.nbytes, demand=False)
+                    if buf is None:
+                        continue
+                    self._start_read(e, buf)
                     e.prefetched = True
 
     def fetch(self, entries: list[Entry], what: str) -> None:
@@ -205,8 +307,9 @@ class TensorStore:
                     e.pins += 1
                     pinned.append(e)
                     if e.tensor is None:
-                        self.make_room(e.nbytes, demand=True, what=f"{what} ({e.name})")
-                        self._start_read(e)
+                        buf = self.buffer(e.nbytes, demand=True, what=f"{what} ({e.name})")
+                        assert buf is not None  # a demand gets one or raises
+                        self._start_read(e, buf)
                     elif e.prefetched:
                         self.prefetch_hits += 1
                     e.tick = next(self._ticks)

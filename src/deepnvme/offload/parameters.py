@@ -55,6 +55,7 @@ class OffloadStats:
     bytes_read: int
     bytes_written: int
     prefetch_hits: int  # parameter reads that a prefetch had started before they were needed
+    buffers_reused: int = 0  # reads and gradient copies served by a free buffer (no new mapping)
 
 
 class _SavedParam:
@@ -267,11 +268,17 @@ class ParameterOffload:
         with store.lock:
             store.count(entry.nbytes)
             if not entry.valid:
+                buf = None
                 if grad.data_ptr() % _PAGE or not grad.is_contiguous():
-                    # written from page-aligned memory: no bounce buffers in the engine
-                    aligned = mapped_empty(entry.nbytes).view(entry.dtype).view(entry.shape)
-                    grad = aligned.copy_(grad)
-                store.store(entry, grad, keep=False)
+                    # written from page-aligned memory: no bounce buffers in the engine; a free
+                    # buffer (already counted) replaces autograd's gradient in the count
+                    buf = store.take_free(entry.nbytes)
+                    if buf is not None:
+                        store.uncount(entry.nbytes)
+                        grad = buf.typed(entry.dtype, entry.shape).copy_(grad)
+                    else:
+                        grad = mapped_empty(entry.nbytes).view(entry.dtype).view(entry.shape).copy_(grad)
+                store.store(entry, grad, keep=False, buf=buf)
                 entry.valid = True
                 return
             store.fetch([entry], f"gradient of {entry.name}")
@@ -379,11 +386,11 @@ class ParameterOffload:
         s = self._store
         return OffloadStats(budget_bytes=s.budget, held_bytes=s.held, peak_bytes=s.peak,
                             bytes_read=s.bytes_read, bytes_written=s.bytes_written,
-                            prefetch_hits=s.prefetch_hits)
+                            prefetch_hits=s.prefetch_hits, buffers_reused=s.reused)
 
     def reset_stats(self) -> None:
         s = self._store
-        s.peak, s.bytes_read, s.bytes_written, s.prefetch_hits = s.held, 0, 0, 0
+        s.peak, s.bytes_read, s.bytes_written, s.prefetch_hits, s.reused = s.held, 0, 0, 0, 0
 
     @property
     def directory(self) -> str:
@@ -423,9 +430,10 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     folder with ``model.safetensors`` or a sharded index; names as in ``model.state_dict()``)
     or a function ``init(name, tensor)`` filling an uninitialised tensor in place.
 
-    Memory: ``max_in_memory_bytes`` (parameters and gradients, reads in flight and writes not
-    yet finished included) + one gradient (and its page-aligned copy) that autograd just
-    produced + the NVMeOptimizer's ``buffer_count x`` one sub-group's state; the I/O buffers are
+    Memory: ``max_in_memory_bytes`` (parameters and gradients, reads in flight, writes not
+    yet finished and free buffers kept for reuse by the next read of the same size included)
+    + one gradient (and its page-aligned copy) that autograd just produced + the
+    NVMeOptimizer's ``buffer_count x`` one sub-group's state; the I/O buffers are
     the tensors themselves (page-aligned, so the engine needs no bounce buffers). Activations
     and the optimizer's temporaries are the training loop's own, as in memory. Each module's
     own parameters, and each optimizer sub-group's parameters plus gradients, must fit the

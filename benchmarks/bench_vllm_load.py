@@ -11,8 +11,9 @@ DIR/llama. Then, for each repetition and each load format in a rotated order, a 
 process runs ``vllm.LLM(model=DIR/llama, load_format=F, ...)`` on the CPU after
 ``sync; echo 3 > /proc/sys/vm/drop_caches`` (root; cold reads) and reports
 (a) the seconds spent in the loader's ``load_weights`` (timed the same way for every loader by
-wrapping it; vLLM's own log line is kept alongside where the loader writes one: "Loading weights
-took" for ``safetensors``, "deepnvme: loaded the weights" for ``deepnvme``), (b) the whole
+wrapping it; the loader's own log line is kept alongside where one reaches the log: "deepnvme:
+loaded the weights" for ``deepnvme``; vLLM 0.32's ``info_once`` "Loading weights took" for
+``safetensors`` did not show in these in-process CPU runs, so its column is "-"), (b) the whole
 ``LLM()`` construction, (c) the process's peak RSS (``VmHWM``). Medians; ratios are the faster
 peer's median over deepnvme's (> 1: deepnvme is faster). A format whose package is missing
 (runai-model-streamer) is skipped with a note. DIR/llama is deleted at the end unless --keep.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -129,3 +130,16 @@ def test_bench_offload_params(tmp_path):
               "--batch", "4", "--budget-mib", "0.75", "--steps", "1", "--reps", "1", cwd=tmp_path)
     assert "step time, offloaded" in out and "<= 1.3 x roof" in out and "peak RSS above baseline" in out
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed here (tools/test_vllm.sh builds its side environment)")
+def test_bench_vllm_load(tmp_path):
+    out = run("bench_vllm_load.py", "--dir", str(tmp_path), "--layers", "1", "--hidden", "128",
+              "--intermediate", "256", "--vocab", "256", "--shard-size", "100KB", "--reps", "1",
+              "--formats", "deepnvme,safetensors", "--json", str(tmp_path / "r.json"), cwd=tmp_path)
+    assert "deepnvme vs faster peer (safetensors)" in out and "peak RSS" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["shards"] >= 2 and set(data["median"]) == {"deepnvme", "safetensors"}
+    assert data["median"]["deepnvme"]["logged_load_s"] is not None   # deepnvme's own log line
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]

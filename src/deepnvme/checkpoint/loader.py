@@ -30,7 +30,7 @@ from ..formats.torchzip import (
 from ..handles.aio import AioHandle, wait_all
 from ..io.mapped import map_private
 from ..io.mapped import populate as populate_mapping
-from ..memory.views import aligned_empty
+from ..memory.views import aligned_empty, storage_bytes
 from ._folders import load_folder
 from ._paths import as_path
 
@@ -84,7 +84,7 @@ def _prefetch(handle: AioHandle, path: str, spans: dict[str, RecordSpan]
                 buffers[key] = region
             else:
                 lo = base + span.offset - start
-                buffers[key] = torch.empty(0, dtype=torch.uint8).set_(whole[lo:lo + span.size])
+                buffers[key] = storage_bytes(whole[lo:lo + span.size])
             if fut is not None:
                 futures[key] = fut
     return buffers, futures
@@ -143,7 +143,7 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
     if mmap:
         mapping = map_private(path)
         populate_mapping(mapping, path=path, threads=cfg.intra_op_parallelism)
-        views = {key: torch.empty(0, dtype=torch.uint8).set_(mapping[span.offset:span.end])
+        views = {key: storage_bytes(mapping[span.offset:span.end])
                  for key, span in spans.items()}
         return _rebuild(path, views, {}, map_location, weights_only)
     with AioHandle(config=cfg) as handle:

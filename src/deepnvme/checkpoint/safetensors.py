@@ -120,7 +120,7 @@ def _mapped(path: str, header: SafetensorsHeader, device: str | torch.device, *,
     out: dict[str, torch.Tensor] = {}
     for name, e in header.tensors.items():
         start = header.data_start + e.begin
-        raw = torch.empty(0, dtype=torch.uint8).set_(mapping[start:start + e.nbytes])
+        raw = storage_bytes(mapping[start:start + e.nbytes])
         out[name] = raw.view(e.dtype).reshape(e.shape) if e.nbytes else torch.empty(e.shape, dtype=e.dtype)
     return _to_device(out, device)
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from ..io.posix import evict_page_cache, resident_bytes
+from ..memory.views import storage_bytes
 from ._load_source import SAFETENSORS, TORCH, Checkpoint
 
 __all__ = ["Reader", "READERS", "EVICTIONS", "missing_module", "read_errors", "read_checkpoint", "touch",
@@ -155,7 +156,7 @@ def touch(objs: list[Any], device: str) -> int:
         storage = t.untyped_storage()
         if storage.nbytes() and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
-            torch.empty(0, dtype=torch.uint8).set_(storage)[::_PAGE].sum()
+            storage_bytes(storage)[::_PAGE].sum()
     if device != "cpu":
         torch.cuda.synchronize()
     return count

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,7 @@ _InFlight = tuple[BatchPlan, torch.Tensor, "Future[int]"]
 
 def iterate_batches(ds: TokenDataset, order: Iterable[int], batch_size: int, *, prefetch: int,
                     pin_memory: bool, drop_last: bool,
-                    device: torch.device | None = None) -> Iterator[torch.Tensor]:
+                    device: torch.device | None = None) -> Generator[torch.Tensor, None, None]:
     """Yield the batches of ``order``; see :meth:`TokenDataset.batches` for the contract.
     Leaving early (``close()``, an error) waits for the reads in flight and frees the buffers."""
     if device is not None and device.type != "cpu":
@@ -68,7 +68,7 @@ def iterate_batches(ds: TokenDataset, order: Iterable[int], batch_size: int, *, 
         _abandon(pending, pool)
 
 
-def _to_device(batches: Iterator[torch.Tensor], device: torch.device, batch_size: int,
+def _to_device(batches: Generator[torch.Tensor, None, None], device: torch.device, batch_size: int,
                ds: TokenDataset) -> Iterator[torch.Tensor]:
     """Each batch copied to ``device`` through one reused page-locked staging batch; the copy
     is complete when the batch is yielded (``Tensor.to`` from page-locked memory, blocking)."""
@@ -81,7 +81,7 @@ def _to_device(batches: Iterator[torch.Tensor], device: torch.device, batch_size
             stage.copy_(batch)
             yield stage.to(device)
     finally:
-        batches.close()  # type: ignore[attr-defined]  # a generator: waits for its reads in flight
+        batches.close()  # waits for its reads in flight
 
 
 def group_size(prefetch: int) -> int:

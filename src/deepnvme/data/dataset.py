@@ -21,7 +21,7 @@ from ..formats.megatron_index import TokenIndex, parse_index
 from ..handles.aio import AioHandle
 from ..io.file import read_buffered
 from ..io.plan import PAGE_SIZE
-from ..memory.views import byte_view
+from ..memory.views import aligned_empty, byte_view
 from ._plan import BatchPlan, SampleGeometry, batch_buffer_bytes, plan_batch
 from ._prefetch import iterate_batches
 
@@ -29,13 +29,6 @@ __all__ = ["TokenDataset"]
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _aligned_bytes(nbytes: int, alignment: int) -> torch.Tensor:
-    """An uninitialised uint8 tensor of ``nbytes`` at an ``alignment``-aligned address."""
-    raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
-    pad = -raw.data_ptr() % alignment
-    return raw[pad:pad + nbytes]
 
 
 def _batch_device(device: str | torch.device | None) -> torch.device | None:
@@ -164,7 +157,7 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         plan = self.plan([i])
-        buffer = _aligned_bytes(plan.buffer_bytes, self.alignment)
+        buffer = aligned_empty(plan.buffer_bytes, alignment=self.alignment, min_bytes=0)
         self.read_plan(plan, buffer)
         at = plan.sample_at[0]
         tokens = buffer[at:at + self.geometry.sample_bytes].view(self.dtype)
@@ -177,7 +170,7 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
         lo = start - start % align
         hi = min(-(-(start + nbytes) // align) * align, self.bin_size)
         plan = BatchPlan(reads=((0, lo, hi - lo),), sample_at=(start - lo,), buffer_bytes=hi - lo)
-        buffer = _aligned_bytes(hi - lo, align)
+        buffer = aligned_empty(hi - lo, alignment=align, min_bytes=0)
         if nbytes:
             self.read_plan(plan, buffer)
         return buffer[start - lo:start - lo + nbytes].view(self.dtype).to(self._out_dtype(), copy=True)

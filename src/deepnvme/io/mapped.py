@@ -19,6 +19,7 @@ from typing import cast
 import torch
 
 from ..errors import DeepNVMeIOError
+from ..memory.views import storage_bytes
 from .posix import MADV_POPULATE_READ, madvise
 
 __all__ = ["POPULATE_CHUNK", "map_private", "populate"]
@@ -67,4 +68,4 @@ def populate(storage: torch.UntypedStorage, *, path: str, threads: int) -> None:
         log.info("deepnvme: MADV_POPULATE_READ is not supported by this kernel; reading %s "
                  "a page at a time", path)
         page = os.sysconf("SC_PAGE_SIZE")
-        torch.empty(0, dtype=torch.uint8).set_(storage)[::page].sum()
+        storage_bytes(storage)[::page].sum()

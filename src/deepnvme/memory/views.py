@@ -66,14 +66,16 @@ def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-def aligned_empty(nbytes: int, file_offset: int = 0, alignment: int = 4096) -> torch.Tensor:
+def aligned_empty(nbytes: int, file_offset: int = 0, alignment: int = 4096, *,
+                  min_bytes: int = 64 * 1024) -> torch.Tensor:
     """An uninitialised uint8 tensor whose address is congruent to ``file_offset`` modulo ``alignment``.
 
     Its storage is exactly ``nbytes`` long (a view of a slightly larger allocation), so
     O_DIRECT reads of the data at ``file_offset`` land in it without bounce buffers. Below
-    64 KiB a plain allocation is returned (such reads are not worth aligning).
+    ``min_bytes`` (64 KiB) a plain allocation is returned (such reads are not worth aligning);
+    ``min_bytes=0`` aligns every size.
     """
-    if nbytes < 64 * 1024:
+    if nbytes < min_bytes:
         return torch.empty(nbytes, dtype=torch.uint8)
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8).untyped_storage()
     pad = (file_offset - raw.data_ptr()) % alignment

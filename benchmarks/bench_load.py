@@ -12,8 +12,8 @@ each repetition, every reader of every case runs in a fresh Python process (no a
 import state carried over), in a rotated order (no reader always runs first), after
 ``sync; echo 3 > /proc/sys/vm/drop_caches`` (root; cold reads). Each reader's package is
 imported before the clock starts (until 2026-11-25 evening, ``import deepnvme``, about 0.2 s
-here, was inside deepnvme's timed region and the peers' imports inside theirs). Each result is materialised:
-every page of every tensor is touched inside the timed region (``torch.load(mmap=True)`` is
+here, was inside deepnvme's timed region and the peers' imports inside theirs). Each result
+is materialised: every page of every tensor is touched inside the timed region (``torch.load(mmap=True)`` is
 otherwise lazy). ``into_*`` cases fill an existing, already-touched state dict of the model's
 shapes: deepnvme with ``load_into``, the peers with their load followed by ``copy_``; the worker
 reports its peak RSS growth over the target (``VmHWM``). GB = 1e9 bytes; medians.
@@ -135,14 +135,14 @@ def _hwm() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-_READER_MODULES = {"deepnvme": "deepnvme", "deepnvme_mmap": "deepnvme", "safetensors": "safetensors.torch",
-                   "fastsafetensors": "fastsafetensors", "runai": "runai_model_streamer"}
+_READER_MODULES = {"safetensors": "safetensors.torch", "fastsafetensors": "fastsafetensors",
+                   "runai": "runai_model_streamer"}
 
 
 def _import_reader(reader: str) -> None:
     """Import the reader's package before the clock starts: a program imports once and loads
     many times, and the packages' import times differ (deepnvme ~0.2 s, safetensors ~3 ms)."""
-    module = _READER_MODULES.get(reader)
+    module = "deepnvme" if reader.startswith("deepnvme") else _READER_MODULES.get(reader)
     if module is not None:
         importlib.import_module(module)
 

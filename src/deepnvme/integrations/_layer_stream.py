@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import parse_size
 from ..errors import ConfigError, DeepNVMeError
 from ..formats.safetensors import StoredTensor
 from ..handles.aio import AioHandle
@@ -35,7 +34,7 @@ from ..inference._layout import BlockPlan
 from ..inference._packed import load_manifest, source_stats, write_packed
 from ..inference._streamer import StreamedBlock
 from ..inference.install import install, resolve_blocks
-from ._weights import LoaderOptions, checkpoint_tensors, loader_options, stream_tensors
+from ._weights import LoaderOptions, checkpoint_tensors, loader_options, size_setting, stream_tensors
 
 __all__ = ["OFFLOAD_KEYS", "LayerStreamResult", "OffloadOptions", "assign_tensors", "choose_resident",
            "offload_options", "stream_layers"]
@@ -81,13 +80,7 @@ def offload_options(extra: Mapping[str, Any] | None, *, load_format: str,
                           f"directory on fast storage for the layers' aligned copy, got {directory!r}")
     budget = None
     if "memory_budget" in rest:
-        value = rest.pop("memory_budget")
-        try:
-            budget = parse_size(value)
-        except ConfigError as exc:
-            raise ConfigError(f"{source}['memory_budget']: {exc}") from None
-        if budget < 0:
-            raise ConfigError(f"{source}['memory_budget'] must be >= 0 bytes, got {value!r}")
+        budget = size_setting(source, "memory_budget", rest.pop("memory_budget"), minimum=0)
     prefetch = rest.pop("prefetch", 1)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ConfigError(f"{source}['prefetch'] must be an integer >= 0, got {prefetch!r}")

@@ -27,7 +27,7 @@ from ..handles.aio import AioHandle
 from ..memory.views import aligned_empty
 
 __all__ = ["DEFAULT_READ_WINDOW", "LOADER_KEYS", "LoaderOptions", "ReadRange", "loader_options",
-           "plan_ranges", "checkpoint_tensors", "stream_tensors", "stream_weights"]
+           "plan_ranges", "checkpoint_tensors", "size_setting", "stream_tensors", "stream_weights"]
 
 DEFAULT_READ_WINDOW = 64 << 20
 """Bytes per read range unless ``read_window`` says otherwise."""
@@ -45,6 +45,18 @@ class LoaderOptions:
 
     io: IOConfig
     read_window: int = DEFAULT_READ_WINDOW
+
+
+def size_setting(source: str, key: str, value: Any, *, minimum: int) -> int:
+    """``value`` of ``source[key]`` in bytes (int or size string), at least ``minimum``; else a
+    :class:`ConfigError` naming the key."""
+    try:
+        size = parse_size(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}[{key!r}]: {exc}") from None
+    if size < minimum:
+        raise ConfigError(f"{source}[{key!r}] must be at least {minimum} bytes, got {value!r}")
+    return size
 
 
 def loader_options(extra: Mapping[str, Any] | None, *, source: str = "model_loader_extra_config",
@@ -66,12 +78,7 @@ def loader_options(extra: Mapping[str, Any] | None, *, source: str = "model_load
     window = DEFAULT_READ_WINDOW
     for key, value in extra.items():
         if key == "read_window":
-            try:
-                window = parse_size(value)
-            except ConfigError as exc:
-                raise ConfigError(f"{source}[{key!r}]: {exc}") from None
-            if window < 1:
-                raise ConfigError(f"{source}[{key!r}] must be at least 1 byte, got {value!r}")
+            window = size_setting(source, key, value, minimum=1)
         elif key in io_keys:
             io[key] = value
         else:

@@ -10,6 +10,8 @@ from deepnvme.errors import ConfigError, DeepNVMeError
 from deepnvme.inference import stream_stats
 from deepnvme.integrations._layer_stream import offload_options, stream_layers
 
+from ...fakes import copy_named_weights
+
 
 class Block(nn.Module):
     def __init__(self):
@@ -37,12 +39,7 @@ class Toy(nn.Module):
         return self.head(h)
 
     def load_weights(self, weights):
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        return copy_named_weights(self, weights)
 
 
 LAYER_BYTES = (32 * 32 + 32 + 32) * 4

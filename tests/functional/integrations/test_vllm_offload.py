@@ -24,20 +24,10 @@ transformers = pytest.importorskip("transformers")
 from deepnvme.errors import ConfigError  # noqa: E402
 from deepnvme.inference import stream_stats, streamer_of  # noqa: E402
 
+from ...fakes import tiny_llama  # noqa: E402
+
 PROMPTS = [[1, 5, 9, 17, 33], [200, 3, 3, 140, 7, 64, 2], [11, 12]]
 LAYERS = 4
-
-
-def _tiny_llama(folder, dtype):
-    """A random 4-layer Llama saved in ``dtype`` as several shards named by an index."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                      num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=1,
-                                      max_position_embeddings=256, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).to(dtype)
-    model.save_pretrained(folder, max_shard_size="300KB")
-    assert len([n for n in os.listdir(folder) if n.endswith(".safetensors")]) >= 2
-    return str(folder)
 
 
 def _run(model_dir, load_format, dtype, **extra):
@@ -62,7 +52,7 @@ def _run(model_dir, load_format, dtype, **extra):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_streamed_layers_give_the_in_memory_tokens(tmp_path, dtype, caplog):
-    model_dir = _tiny_llama(tmp_path / "llama", dtype)
+    model_dir = tiny_llama(tmp_path / "llama", dtype, layers=LAYERS)
     name = str(dtype).removeprefix("torch.")
     layer_bytes = (128 * (128 + 2 * 64 + 128) + 3 * 128 * 256 + 2 * 128) * dtype.itemsize
     fixed = (2 * 256 * 128 + 128) * dtype.itemsize

@@ -15,6 +15,8 @@ generates greedily for ``--batch`` prompts of 16 token ids: decode tokens/s is
 ``batch x steps / (t(1 + steps tokens) - t(1 token))`` (prefill cancels). Modes:
   deepnvme_offload  extra config {offload_dir, memory_budget, prefetch}
   memory            load_format "safetensors", the whole model in memory (the compute bound)
+  memory_flinear    the same, with every Linear on torch.nn.functional.linear as streamed layers
+                    run (vLLM's CPU GEMM dispatch replaced): the kernel's share of any gap
   cpu_offload_gb    "safetensors" with cpu_offload_gb = (weights - budget) in GiB
   footprint         the tiny model in memory: vLLM's own footprint (its peak RSS minus its weights)
 Peak RSS is the process's ``VmHWM``. The read bandwidth is deepnvme reading DIR/aligned/weights.bin
@@ -38,7 +40,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_vllm_load import _drop_caches, _hwm_bytes, make_model  # noqa: E402
 
-MODES = ("deepnvme_offload", "memory", "cpu_offload_gb", "footprint")
+MODES = ("deepnvme_offload", "memory", "memory_flinear", "cpu_offload_gb", "footprint")
 PROMPT_LEN = 16
 
 
@@ -61,6 +63,14 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         extra = {"load_format": "safetensors", "cpu_offload_gb": spec["cpu_offload_gb"]}
     else:
         extra = {"load_format": "safetensors"}
+    if mode == "memory_flinear":
+        from torch.nn import functional
+        from vllm.model_executor.layers import utils
+
+        def plain(layer: Any, remove_weight: bool) -> None:
+            layer.cpu_linear = functional.linear
+
+        utils.dispatch_cpu_unquantized_gemm = plain   # looked up at call time by the linear method
     t0 = time.perf_counter()
     llm = vllm.LLM(model=spec["model"], skip_tokenizer_init=True, distributed_executor_backend="uni",
                    enforce_eager=True, dtype="bfloat16", max_model_len=128, seed=0, **extra)

@@ -75,6 +75,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     llm = vllm.LLM(model=spec["model"], skip_tokenizer_init=True, distributed_executor_backend="uni",
                    enforce_eager=True, dtype="bfloat16", max_model_len=128, seed=0, **extra)
     construct = time.perf_counter() - t0
+    hwm_after_init = _hwm_bytes()
     g = torch.Generator().manual_seed(0)
     vocab = spec["vocab"]
     prompts = [{"prompt_token_ids": torch.randint(1, vocab, (PROMPT_LEN,), generator=g).tolist()}
@@ -96,6 +97,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "mode": mode, "construct_s": construct, "prefill_s": t_one, "decode_s": t_all - t_one,
         "decode_tok_s": spec["batch"] * spec["steps"] / (t_all - t_one), "peak_rss": _hwm_bytes(),
+        "peak_rss_after_init": hwm_after_init,
         "weight_bytes": llm.apply_model(lambda m: sum(p.numel() * p.element_size()
                                                       for p in m.parameters()))[0],
         "tokens": tokens[0]}

@@ -96,3 +96,20 @@ def test_extra_config_errors_name_the_key(loader_cls, extra, key):
     cls, load_config = loader_cls
     with pytest.raises(ConfigError, match=repr(key)):
         cls(load_config(load_format="deepnvme_offload", model_loader_extra_config=extra))
+
+
+def test_a_post_processing_that_repacks_streamed_weights_is_refused(tmp_path, monkeypatch):
+    """If vLLM's post-load step replaces a streamed layer's weight (a kernel-owned copy), the
+    streamed bytes would be ignored: the loader must refuse rather than serve stale weights."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    def repack(self, layer):
+        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    monkeypatch.setattr(UnquantizedLinearMethod, "process_weights_after_loading", repack)
+    model_dir = tiny_llama(tmp_path / "llama", torch.float32, layers=2)
+    with pytest.raises(Exception, match="replaced streamed parameters"):
+        vllm.LLM(model=model_dir, load_format="deepnvme_offload", skip_tokenizer_init=True,
+                 distributed_executor_backend="uni", enforce_eager=True, dtype="float32",
+                 max_model_len=128, model_loader_extra_config={"offload_dir": str(tmp_path / "a")})
+    gc.collect()

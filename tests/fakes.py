@@ -399,3 +399,18 @@ def tiny_llama(folder, dtype: torch.dtype, *, layers: int) -> str:
     shards = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
     assert len(shards) >= 2 and os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
     return str(folder)
+
+
+def in_process_vllm():
+    """vLLM set up for the tests (engine in this process, 1 GiB KV cache, no hub access), or the
+    calling test module skipped where vLLM is not installed (the environment stays untouched)."""
+    import importlib.util
+
+    import pytest
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (tools/test_vllm.sh builds its side environment)",
+                    allow_module_level=True)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return pytest.importorskip("vllm")

@@ -6,27 +6,19 @@ where vLLM is not importable. The loader must come from the ``vllm.general_plugi
 """
 
 import gc
-import importlib.util
 import json
-import os
 import types
 
 import pytest
 import torch
 
-if importlib.util.find_spec("vllm") is None:   # before touching the environment of other tests
-    pytest.skip("vLLM is not installed (tools/test_vllm.sh builds its side environment)", allow_module_level=True)
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from ...fakes import copy_named_weights, in_process_vllm, tiny_llama
 
-vllm = pytest.importorskip("vllm")
+vllm = in_process_vllm()
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from deepnvme.errors import ConfigError, DeepNVMeError  # noqa: E402
-
-from ...fakes import copy_named_weights, tiny_llama  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 17, 33], [200, 3, 3, 140, 7, 64, 2]]
 

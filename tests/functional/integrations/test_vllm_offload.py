@@ -6,25 +6,17 @@ where vLLM is not importable.
 """
 
 import gc
-import importlib.util
-import os
 
 import pytest
 import torch
 
-if importlib.util.find_spec("vllm") is None:   # before touching the environment of other tests
-    pytest.skip("vLLM is not installed (tools/test_vllm.sh builds its side environment)", allow_module_level=True)
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from ...fakes import in_process_vllm, tiny_llama
 
-vllm = pytest.importorskip("vllm")
+vllm = in_process_vllm()
 transformers = pytest.importorskip("transformers")
 
 from deepnvme.errors import ConfigError  # noqa: E402
 from deepnvme.inference import stream_stats, streamer_of  # noqa: E402
-
-from ...fakes import tiny_llama  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 17, 33], [200, 3, 3, 140, 7, 64, 2], [11, 12]]
 LAYERS = 4

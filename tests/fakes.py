@@ -372,3 +372,45 @@ def install_faulty_queue(monkeypatch, engine: str, **faults) -> list:
 
     monkeypatch.setitem(movers._FACTORIES, engine, factory)
     return made
+
+
+def copy_named_weights(module: torch.nn.Module, weights) -> set[str]:
+    """A serving engine's ``model.load_weights`` for stand-in models: copy each ``(name, tensor)``
+    into the parameter of that name; return the names loaded."""
+    params = dict(module.named_parameters())
+    loaded = set()
+    for name, tensor in weights:
+        params[name].data.copy_(tensor)
+        loaded.add(name)
+    return loaded
+
+
+def tiny_llama(folder, dtype: torch.dtype, *, layers: int) -> str:
+    """A random Llama (hidden 128, MLP 256, vocab 256, 2 heads, 1 KV head) saved in ``dtype`` as
+    several safetensors shards named by ``model.safetensors.index.json``; returns the folder."""
+    import os
+
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(folder, max_shard_size="300KB")
+    shards = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
+    assert len(shards) >= 2 and os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
+    return str(folder)
+
+
+def in_process_vllm():
+    """vLLM set up for the tests (engine in this process, 1 GiB KV cache, no hub access), or the
+    calling test module skipped where vLLM is not installed (the environment stays untouched)."""
+    import importlib.util
+
+    import pytest
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (tools/test_vllm.sh builds its side environment)",
+                    allow_module_level=True)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return pytest.importorskip("vllm")

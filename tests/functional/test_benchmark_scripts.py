@@ -143,3 +143,18 @@ def test_bench_vllm_load(tmp_path):
     assert data["shards"] >= 2 and set(data["median"]) == {"deepnvme", "safetensors"}
     assert data["median"]["deepnvme"]["logged_load_s"] is not None   # deepnvme's own log line
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM is not installed here (tools/test_vllm.sh builds its side environment)")
+def test_bench_vllm_offload(tmp_path):
+    out = run("bench_vllm_offload.py", "--dir", str(tmp_path), "--layers", "2", "--hidden", "128",
+              "--intermediate", "256", "--vocab", "256", "--budget", "200K", "--reps", "1",
+              "--steps", "2", "--batch", "2", "--modes", "deepnvme_offload,memory,footprint",
+              "--json", str(tmp_path / "r.json"), cwd=tmp_path)
+    assert "I/O roofline" in out and "vLLM footprint" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert set(data["median"]) == {"deepnvme_offload", "memory", "footprint"}
+    assert data["ratios"]["tokens_equal_memory"] is True and data["ratios"]["weights_over_budget"] > 2
+    assert data["prep"]["streamed_layers"] >= 1 and data["prep"]["bytes_read"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 from ..memory.views import cast_to_byte_tensor
 from ._layout import BlockPlan, Span, plan_packed_block
 
-__all__ = ["WEIGHTS_FILE", "MANIFEST_FILE", "PackedTensor", "write_packed", "load_manifest"]
+__all__ = ["WEIGHTS_FILE", "MANIFEST_FILE", "PackedTensor", "write_packed", "load_manifest", "source_stats"]
 
 WEIGHTS_FILE = "weights.bin"
 MANIFEST_FILE = "manifest.json"
@@ -29,6 +29,13 @@ _VERSION = 1
 
 # (key, nbytes, producer of the contiguous CPU tensor whose bytes are written)
 PackedTensor = tuple[str, int, Callable[[], torch.Tensor]]
+
+
+def source_stats(files: Iterable[str]) -> list[list[Any]]:
+    """``[basename, size, mtime_ns]`` of each source file, sorted: the part of a fingerprint
+    that says whether the files an aligned copy was made from have changed."""
+    stats = [(f, os.stat(f)) for f in sorted(set(files))]
+    return [[os.path.basename(f), st.st_size, st.st_mtime_ns] for f, st in stats]
 
 
 def write_packed(directory: str, blocks: Sequence[Sequence[PackedTensor]], *, handle: AioHandle,

@@ -23,7 +23,7 @@ from ..errors import DeepNVMeError
 from ..handles.aio import AioHandle
 from ._blocks import ParamGroup, group_parameters, placeholder
 from ._layout import BlockPlan, TensorRecord, plan_block_reads
-from ._packed import load_manifest, write_packed
+from ._packed import load_manifest, source_stats, write_packed
 from ._safetensors import CheckpointTensor, read_checkpoint_index
 from ._streamer import StreamedBlock
 from .install import install, resolve_blocks
@@ -85,9 +85,7 @@ def _default_dtype(index: dict[str, CheckpointTensor]) -> torch.dtype:
 
 
 def _fingerprint(index: dict[str, CheckpointTensor], dtype: torch.dtype, names: list[list[str]]) -> Any:
-    files = sorted({r.file for r in index.values()})
-    stats = [[os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
-    return {"files": stats, "dtype": str(dtype), "blocks": names}
+    return {"files": source_stats(r.file for r in index.values()), "dtype": str(dtype), "blocks": names}
 
 
 def load_offloaded(pretrained_dir: str, *, offload_dir: str | None = None,

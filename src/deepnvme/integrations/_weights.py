@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,7 +27,7 @@ from ..handles.aio import AioHandle
 from ..memory.views import aligned_empty
 
 __all__ = ["DEFAULT_READ_WINDOW", "LOADER_KEYS", "LoaderOptions", "ReadRange", "loader_options",
-           "plan_ranges", "checkpoint_tensors", "stream_weights"]
+           "plan_ranges", "checkpoint_tensors", "size_setting", "stream_tensors", "stream_weights"]
 
 DEFAULT_READ_WINDOW = 64 << 20
 """Bytes per read range unless ``read_window`` says otherwise."""
@@ -47,35 +47,43 @@ class LoaderOptions:
     read_window: int = DEFAULT_READ_WINDOW
 
 
-def loader_options(extra: Mapping[str, Any] | None, *, source: str = "model_loader_extra_config"
-                   ) -> LoaderOptions:
+def size_setting(source: str, key: str, value: Any, *, minimum: int) -> int:
+    """``value`` of ``source[key]`` in bytes (int or size string), at least ``minimum``; else a
+    :class:`ConfigError` naming the key."""
+    try:
+        size = parse_size(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}[{key!r}]: {exc}") from None
+    if size < minimum:
+        raise ConfigError(f"{source}[{key!r}] must be at least {minimum} bytes, got {value!r}")
+    return size
+
+
+def loader_options(extra: Mapping[str, Any] | None, *, source: str = "model_loader_extra_config",
+                   load_format: str = "deepnvme", also_known: Collection[str] = ()) -> LoaderOptions:
     """Check ``extra`` (e.g. vLLM's ``model_loader_extra_config``) and resolve it.
 
     Keys are :data:`LOADER_KEYS` and the I/O settings of :data:`deepnvme.config.SETTINGS`;
     unset I/O settings take the checkpoint profile (several threads: weights are large reads).
-    Any unknown key or bad value raises :class:`ConfigError` naming ``source`` and the key.
+    Any unknown key or bad value raises :class:`ConfigError` naming ``source`` and the key
+    (``load_format`` and the caller's own keys ``also_known``, already removed, name the rest).
     """
     if extra is None:
         extra = {}
     if not isinstance(extra, Mapping):
         raise ConfigError(f"{source} must be a JSON object (a dict), got {type(extra).__name__}")
     io_keys = {s.name for s in SETTINGS}
-    known = sorted(io_keys | set(LOADER_KEYS))
+    known = sorted(io_keys | set(LOADER_KEYS) | set(also_known))
     io: dict[str, Any] = {}
     window = DEFAULT_READ_WINDOW
     for key, value in extra.items():
         if key == "read_window":
-            try:
-                window = parse_size(value)
-            except ConfigError as exc:
-                raise ConfigError(f"{source}[{key!r}]: {exc}") from None
-            if window < 1:
-                raise ConfigError(f"{source}[{key!r}] must be at least 1 byte, got {value!r}")
+            window = size_setting(source, key, value, minimum=1)
         elif key in io_keys:
             io[key] = value
         else:
-            raise ConfigError(f"{source}: unknown key {key!r} for load_format 'deepnvme'; known keys: "
-                              f"{', '.join(known)}")
+            raise ConfigError(f"{source}: unknown key {key!r} for load_format {load_format!r}; "
+                              f"known keys: {', '.join(known)}")
     for key, value in io.items():
         try:
             checkpoint_config({key: value})
@@ -150,11 +158,19 @@ def _view(buffer: torch.Tensor, start: int, t: StoredTensor) -> torch.Tensor:
 
 def stream_weights(model_dir: str, options: LoaderOptions
                    ) -> Generator[tuple[str, torch.Tensor], None, None]:
-    """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``model_dir`` (CPU tensors,
-    the file's dtype), reading the next range while the caller consumes the current one.
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``model_dir``: see
+    :func:`stream_tensors`."""
+    yield from stream_tensors(checkpoint_tensors(model_dir), options)
+
+
+def stream_tensors(tensors: Sequence[StoredTensor], options: LoaderOptions
+                   ) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """Yield ``(name, tensor)`` for ``tensors`` (sorted by file and offset, as
+    :func:`checkpoint_tensors` returns them; CPU tensors, the file's dtype), reading the next
+    range while the caller consumes the current one.
     Blocks while a range is read; a failed or short read raises. ``close()`` (or exhausting it)
     waits for the read in flight and stops the engine's threads. Not thread-safe."""
-    ranges = plan_ranges(checkpoint_tensors(model_dir), options.read_window)
+    ranges = plan_ranges(tensors, options.read_window)
     with AioHandle(config=options.io) as handle:
         def start(r: ReadRange) -> tuple[ReadRange, torch.Tensor, Future[int] | None]:
             buf = aligned_empty(r.nbytes, r.offset, options.io.alignment)

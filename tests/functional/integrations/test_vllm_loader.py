@@ -6,40 +6,21 @@ where vLLM is not importable. The loader must come from the ``vllm.general_plugi
 """
 
 import gc
-import importlib.util
 import json
-import os
 import types
 
 import pytest
 import torch
 
-if importlib.util.find_spec("vllm") is None:   # before touching the environment of other tests
-    pytest.skip("vLLM is not installed (tools/test_vllm.sh builds its side environment)", allow_module_level=True)
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from ...fakes import copy_named_weights, in_process_vllm, tiny_llama
 
-vllm = pytest.importorskip("vllm")
+vllm = in_process_vllm()
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from deepnvme.errors import ConfigError, DeepNVMeError  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 17, 33], [200, 3, 3, 140, 7, 64, 2]]
-
-
-def _tiny_llama(folder, dtype):
-    """A random 2-layer Llama saved in ``dtype`` as 6 shards named by an index."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                      max_position_embeddings=256, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).to(dtype)
-    model.save_pretrained(folder, max_shard_size="300KB")
-    shards = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
-    assert len(shards) >= 2 and os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
-    return str(folder)
 
 
 def _run(model_dir, load_format, dtype, **extra):
@@ -61,7 +42,7 @@ def _run(model_dir, load_format, dtype, **extra):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_deepnvme_equals_vllm_safetensors(tmp_path, dtype, caplog):
-    model_dir = _tiny_llama(tmp_path / "llama", dtype)
+    model_dir = tiny_llama(tmp_path / "llama", dtype, layers=2)
     name = str(dtype).removeprefix("torch.")
     with caplog.at_level("INFO", logger="deepnvme.integrations.vllm"):
         ours = _run(model_dir, "deepnvme", name, model_loader_extra_config={"read_window": "128K"})
@@ -112,12 +93,7 @@ class _TwoParams(torch.nn.Module):
         self.b = torch.nn.Parameter(torch.zeros(3))
 
     def load_weights(self, weights):
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        return copy_named_weights(self, weights)
 
 
 def test_every_parameter_must_be_loaded(loader_cls, tmp_path):

@@ -1,0 +1,107 @@
+"""``load_format="deepnvme_offload"`` inside vLLM: decoder layers streamed from an aligned copy,
+greedy tokens equal to vLLM's in-memory ``safetensors`` load.
+
+Needs the vLLM side environment (``tools/test_vllm.sh`` builds it and runs this file); skipped
+where vLLM is not importable.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from ...fakes import in_process_vllm, tiny_llama
+
+vllm = in_process_vllm()
+transformers = pytest.importorskip("transformers")
+
+from deepnvme.errors import ConfigError  # noqa: E402
+from deepnvme.inference import stream_stats, streamer_of  # noqa: E402
+
+PROMPTS = [[1, 5, 9, 17, 33], [200, 3, 3, 140, 7, 64, 2], [11, 12]]
+LAYERS = 4
+
+
+def _run(model_dir, load_format, dtype, **extra):
+    """Greedy tokens and, for deepnvme_offload, the streamer's counters."""
+    llm = vllm.LLM(model=model_dir, load_format=load_format, skip_tokenizer_init=True,
+                   distributed_executor_backend="uni", enforce_eager=True, dtype=dtype,
+                   max_model_len=128, seed=0, **extra)
+    try:
+        stats = None
+        if load_format == "deepnvme_offload":
+            llm.apply_model(lambda m: streamer_of(m).reset_stats())   # count generate() only
+        params = vllm.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        if load_format == "deepnvme_offload":
+            stats = llm.apply_model(stream_stats)[0]
+    finally:
+        del llm
+        gc.collect()
+    return tokens, stats
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_streamed_layers_give_the_in_memory_tokens(tmp_path, dtype, caplog):
+    model_dir = tiny_llama(tmp_path / "llama", dtype, layers=LAYERS)
+    name = str(dtype).removeprefix("torch.")
+    layer_bytes = (128 * (128 + 2 * 64 + 128) + 3 * 128 * 256 + 2 * 128) * dtype.itemsize
+    fixed = (2 * 256 * 128 + 128) * dtype.itemsize
+    extra = {"offload_dir": str(tmp_path / "aligned"), "memory_budget": fixed + layer_bytes + 100,
+             "prefetch": 1, "engine": "threads", "read_window": "64K"}
+    with caplog.at_level("INFO", logger="deepnvme"):
+        first, stats = _run(model_dir, "deepnvme_offload", name, model_loader_extra_config=extra)
+    assert any("aligned copy written" in r.getMessage() and "3 layers" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    steps = 8   # one forward per step (prefill + 7 decodes), 3 streamed layers each
+    assert stats.blocks_loaded >= 3 * steps and stats.bytes_read >= 3 * steps * layer_bytes
+    theirs, _ = _run(model_dir, "safetensors", name)
+    assert first == theirs
+    caplog.clear()
+    with caplog.at_level("INFO", logger="deepnvme"):   # the aligned copy is reused
+        again, _ = _run(model_dir, "deepnvme_offload", name, model_loader_extra_config=extra)
+    assert again == theirs
+    assert any("reusing the aligned layer copy" in r.getMessage() for r in caplog.records)
+
+
+@pytest.fixture(scope="module")
+def loader_cls():
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    loader = get_model_loader(LoadConfig(load_format="deepnvme_offload",
+                                         model_loader_extra_config={"offload_dir": "/tmp/x"}))
+    assert type(loader).__module__ == "deepnvme.integrations.vllm"
+    return type(loader), LoadConfig
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({}, "offload_dir"),
+    ({"offload_dir": "/x", "memory_budget": "lots"}, "memory_budget"),
+    ({"offload_dir": "/x", "prefetch": -1}, "prefetch"),
+    ({"offload_dir": "/x", "queue_depth": 0}, "queue_depth"),
+    ({"offload_dir": "/x", "budget": 1}, "budget"),
+])
+def test_extra_config_errors_name_the_key(loader_cls, extra, key):
+    cls, load_config = loader_cls
+    with pytest.raises(ConfigError, match=repr(key)):
+        cls(load_config(load_format="deepnvme_offload", model_loader_extra_config=extra))
+
+
+def test_a_post_processing_that_repacks_streamed_weights_is_refused(tmp_path, monkeypatch):
+    """If vLLM's post-load step replaces a streamed layer's weight (a kernel-owned copy), the
+    streamed bytes would be ignored: the loader must refuse rather than serve stale weights."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    def repack(self, layer):
+        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    monkeypatch.setattr(UnquantizedLinearMethod, "process_weights_after_loading", repack)
+    model_dir = tiny_llama(tmp_path / "llama", torch.float32, layers=2)
+    with pytest.raises(Exception, match="replaced streamed parameters"):
+        vllm.LLM(model=model_dir, load_format="deepnvme_offload", skip_tokenizer_init=True,
+                 distributed_executor_backend="uni", enforce_eager=True, dtype="float32",
+                 max_model_len=128, model_loader_extra_config={"offload_dir": str(tmp_path / "a")})
+    gc.collect()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -69,22 +70,27 @@ def run_mode(args: argparse.Namespace) -> dict:
         opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=args.dir,
                                      config=config, buffer_count=args.buffers, lr=1e-4)
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
-    times = []
+    times, cpu, faults = [], [], []
     for step in range(args.steps + 1):
         if step == 1 and offload is not None:
             offload.reset_stats()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
         if step > 0:  # step 0 creates the optimizer state (and learns the order)
             times.append(time.perf_counter() - t0)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+            faults.append(r1.ru_minflt - r0.ru_minflt)
         else:
             first_peak = status("VmHWM") - baseline
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM: the timed steps' own peak from here on
     n = sum(p.numel() for p in model.parameters())
-    out = {"mode": args.mode, "step_s": times, "rss": status("VmHWM") - baseline,
+    out = {"mode": args.mode, "step_s": times, "cpu_s": cpu, "minor_faults": faults,
+           "rss": status("VmHWM") - baseline,
            "rss_first_step": first_peak, "n_params": n}
     if isinstance(opt, deepnvme.NVMeOptimizer) and offload is not None:
         s = offload.stats()
@@ -193,10 +199,19 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], w_bw: float, r
     print(f"{'  first step (creates the state)':<34}"
           f"{max(r['rss_first_step'] for r in runs['offload']) / 2**20:>12.0f}")
     mem_rss = max(r["rss"] for r in runs["memory"])
-    loop = max(mem_rss - 16 * off["n_params"], 0)  # activations, temporaries: not params/grads/state
+    # the loop's own memory (activations, autograd's temporaries, AdamW's temporaries): the
+    # in-memory run's peak less its parameters, gradients and Adam state (4 + 4 + 8 B/param)
+    loop = max(mem_rss - 16 * off["n_params"], 0)
     print(f"{'peak RSS in memory (MiB)':<34}{mem_rss / 2**20:>12.0f}")
-    print(f"{'  of it beyond params+grads+state':<34}{loop / 2**20:>12.0f}")
-    print(f"{'offloaded RSS / (bound + that)':<34}{'':>12}{'<= 1.1':>14}{rss / (bound + loop):>9.2f}")
+    print(f"{'  loop own = that - 16 B/param':<34}{loop / 2**20:>12.0f}")
+    print(f"{'offload share = peak - loop own':<34}{(rss - loop) / 2**20:>12.0f}"
+          f"{f'<= {1.1 * bound / 2**20:.0f}':>14}{(rss - loop) / bound:>9.2f}")
+    print(f"{'offloaded RSS / (bound + loop own)':<34}{'':>12}{'<= 1.1':>14}{rss / (bound + loop):>9.2f}")
+    if "cpu_s" in off:  # CPU seconds of the whole process per step (I/O threads included)
+        for mode in ("memory", "offload"):
+            c = statistics.median(t for r in runs[mode] for t in r["cpu_s"])
+            f = statistics.median(t for r in runs[mode] for t in r["minor_faults"])
+            print(f"{f'CPU s / minor faults per step, {mode}':<34}{c:>12.2f}{f:>14.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("child", "report")}, "runs": runs,

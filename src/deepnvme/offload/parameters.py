@@ -32,7 +32,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
-from ..memory.heap import mapped_empty, trim_heap
+from ..memory.heap import trim_heap
+from ._gradients import accept_gradient
 from ._order import OrderTracker
 from ._sources import Init, Source, make_source
 from ._store import Entry, TensorStore, placeholder
@@ -41,7 +42,6 @@ __all__ = ["OffloadStats", "ParameterOffload", "offload_parameters"]
 
 log = logging.getLogger(__name__)
 
-_PAGE = 4096
 STORE_ATTRIBUTE = "_deepnvme_offload"   # set on each offloaded Parameter: its ParameterOffload
 
 
@@ -261,35 +261,8 @@ class ParameterOffload:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         grad, p.grad = p.grad, None
-        if grad is None:
-            return
-        entry = self._entries[id(p)][1]
-        store = self._store
-        with store.lock:
-            store.count(entry.nbytes)
-            if not entry.valid:
-                buf = None
-                if grad.data_ptr() % _PAGE or not grad.is_contiguous():
-                    # written from page-aligned memory: no bounce buffers in the engine; a free
-                    # buffer (already counted) replaces autograd's gradient in the count
-                    buf = store.take_free(entry.nbytes)
-                    if buf is not None:
-                        store.uncount(entry.nbytes)
-                        grad = buf.typed(entry.dtype, entry.shape).copy_(grad)
-                    else:
-                        grad = mapped_empty(entry.nbytes).view(entry.dtype).view(entry.shape).copy_(grad)
-                store.store(entry, grad, keep=False, buf=buf)
-                entry.valid = True
-                return
-            store.fetch([entry], f"gradient of {entry.name}")
-            try:
-                assert entry.tensor is not None  # fetch made it present; internal invariant
-                entry.tensor += grad      # what AccumulateGrad does: param.grad += grad
-                del grad
-                store.uncount(entry.nbytes)
-            finally:
-                store.unpin([entry])
-            store.store(entry, entry.tensor, keep=False)
+        if grad is not None:
+            accept_gradient(self._store, self._entries[id(p)][1], grad)
 
     # --- the optimizer's side (used by NVMeOptimizer) -------------------------------------
 
@@ -339,7 +312,14 @@ class ParameterOffload:
                 assert d.tensor is not None  # begin_update made it present; internal invariant
                 store.store(d, d.tensor, keep=True)
                 store.unpin([d])
-        trim_heap()  # gradients and the optimizer's temporaries came from torch's heap
+
+    def finish_updates(self) -> None:
+        """The optimizer step ended: give the heap's free memory back to the OS.
+
+        Once per step, not per sub-group: autograd's gradients and the optimizer's temporaries
+        come from torch's heap, and within a step each sub-group reuses what the previous one
+        freed (trimming after each made every temporary page-fault afresh)."""
+        trim_heap()
 
     # --- the user's side ----------------------------------------------------------------
 

@@ -198,6 +198,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
         for g, ps in zip(groups, saved):
             g["params"] = ps
         failed = self._settle(writes, installed=None)
+        if self._offload is not None:
+            self._offload.finish_updates()
         if failed is not None:
             raise self._step_error(failed, done) from failed
         return loss

@@ -107,7 +107,8 @@ def run_mode(args: argparse.Namespace) -> dict:
 
 
 def spawn(args: argparse.Namespace, mode: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", mode, "--dir", args.dir]
+    python = args.ds_python if mode == "deepspeed" else sys.executable
+    cmd = [python, __file__, "--child", mode, "--dir", args.dir]
     for k in ("layers", "dim", "batch", "budget_mib", "steps", "buffers", "prefetch", "block_size",
               "io_threads", "threads"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
@@ -133,7 +134,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--report", help="only print the table of a --json file written earlier")
-    ap.add_argument("--child", choices=["memory", "offload"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ds-python", default=None,
+                    help="python of a side environment with DeepSpeed: adds the ZeRO-3 NVMe peer")
+    ap.add_argument("--child", choices=["memory", "offload", "deepspeed"], default=None,
+                    help=argparse.SUPPRESS)
     return ap.parse_args()
 
 
@@ -148,12 +152,18 @@ def main() -> None:
         return
     if args.child:
         args.mode = args.child
-        print(json.dumps(run_mode(args)))
+        if args.child == "deepspeed":
+            from offload_params_deepspeed import run_deepspeed
+            print(json.dumps(run_deepspeed(args, make_model, status)))
+        else:
+            print(json.dumps(run_mode(args)))
         return
     made = args.dir is None
     args.dir = tempfile.mkdtemp(dir=os.getcwd(), prefix="offload-params-") if made else args.dir
     try:
         runs: dict[str, list[dict]] = {"memory": [], "offload": []}
+        if args.ds_python:
+            runs["deepspeed"] = []
         for _ in range(args.reps):
             for mode in runs:
                 runs[mode].append(spawn(args, mode))
@@ -212,6 +222,14 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], w_bw: float, r
             c = statistics.median(t for r in runs[mode] for t in r["cpu_s"])
             f = statistics.median(t for r in runs[mode] for t in r["minor_faults"])
             print(f"{f'CPU s / minor faults per step, {mode}':<34}{c:>12.2f}{f:>14.0f}")
+    if runs.get("deepspeed"):
+        ds_t = statistics.median(t for r in runs["deepspeed"] for t in r["step_s"])
+        ds_rss = max(r["rss"] for r in runs["deepspeed"])
+        print(f"{'DeepSpeed ZeRO-3 step (s)':<34}{ds_t:>12.2f}{'<= 0.8x':>14}{off_t / ds_t:>9.2f}")
+        print(f"{'DeepSpeed ZeRO-3 peak RSS (MiB)':<34}{ds_rss / 2**20:>12.0f}{'>= 1x ours':>14}"
+              f"{rss / ds_rss:>9.2f}")
+        c = statistics.median(t for r in runs["deepspeed"] for t in r["cpu_s"])
+        print(f"{'CPU s per step, deepspeed':<34}{c:>12.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("child", "report")}, "runs": runs,

@@ -113,6 +113,9 @@ def spawn(args: argparse.Namespace, mode: str) -> dict:
               "io_threads", "threads"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode and mode == "deepspeed":   # the peer's failure is a result, not the end
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        return {"mode": mode, "error": lines[-1] if lines else f"exit {proc.returncode}"}
     if proc.returncode:
         raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -222,7 +225,10 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], w_bw: float, r
             c = statistics.median(t for r in runs[mode] for t in r["cpu_s"])
             f = statistics.median(t for r in runs[mode] for t in r["minor_faults"])
             print(f"{f'CPU s / minor faults per step, {mode}':<34}{c:>12.2f}{f:>14.0f}")
-    if runs.get("deepspeed"):
+    failed = [r["error"] for r in runs.get("deepspeed", []) if "error" in r]
+    if failed:
+        print(f"DeepSpeed ZeRO-3 failed: {failed[0]}")
+    elif runs.get("deepspeed"):
         ds_t = statistics.median(t for r in runs["deepspeed"] for t in r["step_s"])
         ds_rss = max(r["rss"] for r in runs["deepspeed"])
         print(f"{'DeepSpeed ZeRO-3 step (s)':<34}{ds_t:>12.2f}{'<= 0.8x':>14}{off_t / ds_t:>9.2f}")

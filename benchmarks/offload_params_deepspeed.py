@@ -44,8 +44,10 @@ def run_deepspeed(args: argparse.Namespace, make_model: Callable[[int, int], tor
             "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
                               "buffer_size": largest,
                               "buffer_count": max(2, budget_elems // largest), "max_in_cpu": 0},
+            # buffer_count 4 (its default): with 3, ZeRO-3's optimizer swapper runs out of
+            # buffers for Adam (parameter, two moments, gradient) and asserts
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
-                                  "buffer_count": args.buffers},
+                                  "buffer_count": max(4, args.buffers)},
             "stage3_param_persistence_threshold": 0,
             "stage3_max_live_parameters": budget_elems,
             "stage3_prefetch_bucket_size": budget_elems // 4,

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -45,6 +46,32 @@ def make_model(layers: int, dim: int) -> torch.nn.Sequential:
 def init(name: str, t: torch.Tensor) -> None:
     """He init (activations keep their scale through the ReLU stack: no denormals), zero biases."""
     t.normal_(0.0, (2.0 / t.shape[1]) ** 0.5) if t.dim() > 1 else t.zero_()
+
+
+def time_steps(step: Callable[[], None], steps: int, baseline: int, *,
+               on_first_timed: Callable[[], None] | None = None) -> dict:
+    """Run ``step`` ``steps`` + 1 times: the first (it creates the optimizer state and learns
+    the order) untimed, VmHWM reset after it; wall time, CPU seconds of the process (all
+    threads) and minor faults of each timed step, and the peaks above ``baseline``."""
+    times, cpu, faults = [], [], []
+    first_peak = 0
+    for i in range(steps + 1):
+        if i == 1 and on_first_timed is not None:
+            on_first_timed()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        step()
+        if i > 0:
+            times.append(time.perf_counter() - t0)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+            faults.append(r1.ru_minflt - r0.ru_minflt)
+        else:
+            first_peak = status("VmHWM") - baseline
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM: the timed steps' own peak from here on
+    return {"step_s": times, "cpu_s": cpu, "minor_faults": faults,
+            "rss": status("VmHWM") - baseline, "rss_first_step": first_peak}
 
 
 def run_mode(args: argparse.Namespace) -> dict:
@@ -70,28 +97,15 @@ def run_mode(args: argparse.Namespace) -> dict:
         opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=args.dir,
                                      config=config, buffer_count=args.buffers, lr=1e-4)
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
-    times, cpu, faults = [], [], []
-    for step in range(args.steps + 1):
-        if step == 1 and offload is not None:
-            offload.reset_stats()
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
-        t0 = time.perf_counter()
+
+    def step() -> None:
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
-        if step > 0:  # step 0 creates the optimizer state (and learns the order)
-            times.append(time.perf_counter() - t0)
-            r1 = resource.getrusage(resource.RUSAGE_SELF)
-            cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
-            faults.append(r1.ru_minflt - r0.ru_minflt)
-        else:
-            first_peak = status("VmHWM") - baseline
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM: the timed steps' own peak from here on
-    n = sum(p.numel() for p in model.parameters())
-    out = {"mode": args.mode, "step_s": times, "cpu_s": cpu, "minor_faults": faults,
-           "rss": status("VmHWM") - baseline,
-           "rss_first_step": first_peak, "n_params": n}
+
+    out = {"mode": args.mode, "n_params": sum(p.numel() for p in model.parameters()),
+           **time_steps(step, args.steps, baseline,
+                        on_first_timed=offload.reset_stats if offload is not None else None)}
     if isinstance(opt, deepnvme.NVMeOptimizer) and offload is not None:
         s = offload.stats()
         state = sum(lay.total for lay in opt._layouts if lay is not None)
@@ -157,7 +171,7 @@ def main() -> None:
         args.mode = args.child
         if args.child == "deepspeed":
             from offload_params_deepspeed import run_deepspeed
-            print(json.dumps(run_deepspeed(args, make_model, status)))
+            print(json.dumps(run_deepspeed(args, make_model, time_steps)))
         else:
             print(json.dumps(run_mode(args)))
         return

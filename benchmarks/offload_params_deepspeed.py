@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from offload_bench import status  # same folder
 
 
 def run_deepspeed(args: argparse.Namespace, make_model: Callable[[int, int], torch.nn.Module],
-                  status: Callable[[str], int]) -> dict[str, Any]:
+                  time_steps: Callable[..., dict[str, Any]]) -> dict[str, Any]:
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                  ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
         os.environ.setdefault(k, v)
@@ -60,24 +59,11 @@ def run_deepspeed(args: argparse.Namespace, make_model: Callable[[int, int], tor
         model = make_model(args.layers, args.dim)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
-    times, cpu, faults = [], [], []
-    first_peak = 0
-    for step in range(args.steps + 1):
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
-        t0 = time.perf_counter()
+
+    def step() -> None:
         loss = engine(x).pow(2).mean()
         engine.backward(loss)
         engine.step()
-        if step > 0:
-            times.append(time.perf_counter() - t0)
-            r1 = resource.getrusage(resource.RUSAGE_SELF)
-            cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
-            faults.append(r1.ru_minflt - r0.ru_minflt)
-        else:
-            first_peak = status("VmHWM") - baseline
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-    return {"mode": "deepspeed", "step_s": times, "cpu_s": cpu, "minor_faults": faults,
-            "rss": status("VmHWM") - baseline, "rss_first_step": first_peak,
-            "n_params": args.layers * (args.dim * args.dim + args.dim),
-            "deepspeed": deepspeed.__version__}
+
+    return {"mode": "deepspeed", "n_params": args.layers * (args.dim * args.dim + args.dim),
+            "deepspeed": deepspeed.__version__, **time_steps(step, args.steps, baseline)}

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -44,6 +46,32 @@ def make_model(layers: int, dim: int) -> torch.nn.Sequential:
 def init(name: str, t: torch.Tensor) -> None:
     """He init (activations keep their scale through the ReLU stack: no denormals), zero biases."""
     t.normal_(0.0, (2.0 / t.shape[1]) ** 0.5) if t.dim() > 1 else t.zero_()
+
+
+def time_steps(step: Callable[[], None], steps: int, baseline: int, *,
+               on_first_timed: Callable[[], None] | None = None) -> dict:
+    """Run ``step`` ``steps`` + 1 times: the first (it creates the optimizer state and learns
+    the order) untimed, VmHWM reset after it; wall time, CPU seconds of the process (all
+    threads) and minor faults of each timed step, and the peaks above ``baseline``."""
+    times, cpu, faults = [], [], []
+    first_peak = 0
+    for i in range(steps + 1):
+        if i == 1 and on_first_timed is not None:
+            on_first_timed()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        step()
+        if i > 0:
+            times.append(time.perf_counter() - t0)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+            faults.append(r1.ru_minflt - r0.ru_minflt)
+        else:
+            first_peak = status("VmHWM") - baseline
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM: the timed steps' own peak from here on
+    return {"step_s": times, "cpu_s": cpu, "minor_faults": faults,
+            "rss": status("VmHWM") - baseline, "rss_first_step": first_peak}
 
 
 def run_mode(args: argparse.Namespace) -> dict:
@@ -69,23 +97,15 @@ def run_mode(args: argparse.Namespace) -> dict:
         opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=args.dir,
                                      config=config, buffer_count=args.buffers, lr=1e-4)
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
-    times = []
-    for step in range(args.steps + 1):
-        if step == 1 and offload is not None:
-            offload.reset_stats()
-        t0 = time.perf_counter()
+
+    def step() -> None:
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
-        if step > 0:  # step 0 creates the optimizer state (and learns the order)
-            times.append(time.perf_counter() - t0)
-        else:
-            first_peak = status("VmHWM") - baseline
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM: the timed steps' own peak from here on
-    n = sum(p.numel() for p in model.parameters())
-    out = {"mode": args.mode, "step_s": times, "rss": status("VmHWM") - baseline,
-           "rss_first_step": first_peak, "n_params": n}
+
+    out = {"mode": args.mode, "n_params": sum(p.numel() for p in model.parameters()),
+           **time_steps(step, args.steps, baseline,
+                        on_first_timed=offload.reset_stats if offload is not None else None)}
     if isinstance(opt, deepnvme.NVMeOptimizer) and offload is not None:
         s = offload.stats()
         state = sum(lay.total for lay in opt._layouts if lay is not None)
@@ -101,11 +121,15 @@ def run_mode(args: argparse.Namespace) -> dict:
 
 
 def spawn(args: argparse.Namespace, mode: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", mode, "--dir", args.dir]
+    python = args.ds_python if mode == "deepspeed" else sys.executable
+    cmd = [python, __file__, "--child", mode, "--dir", args.dir]
     for k in ("layers", "dim", "batch", "budget_mib", "steps", "buffers", "prefetch", "block_size",
               "io_threads", "threads"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode and mode == "deepspeed":   # the peer's failure is a result, not the end
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        return {"mode": mode, "error": lines[-1] if lines else f"exit {proc.returncode}"}
     if proc.returncode:
         raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -127,7 +151,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--report", help="only print the table of a --json file written earlier")
-    ap.add_argument("--child", choices=["memory", "offload"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ds-python", default=None,
+                    help="python of a side environment with DeepSpeed: adds the ZeRO-3 NVMe peer")
+    ap.add_argument("--child", choices=["memory", "offload", "deepspeed"], default=None,
+                    help=argparse.SUPPRESS)
     return ap.parse_args()
 
 
@@ -142,12 +169,18 @@ def main() -> None:
         return
     if args.child:
         args.mode = args.child
-        print(json.dumps(run_mode(args)))
+        if args.child == "deepspeed":
+            from offload_params_deepspeed import run_deepspeed
+            print(json.dumps(run_deepspeed(args, make_model, time_steps)))
+        else:
+            print(json.dumps(run_mode(args)))
         return
     made = args.dir is None
     args.dir = tempfile.mkdtemp(dir=os.getcwd(), prefix="offload-params-") if made else args.dir
     try:
         runs: dict[str, list[dict]] = {"memory": [], "offload": []}
+        if args.ds_python:
+            runs["deepspeed"] = []
         for _ in range(args.reps):
             for mode in runs:
                 runs[mode].append(spawn(args, mode))
@@ -193,10 +226,30 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], w_bw: float, r
     print(f"{'  first step (creates the state)':<34}"
           f"{max(r['rss_first_step'] for r in runs['offload']) / 2**20:>12.0f}")
     mem_rss = max(r["rss"] for r in runs["memory"])
-    loop = max(mem_rss - 16 * off["n_params"], 0)  # activations, temporaries: not params/grads/state
+    # the loop's own memory (activations, autograd's temporaries, AdamW's temporaries): the
+    # in-memory run's peak less its parameters, gradients and Adam state (4 + 4 + 8 B/param)
+    loop = max(mem_rss - 16 * off["n_params"], 0)
     print(f"{'peak RSS in memory (MiB)':<34}{mem_rss / 2**20:>12.0f}")
-    print(f"{'  of it beyond params+grads+state':<34}{loop / 2**20:>12.0f}")
-    print(f"{'offloaded RSS / (bound + that)':<34}{'':>12}{'<= 1.1':>14}{rss / (bound + loop):>9.2f}")
+    print(f"{'  loop own = that - 16 B/param':<34}{loop / 2**20:>12.0f}")
+    print(f"{'offload share = peak - loop own':<34}{(rss - loop) / 2**20:>12.0f}"
+          f"{f'<= {1.1 * bound / 2**20:.0f}':>14}{(rss - loop) / bound:>9.2f}")
+    print(f"{'offloaded RSS / (bound + loop own)':<34}{'':>12}{'<= 1.1':>14}{rss / (bound + loop):>9.2f}")
+    if "cpu_s" in off:  # CPU seconds of the whole process per step (I/O threads included)
+        for mode in ("memory", "offload"):
+            c = statistics.median(t for r in runs[mode] for t in r["cpu_s"])
+            f = statistics.median(t for r in runs[mode] for t in r["minor_faults"])
+            print(f"{f'CPU s / minor faults per step, {mode}':<34}{c:>12.2f}{f:>14.0f}")
+    failed = [r["error"] for r in runs.get("deepspeed", []) if "error" in r]
+    if failed:
+        print(f"DeepSpeed ZeRO-3 failed: {failed[0]}")
+    elif runs.get("deepspeed"):
+        ds_t = statistics.median(t for r in runs["deepspeed"] for t in r["step_s"])
+        ds_rss = max(r["rss"] for r in runs["deepspeed"])
+        print(f"{'DeepSpeed ZeRO-3 step (s)':<34}{ds_t:>12.2f}{'<= 0.8x':>14}{off_t / ds_t:>9.2f}")
+        print(f"{'DeepSpeed ZeRO-3 peak RSS (MiB)':<34}{ds_rss / 2**20:>12.0f}{'>= 1x ours':>14}"
+              f"{rss / ds_rss:>9.2f}")
+        c = statistics.median(t for r in runs["deepspeed"] for t in r["cpu_s"])
+        print(f"{'CPU s per step, deepspeed':<34}{c:>12.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("child", "report")}, "runs": runs,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,16 +31,16 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
-from ..memory.heap import mapped_empty, trim_heap
+from ._gradients import accept_gradient
 from ._order import OrderTracker
 from ._sources import Init, Source, make_source
 from ._store import Entry, TensorStore, placeholder
+from ._updates import UpdateSide
 
 __all__ = ["OffloadStats", "ParameterOffload", "offload_parameters"]
 
 log = logging.getLogger(__name__)
 
-_PAGE = 4096
 STORE_ATTRIBUTE = "_deepnvme_offload"   # set on each offloaded Parameter: its ParameterOffload
 
 
@@ -69,7 +68,7 @@ class _SavedParam:
         self.offset = t.storage_offset() - base.storage_offset()
 
 
-class ParameterOffload:
+class ParameterOffload(UpdateSide):
     """The offload of one model's parameters and gradients (see :func:`offload_parameters`)."""
 
     def __init__(self, model: torch.nn.Module, directory: str | os.PathLike[str], *,
@@ -261,85 +260,8 @@ class ParameterOffload:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         grad, p.grad = p.grad, None
-        if grad is None:
-            return
-        entry = self._entries[id(p)][1]
-        store = self._store
-        with store.lock:
-            store.count(entry.nbytes)
-            if not entry.valid:
-                buf = None
-                if grad.data_ptr() % _PAGE or not grad.is_contiguous():
-                    # written from page-aligned memory: no bounce buffers in the engine; a free
-                    # buffer (already counted) replaces autograd's gradient in the count
-                    buf = store.take_free(entry.nbytes)
-                    if buf is not None:
-                        store.uncount(entry.nbytes)
-                        grad = buf.typed(entry.dtype, entry.shape).copy_(grad)
-                    else:
-                        grad = mapped_empty(entry.nbytes).view(entry.dtype).view(entry.shape).copy_(grad)
-                store.store(entry, grad, keep=False, buf=buf)
-                entry.valid = True
-                return
-            store.fetch([entry], f"gradient of {entry.name}")
-            try:
-                assert entry.tensor is not None  # fetch made it present; internal invariant
-                entry.tensor += grad      # what AccumulateGrad does: param.grad += grad
-                del grad
-                store.uncount(entry.nbytes)
-            finally:
-                store.unpin([entry])
-            store.store(entry, entry.tensor, keep=False)
-
-    # --- the optimizer's side (used by NVMeOptimizer) -------------------------------------
-
-    def _pairs(self, params: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, Entry, Entry]]:
-        for p in params:
-            pair = self._entries.get(id(p))
-            if pair is not None:
-                yield p, pair[0], pair[1]
-
-    def update_bytes(self) -> int:
-        """The parameter bytes an optimizer sub-group may have: its parameters and gradients,
-        and those of the next sub-group read ahead, fit the budget."""
-        return max(1, self._store.budget // 4)
-
-    def prefetch_update(self, params: Iterable[torch.Tensor]) -> None:
-        """Start reading ``params`` and their gradients for an optimizer update."""
-        self._store.prefetch(e for _, d, g in self._pairs(params) for e in (d, g))
-
-    def begin_update(self, params: Iterable[torch.Tensor]) -> None:
-        """Bring ``params`` and their gradients in (as ``.data`` and ``.grad``) for an update."""
-        triples = list(self._pairs(params))
-        for _, d, _ in triples:
-            if d.write is not None:
-                d.write.result()   # the update writes into the tensor a previous write reads
-        needed = [d for _, d, _ in triples] + [g for _, _, g in triples if g.valid]
-        self._store.fetch(needed, "an optimizer sub-group (parameters and gradients)")
-        for p, _, g in triples:
-            p.grad = g.tensor if g.valid else None
-
-    def abort_update(self, params: Iterable[torch.Tensor]) -> None:
-        """An update failed: unpin without writing (the files keep the values before it)."""
-        with self._store.lock:
-            for p, d, g in self._pairs(params):
-                p.grad = None
-                self._store.unpin([d, g] if g.valid else [d])
-                self._store.drop(d)
-
-    def end_update(self, params: Iterable[torch.Tensor]) -> None:
-        """Write the updated ``params`` and let them and their gradients go."""
-        store = self._store
-        with store.lock:
-            for p, d, g in self._pairs(params):
-                p.grad = None
-                if g.valid:
-                    store.unpin([g])
-                    store.drop(g)
-                assert d.tensor is not None  # begin_update made it present; internal invariant
-                store.store(d, d.tensor, keep=True)
-                store.unpin([d])
-        trim_heap()  # gradients and the optimizer's temporaries came from torch's heap
+        if grad is not None:
+            accept_gradient(self._store, self._entries[id(p)][1], grad)
 
     # --- the user's side ----------------------------------------------------------------
 
@@ -432,7 +354,8 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
 
     Memory: ``max_in_memory_bytes`` (parameters and gradients, reads in flight, writes not
     yet finished and free buffers kept for reuse by the next read of the same size included)
-    + one gradient (and its page-aligned copy) that autograd just produced + the
+    + the one gradient that autograd just produced (its page-aligned copy for the write is a
+    store buffer, within the budget, unless every buffer is pinned) + the
     NVMeOptimizer's ``buffer_count x`` one sub-group's state; the I/O buffers are
     the tensors themselves (page-aligned, so the engine needs no bounce buffers). Activations
     and the optimizer's temporaries are the training loop's own, as in memory. Each module's

@@ -182,9 +182,12 @@ class NVMeOptimizer(torch.optim.Optimizer):
                     g["params"] = []
                 for gi, p in self._groups[i]:
                     groups[gi]["params"].append(p)
+                fresh = self._layouts[i] is None   # the wrapped optimizer creates its state
                 self._update(i)
                 done = i
                 fut = self._store(i)
+                if fresh and self._offload is not None:
+                    self._offload.finish_updates()  # the created state left the heap: trim now
                 current = None
                 if fut is not None:
                     writes.append((i, fut))
@@ -198,6 +201,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
         for g, ps in zip(groups, saved):
             g["params"] = ps
         failed = self._settle(writes, installed=None)
+        if self._offload is not None:
+            self._offload.finish_updates()
         if failed is not None:
             raise self._step_error(failed, done) from failed
         return loss

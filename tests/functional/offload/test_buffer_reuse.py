@@ -113,3 +113,44 @@ def test_a_buffer_still_viewed_is_not_reused(tmp_path):
     assert store.reused == 1 and store.free_bytes == 0
     assert torch.equal(e0.tensor, torch.ones_like(e0.tensor)) and torch.equal(view, torch.ones(4))
     store.close()
+
+
+def test_gradients_are_written_from_reused_buffers_within_the_budget(tmp_path, monkeypatch):
+    # after the first step, gradients map (almost) no new memory of >= MAPPED_MIN: each is copied
+    # into the buffer of a parameter evicted for it, and held bytes never pass the budget
+    import deepnvme.offload._gradients as gradients
+    import deepnvme.offload._store as store_module
+
+    mapped = []
+
+    def counting(real):
+        def mapped_empty(nbytes):
+            if nbytes >= MAPPED_MIN:
+                mapped.append(nbytes)
+            return real(nbytes)
+        return mapped_empty
+
+    monkeypatch.setattr(store_module, "mapped_empty", counting(store_module.mapped_empty))
+    monkeypatch.setattr(gradients, "mapped_empty", counting(gradients.mapped_empty))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(DIM, DIM) for _ in range(4)])
+    budget = 3 * MAPPED_MIN + 3 * 4 * DIM
+    off = offload_parameters(model, tmp_path, max_in_memory_bytes=budget, prefetch=1)
+    opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.SGD, swap_dir=tmp_path,
+                                 sub_group_bytes=MAPPED_MIN, lr=1e-2)
+    x = torch.randn(8, DIM)
+    for step in range(3):
+        if step == 1:
+            mapped.clear()
+            off.reset_stats()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    stats = off.stats()
+    # at most one per step: a parameter evicted while autograd still views it is unmapped
+    # (not reused) and its gradient gets a new mapping; before, every gradient got one
+    assert len(mapped) <= 2, mapped
+    assert stats.buffers_reused >= 4 * 4       # per step: 4 weights x (2 reads, grad, update read)
+    assert stats.peak_bytes <= budget
+    off.close()
+    opt.close()

@@ -1,0 +1,69 @@
+"""DeepSpeed ZeRO-3 peer for bench_offload_params.py: the same model and loop, parameters and
+optimizer state on NVMe through ``offload_param`` / ``offload_optimizer`` (device nvme), run in a
+side environment that has DeepSpeed (``--ds-python``; DeepSpeed's CPU accelerator, gloo, one
+rank). Parameter buffers: ``buffer_count`` x ``buffer_size`` elements = the offload's budget.
+DeepSpeed builds its async_io op on first use (TORCH_EXTENSIONS_DIR keeps it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from offload_bench import status  # same folder
+
+
+def run_deepspeed(args: argparse.Namespace, make_model: Callable[[int, int], torch.nn.Module],
+                  time_steps: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # the side environment's (--ds-python)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    warm = torch.nn.Linear(64, 64)
+    torch.optim.AdamW(warm.parameters()).step(warm(torch.randn(8, 64)).sum().backward())
+    deepspeed.init_distributed(dist_backend="gloo")
+    baseline = status("VmRSS")
+    largest = args.dim * args.dim
+    budget_elems = int(args.budget_mib * 2**20) // 4
+    nvme = os.path.join(args.dir, "deepspeed")
+    os.makedirs(nvme, exist_ok=True)
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
+                              "buffer_size": largest,
+                              "buffer_count": max(2, budget_elems // largest), "max_in_cpu": 0},
+            # buffer_count 4 (its default): with 3, ZeRO-3's optimizer swapper runs out of
+            # buffers for Adam (parameter, two moments, gradient) and asserts
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
+                                  "buffer_count": max(4, args.buffers)},
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_live_parameters": budget_elems,
+            "stage3_prefetch_bucket_size": budget_elems // 4,
+            "sub_group_size": budget_elems // 4,
+        },
+        "aio": {"block_size": args.block_size, "queue_depth": 32, "thread_count": args.io_threads,
+                "single_submit": False, "overlap_events": True},
+    }
+    with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
+        model = make_model(args.layers, args.dim)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+
+    return {"mode": "deepspeed", "n_params": args.layers * (args.dim * args.dim + args.dim),
+            "deepspeed": deepspeed.__version__, **time_steps(step, args.steps, baseline)}

@@ -1,0 +1,62 @@
+"""Taking a gradient from autograd into the store: written from a reused page-aligned buffer.
+
+Autograd's gradient comes from torch's heap (not page-aligned), so it is copied into a buffer of
+the store first: the engine then writes with O_DIRECT and no bounce buffers. The buffer comes
+from :meth:`TensorStore.buffer` like a read's, so room is made first (an unpinned parameter, least
+recently used, is evicted and its mapping reused) instead of mapping and page-faulting fresh
+memory for every gradient. Memory: the store's budget, plus autograd's own gradient while this
+runs (one tensor, freed by autograd after the hook).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import OffloadMemoryError
+from ..memory.heap import mapped_empty
+from ._store import Buffer, Entry, TensorStore
+
+__all__ = ["accept_gradient"]
+
+_PAGE = 4096
+
+
+def accept_gradient(store: TensorStore, entry: Entry, grad: torch.Tensor) -> None:
+    """Add ``grad`` to ``entry`` (a gradient entry: the first since zero_grad is stored, a later
+    one is added to the stored one, as ``param.grad += grad``) and start writing it."""
+    with store.lock:
+        if entry.valid:
+            _accumulate(store, entry, grad)
+            return
+        buf: Buffer | None = None
+        if grad.data_ptr() % _PAGE or not grad.is_contiguous():
+            try:
+                buf = store.buffer(entry.nbytes, demand=True, what=f"gradient of {entry.name}")
+            except OffloadMemoryError:   # everything pinned: over the budget until writes end
+                buf = None
+            if buf is not None:
+                grad = buf.typed(entry.dtype, entry.shape).copy_(grad)
+            else:
+                store.count(entry.nbytes)
+                grad = mapped_empty(entry.nbytes).view(entry.dtype).view(entry.shape).copy_(grad)
+        else:
+            store.count(entry.nbytes)    # written from autograd's own (aligned) tensor
+        store.store(entry, grad, keep=False, buf=buf)
+        entry.valid = True
+
+
+def _accumulate(store: TensorStore, entry: Entry, grad: torch.Tensor) -> None:
+    store.count(entry.nbytes)            # autograd's gradient, until it is added
+    try:
+        store.fetch([entry], f"gradient of {entry.name}")
+    except BaseException:
+        store.uncount(entry.nbytes)
+        raise
+    try:
+        assert entry.tensor is not None  # fetch made it present; internal invariant
+        entry.tensor += grad             # what AccumulateGrad does: param.grad += grad
+        del grad
+        store.uncount(entry.nbytes)
+    finally:
+        store.unpin([entry])
+    store.store(entry, entry.tensor, keep=False)

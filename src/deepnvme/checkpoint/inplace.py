@@ -7,8 +7,6 @@ into the destination tensors where dtype and layout allow, else through a few bo
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 from collections import deque
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -27,14 +25,12 @@ from ._fill_plan import Fill, FillPlan, TargetSpec, chunks, mismatch_error, plan
 from ._paths import as_path
 from ._stored import StoredTensor, read_stored
 
-__all__ = ["LoadResult", "load_into", "BOUNCE_SLOTS", "BOUNCE_CHUNK", "UNALIGNED_BUFFERED"]
+__all__ = ["LoadResult", "load_into", "BOUNCE_SLOTS", "BOUNCE_CHUNK"]
 
 BOUNCE_SLOTS = 4
 """Bounce buffers in flight at once (reads of the next chunks overlap the copy of one)."""
 BOUNCE_CHUNK = 8 << 20
 """Target bytes per bounce read (bytes); a chunk is whole rows of dimension 0, at least one."""
-UNALIGNED_BUFFERED = True
-"""Read CPU targets that O_DIRECT cannot place through the page cache (see ``_run``)."""
 
 
 class LoadResult(NamedTuple):
@@ -64,8 +60,7 @@ def load_into(target: torch.nn.Module | MutableMapping[str, torch.Tensor],
     lacks (as ``safetensors.torch.save_model`` writes them) is not missing. Modules' custom
     ``_load_from_state_dict`` hooks are not run: bytes are written, not loaded through hooks.
 
-    Bytes: a CPU contiguous target of the file's dtype is read into directly (O_DIRECT where its
-    address fits its file offset, else through the page cache: no bounce copy); a CUDA
+    Bytes: a CPU contiguous target of the file's dtype is read into directly (no copy); a CUDA
     one through the handle's pinned staging pipeline; any other (dtype conversion,
     non-contiguous) through bounce buffers and ``Tensor.copy_``. Peak extra memory:
     ``BOUNCE_SLOTS x max(BOUNCE_CHUNK, largest dim-0 row, largest strided stored span)`` bytes
@@ -127,36 +122,23 @@ def _spec(t: torch.Tensor) -> TargetSpec:
 
 
 def _run(plan: FillPlan, tensors: Mapping[str, torch.Tensor], cfg: IOConfig) -> None:
-    """Start every direct and staged read, then pump the bounce reads; wait for all.
-
-    A direct target whose address is not congruent to its file offset modulo the alignment
-    (torch places large tensors 64 bytes past a page, so most are not) is read without
-    O_DIRECT when ``UNALIGNED_BUFFERED``: one copy out of the page cache by the kernel,
-    rather than an O_DIRECT read into a bounce buffer and a copy out of it."""
-    direct: dict[tuple[str, bool], list[tuple[torch.Tensor, int]]] = {}
+    """Start every direct and staged read, then pump the bounce reads; wait for all."""
+    direct: dict[str, list[tuple[torch.Tensor, int]]] = {}
     bounce: list[Fill] = []
     futures: list[Future[int]] = []
-    with AioHandle(config=cfg) as handle, contextlib.ExitStack() as extra:
+    with AioHandle(config=cfg) as handle:
         try:
             for fill in plan.fills:
                 src, dst = fill.source, tensors[fill.name]
                 if src.nbytes == 0:
                     continue
                 if fill.route == "direct":
-                    view = cast_to_byte_tensor(dst)
-                    placed = (view.data_ptr() - src.offset) % cfg.alignment == 0
-                    buffered = UNALIGNED_BUFFERED and cfg.o_direct and not placed
-                    direct.setdefault((src.file, buffered), []).append((view, src.offset))
+                    direct.setdefault(src.file, []).append((cast_to_byte_tensor(dst), src.offset))
                 elif fill.route == "staged":
                     futures.append(handle.submit_read(dst, src.file, offset=src.offset))
                 else:
                     bounce.append(fill)
-            plain: AioHandle | None = None
-            for (file, buffered), items in direct.items():
-                if buffered and plain is None:
-                    plain = extra.enter_context(
-                        AioHandle(config=dataclasses.replace(cfg, o_direct=False)))
-                futures.append((plain if buffered and plain else handle).read_many(file, items))
+            futures.extend(handle.read_many(file, items) for file, items in direct.items())
             if bounce:
                 _bounce(handle, bounce, tensors)
         except BaseException:

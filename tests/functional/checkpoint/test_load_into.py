@@ -18,7 +18,6 @@ import deepnvme
 from deepnvme.checkpoint import inplace
 from deepnvme.errors import CheckpointFormatError, CheckpointMismatchError
 from deepnvme.io.posix import Posix, injected
-from deepnvme.memory.views import aligned_empty
 
 
 class Net(torch.nn.Module):
@@ -355,32 +354,3 @@ def test_peak_memory_stays_far_below_a_second_model(tmp_path, kind, target_dtype
     start, peak = map(int, out.stdout.split())
     model_bytes = 8 * n * 4
     assert peak - start < model_bytes / 2, (peak - start, model_bytes)
-
-
-@pytest.mark.parametrize("unaligned_buffered", [True, False])
-def test_targets_o_direct_cannot_place_are_read_through_the_page_cache(tmp_path, monkeypatch,
-                                                                       unaligned_buffered):
-    g = torch.Generator().manual_seed(5)
-    sd = {"placed": torch.randn(300_000, generator=g), "off": torch.randn(70_000, generator=g)}
-    path = tmp_path / "m.safetensors"
-    st.save_file(sd, str(path))
-    raw = path.read_bytes()
-    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
-    where = {k: 8 + int.from_bytes(raw[:8], "little") + header[k]["data_offsets"][0] for k in sd}
-    target = {  # "placed": congruent to its file offset modulo 4096; "off": 4 bytes past that
-        "placed": aligned_empty(sd["placed"].nbytes, where["placed"], min_bytes=0).view(torch.float32),
-        "off": aligned_empty(sd["off"].nbytes + 4, where["off"], min_bytes=0)[4:].view(torch.float32),
-    }
-    reads: list[tuple[bool, int]] = []
-
-    class Spy(inplace.AioHandle):
-        def read_many(self, file, items, **kwargs):
-            reads.extend((self.config.o_direct, b.nbytes) for b, _ in items)
-            return super().read_many(file, items, **kwargs)
-
-    monkeypatch.setattr(inplace, "AioHandle", Spy)
-    monkeypatch.setattr(inplace, "UNALIGNED_BUFFERED", unaligned_buffered)
-    deepnvme.load_into(target, path)
-    assert all(torch.equal(target[k], sd[k]) for k in sd)
-    assert sorted(reads) == sorted([(True, sd["placed"].nbytes),
-                                    (not unaligned_buffered, sd["off"].nbytes)])

@@ -42,14 +42,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ST_FILE, PT_FILE, ST_DIR, PT_DIR = "model.safetensors", "model.pt", "st_shards", "pt_shards"
 
 # case -> (path under --dir, readers); deepnvme first, then the peers. deepnvme_mmap is
-# ``mmap=True`` (a private mapping populated by parallel MADV_POPULATE_READ before returning).
+# ``mmap=True`` (a private mapping populated by parallel MADV_POPULATE_READ before returning);
+# deepnvme_buffered is ``load_into`` with ``config={"o_direct": False}`` (page-cache reads).
 CASES: dict[str, tuple[str, list[str]]] = {
     "st": (ST_FILE, ["deepnvme", "deepnvme_mmap", "safetensors", "fastsafetensors", "runai"]),
     "pt": (PT_FILE, ["deepnvme", "deepnvme_mmap", "torch_load", "torch_mmap"]),
     "st_dir": (ST_DIR, ["deepnvme", "deepnvme_mmap", "safetensors", "fastsafetensors", "runai"]),
     "pt_dir": (PT_DIR, ["deepnvme", "deepnvme_mmap", "torch_load", "torch_mmap"]),
-    "into_st": (ST_FILE, ["deepnvme", "safetensors", "fastsafetensors", "runai"]),
-    "into_pt": (PT_FILE, ["deepnvme", "torch_load", "torch_mmap"]),
+    "into_st": (ST_FILE, ["deepnvme", "deepnvme_buffered", "safetensors", "fastsafetensors", "runai"]),
+    "into_pt": (PT_FILE, ["deepnvme", "deepnvme_buffered", "torch_load", "torch_mmap"]),
 }
 
 
@@ -155,9 +156,10 @@ def run_worker(case: str, path: str, reader: str) -> dict[str, Any]:
     base_rss = _hwm()
     t0 = time.perf_counter()
     if target is not None:
-        if reader == "deepnvme":
+        if reader.startswith("deepnvme"):
             import deepnvme
-            deepnvme.load_into(target, path)
+            deepnvme.load_into(target, path,
+                               config={"o_direct": False} if reader == "deepnvme_buffered" else None)
         else:
             loaded = _read(case, path, reader)
             for k, v in loaded.items():

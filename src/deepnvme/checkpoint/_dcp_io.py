@@ -25,7 +25,8 @@ from ..io.plan import Span, coalesce
 from ..memory.copy import copy_bytes
 from ..memory.views import aligned_empty, byte_view
 
-__all__ = ["Span", "coalesce", "SavedTensor", "parse_saved_tensor", "StreamingWriteStream"]
+__all__ = ["Span", "coalesce", "SavedTensor", "TensorLayout", "parse_layout", "parse_saved_tensor",
+           "slice_extent", "contiguous_run", "copy_saved", "StreamingWriteStream"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,18 @@ class SavedTensor:
     """A tensor saved by ``torch.save``: its storage record's bytes and its view of them."""
 
     data: torch.Tensor  # uint8, the storage record's bytes (aliases the caller's buffer)
+    dtype: torch.dtype
+    storage_offset: int  # elements
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """Where a ``torch.save(tensor)`` item keeps its storage record, and how the tensor views it."""
+
+    record: int  # byte offset of the storage record in the item
+    record_length: int  # bytes
     dtype: torch.dtype
     storage_offset: int  # elements
     size: tuple[int, ...]
@@ -49,26 +62,40 @@ _EOCD = struct.Struct("<IHHHHIIH")
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 
 
-def _records(item: memoryview) -> dict[str, tuple[int, int]]:
-    """Record name (without the archive folder) -> (data offset, size) from the zip's central directory."""
-    if len(item) < _EOCD.size:
+def _window(head: memoryview, tail: memoryview, tail_start: int, start: int, end: int) -> memoryview:
+    """Item bytes ``[start, end)`` from the head window (item bytes from 0) or the tail window
+    (item bytes from ``tail_start``); _Unsupported if the range lies in neither."""
+    if 0 <= start <= end <= len(head):
+        return head[start:end]
+    if tail_start <= start <= end <= tail_start + len(tail):
+        return tail[start - tail_start:end - tail_start]
+    raise _Unsupported(f"bytes {start}..{end} lie outside the probed windows")
+
+
+def _records(head: memoryview, tail: memoryview, tail_start: int) -> dict[str, tuple[int, int]]:
+    """Record name (without the archive folder) -> (data offset, size) from the zip's central
+    directory. The item's bytes are known only in ``head`` (from its start) and ``tail`` (its
+    last bytes, from ``tail_start``); for a whole item both are the whole item and 0."""
+    total = tail_start + len(tail)
+    if len(tail) < _EOCD.size:
         raise _Unsupported("too short for a zip")
-    sig, _disk, _cd_disk, _n_disk, count, cd_size, cd_off, comment = _EOCD.unpack_from(item, len(item) - _EOCD.size)
+    sig, _disk, _cd_disk, _n_disk, count, cd_size, cd_off, comment = _EOCD.unpack_from(tail, len(tail) - _EOCD.size)
     if sig != 0x06054B50 or comment or cd_off == 0xFFFFFFFF or count == 0xFFFF:
         raise _Unsupported("no plain end-of-central-directory record (zip64 or a comment)")
+    directory = _window(head, tail, tail_start, cd_off, cd_off + cd_size)
     out: dict[str, tuple[int, int]] = {}
-    pos = cd_off
+    pos = 0
     for _ in range(count):
-        f = _CD.unpack_from(item, pos)
+        f = _CD.unpack_from(directory, pos)
         if f[0] != 0x02014B50 or f[4] != 0:
             raise _Unsupported("bad or compressed central directory entry")
         csize, name_len, extra_len, comment_len, local = f[8], f[10], f[11], f[12], f[16]
-        name = bytes(item[pos + _CD.size:pos + _CD.size + name_len]).decode()
-        lf = _LOCAL.unpack_from(item, local)
+        name = bytes(directory[pos + _CD.size:pos + _CD.size + name_len]).decode()
+        lf = _LOCAL.unpack_from(_window(head, tail, tail_start, local, local + _LOCAL.size))
         if lf[0] != 0x04034B50 or csize == 0xFFFFFFFF:
             raise _Unsupported("bad local header or zip64 sizes")
         data = local + _LOCAL.size + lf[9] + lf[10]
-        if data + csize > len(item):
+        if data + csize > total:
             raise _Unsupported("record past the end of the item")
         out[name.split("/", 1)[-1]] = (data, csize)
         pos += _CD.size + name_len + extra_len + comment_len
@@ -115,17 +142,18 @@ def _item_bytes(item: torch.Tensor) -> memoryview:
         return byte_view(item)
 
 
-def parse_saved_tensor(item: torch.Tensor) -> SavedTensor | None:
-    """The layout of a ``torch.save(tensor)`` item held in ``item`` (uint8), or None if it is
-    anything else (the caller then uses ``torch.load``). Nothing is copied."""
-    view = _item_bytes(item)
+def parse_layout(head: memoryview, tail: memoryview, tail_start: int) -> TensorLayout | None:
+    """The layout of a ``torch.save(tensor)`` item known by its first bytes ``head`` and its last
+    bytes ``tail`` (which start at item byte ``tail_start``), or None if it is anything else or
+    a needed byte lies outside both windows (the caller then reads the whole item)."""
     try:
-        records = _records(view)
+        records = _records(head, tail, tail_start)
         order = records.get("byteorder")
-        if order is not None and bytes(view[order[0]:order[0] + order[1]]) != b"little":
+        if order is not None and bytes(_window(head, tail, tail_start, order[0], order[0] + order[1])) != b"little":
             raise _Unsupported("big-endian")
         pkl = records["data.pkl"]
-        result = _TensorUnpickler(io.BytesIO(view[pkl[0]:pkl[0] + pkl[1]])).load()
+        pickled = _window(head, tail, tail_start, pkl[0], pkl[0] + pkl[1])
+        result = _TensorUnpickler(io.BytesIO(pickled)).load()
         if not (isinstance(result, tuple) and len(result) == 4 and isinstance(result[0], tuple)):
             raise _Unsupported("not a single tensor")
         (dtype, key), storage_offset, size, stride = result
@@ -133,11 +161,42 @@ def parse_saved_tensor(item: torch.Tensor) -> SavedTensor | None:
     except (_Unsupported, KeyError, ValueError, struct.error, pickle.UnpicklingError,
             UnicodeDecodeError, EOFError):
         return None
-    return SavedTensor(item[start:start + length], dtype, int(storage_offset), size, stride)
+    return TensorLayout(start, length, dtype, int(storage_offset), size, stride)
 
 
-def _contiguous_run(saved: SavedTensor, offsets: Sequence[int], lengths: Sequence[int]
-                    ) -> tuple[int, int] | None:
+def parse_saved_tensor(item: torch.Tensor) -> SavedTensor | None:
+    """The tensor of a ``torch.save(tensor)`` item held in ``item`` (uint8), or None if it is
+    anything else (the caller then uses ``torch.load``). Nothing is copied."""
+    view = _item_bytes(item)
+    layout = parse_layout(view, view, 0)
+    if layout is None:
+        return None
+    return SavedTensor(item[layout.record:layout.record + layout.record_length], layout.dtype,
+                       layout.storage_offset, layout.size, layout.stride)
+
+
+def slice_extent(layout: TensorLayout, offsets: Sequence[int], lengths: Sequence[int]
+                 ) -> tuple[int, int]:
+    """Bytes ``(start, length)`` of the storage record that hold the tensor narrowed to
+    ``offsets``/``lengths`` (from its first to its last element); ``(0, 0)`` if it is empty.
+    ValueError if the narrowed tensor reaches past the record (a malformed item)."""
+    if len(offsets) != len(layout.size) or len(lengths) != len(layout.size):
+        raise ValueError(f"a {len(offsets)}-d read of a {len(layout.size)}-d tensor")
+    if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, lengths, layout.size)):
+        raise ValueError(f"a read of {tuple(lengths)} at {tuple(offsets)} from a tensor of "
+                         f"size {tuple(layout.size)}")
+    if any(n == 0 for n in lengths):
+        return 0, 0
+    first = layout.storage_offset + sum(o * s for o, s in zip(offsets, layout.stride))
+    last = first + sum((n - 1) * s for n, s in zip(lengths, layout.stride))
+    esize = layout.dtype.itemsize
+    if first < 0 or (last + 1) * esize > layout.record_length:
+        raise ValueError(f"elements {first}..{last} of a {layout.record_length}-byte storage record")
+    return first * esize, (last - first + 1) * esize
+
+
+def contiguous_run(saved: SavedTensor | TensorLayout, offsets: Sequence[int], lengths: Sequence[int]
+                   ) -> tuple[int, int] | None:
     """Byte (start, length) of the narrowed region if it is one contiguous run of a C-contiguous tensor."""
     expect = 1
     for n, s in zip(reversed(saved.size), reversed(saved.stride)):
@@ -162,7 +221,7 @@ def copy_saved(saved: SavedTensor, offsets: Sequence[int], lengths: Sequence[int
     checked); a contiguous run is copied as bytes, anything else through a strided view."""
     if tuple(target.size()) != tuple(lengths):
         raise ValueError(f"target size {tuple(target.size())} does not match the read's {tuple(lengths)}")
-    run = _contiguous_run(saved, offsets, lengths) if target.dtype == saved.dtype else None
+    run = contiguous_run(saved, offsets, lengths) if target.dtype == saved.dtype else None
     if run is not None and target.is_contiguous():
         start, nbytes = run
         if start + nbytes > saved.data.numel():
@@ -175,7 +234,8 @@ def copy_saved(saved: SavedTensor, offsets: Sequence[int], lengths: Sequence[int
     data = saved.data
     if data.data_ptr() % saved.dtype.itemsize:
         data = data.clone()  # a typed view needs element alignment
-    src = data.view(saved.dtype).as_strided(saved.size, saved.stride, saved.storage_offset)
+    typed = data.view(saved.dtype)  # as_strided's offset counts from the storage's start, not the view's
+    src = typed.as_strided(saved.size, saved.stride, typed.storage_offset() + saved.storage_offset)
     for dim, (off, n) in enumerate(zip(offsets, lengths)):
         src = src.narrow(dim, off, n)
     target.copy_(src)

@@ -9,11 +9,12 @@ save names its data files afresh so that saving over a checkpoint is all-or-noth
   the engine writes (O_DIRECT) to a temporary name while the next fills; the file is then
   fsynced and atomically renamed (the directory fsynced too). Memory bound:
   ``_WRITE_BUFFERS x _WRITE_CHUNK`` bytes per writer thread.
-* reads: the byte ranges the load plan needs are coalesced into spans of neighbouring items
-  (up to ``_READ_SPAN`` bytes), read by the engine with up to ``_READ_AHEAD`` bytes in flight,
-  and each tensor is copied from its span straight into the planner's target (``torch.load``
-  only for items the parser in :mod:`._dcp_io` does not know). Memory bound: ``_READ_AHEAD``
-  bytes plus the largest item.
+* reads: a large tensor item is probed (its zip's head and tail) and only the slice the load
+  plan asks for is read, straight into the planner's target when it is one contiguous run;
+  other items are read whole, neighbours coalesced into spans (up to ``_READ_SPAN`` bytes) in
+  reused buffers, and each tensor is copied from its span into the target (``torch.load`` only
+  for items the parser in :mod:`._dcp_io` does not know); up to ``_READ_AHEAD`` bytes in
+  flight. Memory bound: ``_READ_BUFFERS x _READ_SPAN`` bytes plus the largest item read whole.
 
 Use with ``dcp.save(state, storage_writer=NVMeStorageWriter(path))`` and
 ``dcp.load(state, storage_reader=NVMeStorageReader(path))`` on every rank.
@@ -21,14 +22,12 @@ Use with ``dcp.save(state, storage_writer=NVMeStorageWriter(path))`` and
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import io
 import os
 import secrets
 import threading
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -57,16 +56,25 @@ from ..config import IOConfig, checkpoint_config
 from ..errors import CheckpointFormatError
 from ..handles.aio import AioHandle
 from ..io import durable
-from ..memory.views import aligned_empty, byte_view
-from ._dcp_io import Span, StreamingWriteStream, coalesce, copy_saved, parse_saved_tensor
+from ..memory.views import byte_view
+from ._dcp_io import (
+    SavedTensor,
+    StreamingWriteStream,
+    TensorLayout,
+    coalesce,
+    copy_saved,
+    parse_saved_tensor,
+)
+from ._dcp_read import PROBE_MIN, Job, SliceJob, SpanJob, SpanPool, probe_layouts, run_jobs
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 
 _WRITE_CHUNK = 8 << 20  # bytes per write buffer; _WRITE_BUFFERS of them per writer thread
 _WRITE_BUFFERS = 3
 _READ_GAP = 256 << 10  # a hole up to this many bytes between items is read rather than split
-_READ_SPAN = 32 << 20  # most bytes of neighbouring items read by one request
-_READ_AHEAD = 256 << 20  # most bytes of spans in flight or waiting to be loaded
+_READ_SPAN = 8 << 20  # most bytes of neighbouring whole items read by one request (one pooled buffer)
+_READ_BUFFERS = 8  # pooled span buffers
+_READ_AHEAD = 256 << 20  # most bytes in flight (span buffers and slices read into their targets)
 
 
 class _EngineFileSystem(FileSystem):
@@ -195,30 +203,33 @@ class NVMeStorageReader(FileSystemReader):
         self.path = self.fs.init_path(path)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
-        """Read the plan's byte ranges, coalesced into spans of neighbouring items, with the
-        engine (``_READ_AHEAD`` bytes of spans in flight) and load each item from memory."""
+        """Read the plan's items with the engine and load each into the planner's target:
+        large tensor items by probing their layout and reading only the slice asked for (into
+        the target itself where it is one contiguous run), the rest whole, neighbours coalesced
+        into spans; ``_READ_AHEAD`` bytes in flight, span buffers reused (see ``._dcp_read``)."""
         try:
-            for span, items, buf in self._spans_read(plan):
-                for index in span.members:
-                    req, info = items[index]
-                    at = info.offset - span.start
-                    self._load_item(req, info, buf[at:at + info.length], planner)
+            handle = self.fs.handle()
+            jobs: list[Job] = []
+            for path, items in self._items_per_file(plan).items():
+                jobs += self._file_jobs(handle, path, items, planner)
+            jobs.sort(key=lambda job: (job.path, job.start))
+            run_jobs(handle, jobs, pool=SpanPool(span=_READ_SPAN, buffers=_READ_BUFFERS),
+                     ahead=_READ_AHEAD)
         finally:
             self.fs.close()
         fut: TorchFuture[None] = TorchFuture()
         fut.set_result(None)
         return fut
 
-    def _spans_read(self, plan: LoadPlan) -> Iterator[tuple[Span, list[tuple[ReadItem, Any]], torch.Tensor]]:
-        """Yield each span with its items and bytes, in file order, keeping reads ahead in flight.
-        Memory bound: ``_READ_AHEAD`` bytes plus the largest span."""
+    def _items_per_file(self, plan: LoadPlan) -> dict[str, list[tuple[ReadItem, Any]]]:
+        """The plan's items with their storage info, by data file path; CheckpointFormatError
+        if an item lies past the end of its file."""
         per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
-            per_file.setdefault(os.fspath(info.relative_path), []).append((req, info))
-        work: list[tuple[str, Span, list[tuple[ReadItem, Any]]]] = []
-        for rel, items in per_file.items():
-            path = os.fspath(self.fs.concat_path(self.path, rel))
+            path = os.fspath(self.fs.concat_path(self.path, os.fspath(info.relative_path)))
+            per_file.setdefault(path, []).append((req, info))
+        for path, items in per_file.items():
             size = os.stat(path).st_size
             for req, info in items:
                 if info.offset + info.length > size:
@@ -226,22 +237,32 @@ class NVMeStorageReader(FileSystemReader):
                         f"{path!r} holds {size} bytes but {req.storage_index.fqn!r} is stored at "
                         f"bytes {info.offset}..{info.offset + info.length}: the file is truncated "
                         "or does not belong to this .metadata")
-            spans = coalesce([(i.offset, i.length) for _, i in items], gap=_READ_GAP, cap=_READ_SPAN)
-            work += [(path, span, items) for span in spans]
-        pending: collections.deque[tuple[Span, list[tuple[ReadItem, Any]], torch.Tensor,
-                                         Future[int] | None]] = collections.deque()
-        ahead = 0
-        for path, span, items in work:
-            while pending and ahead + span.end - span.start > _READ_AHEAD:
-                ahead -= _wait_oldest(pending)
-                yield pending.popleft()[:3]
-            buf = aligned_empty(span.end - span.start, span.start)
-            fut = self.fs.handle().submit_read(buf, path, offset=span.start) if buf.numel() else None
-            pending.append((span, items, buf, fut))
-            ahead += buf.numel()
-        while pending:
-            _wait_oldest(pending)
-            yield pending.popleft()[:3]
+        return per_file
+
+    def _file_jobs(self, handle: AioHandle, path: str, items: list[tuple[ReadItem, Any]],
+                   planner: LoadPlanner) -> list[Job]:
+        """Slice reads for the probed tensor items of one file, spans for the others."""
+        probed = [i for i, (req, info) in enumerate(items)
+                  if req.type == LoadItemType.TENSOR and not info.transform_descriptors
+                  and info.length >= PROBE_MIN]
+        layouts = probe_layouts(handle, path, [(items[i][1].offset, items[i][1].length)
+                                               for i in probed]) if probed else []
+        jobs: list[Job] = []
+        sliced = set()
+        for i, layout in zip(probed, layouts):
+            if layout is not None:
+                jobs.append(_slice_job(path, *items[i], layout, planner))
+                sliced.add(i)
+        whole = [i for i in range(len(items)) if i not in sliced]
+        extents = [(items[i][1].offset, items[i][1].length) for i in whole]
+
+        def load(k: int, data: torch.Tensor) -> None:
+            req, info = items[whole[k]]
+            self._load_item(req, info, data, planner)
+
+        jobs += [SpanJob(path, span, extents, load)
+                 for span in coalesce(extents, gap=_READ_GAP, cap=_READ_SPAN)]
+        return jobs
 
     def _load_item(self, req: ReadItem, info: Any, data: torch.Tensor, planner: LoadPlanner) -> None:
         """Deserialize one item from its bytes: tensors parsed in place and copied into the
@@ -265,9 +286,20 @@ class NVMeStorageReader(FileSystemReader):
         planner.commit_tensor(req, target)
 
 
-def _wait_oldest(pending: collections.deque[tuple[Span, Any, torch.Tensor, Future[int] | None]]) -> int:
-    """Wait for the oldest span's read (raising its error); its byte count."""
-    span, _items, buf, fut = pending[0]
-    if fut is not None:
-        fut.result()
-    return int(buf.numel())
+
+def _slice_job(path: str, req: ReadItem, info: Any, layout: TensorLayout,
+               planner: LoadPlanner) -> SliceJob:
+    """The read of ``req``'s slice of a probed tensor item; CheckpointFormatError if the saved
+    tensor does not hold that slice."""
+
+    def copy(data: torch.Tensor, target: torch.Tensor) -> None:
+        part = SavedTensor(data, layout.dtype, 0, tuple(req.lengths), layout.stride)
+        copy_saved(part, [0] * len(req.lengths), req.lengths, target)
+
+    try:
+        return SliceJob(path, info.offset, layout, req.storage_offsets, req.lengths,
+                        resolve=lambda: planner.resolve_tensor(req).detach(), copy=copy,
+                        commit=lambda target: planner.commit_tensor(req, target))
+    except ValueError as exc:
+        raise CheckpointFormatError(f"{path!r}: {req.storage_index.fqn!r} (the item at byte "
+                                    f"{info.offset}) does not hold the slice to load: {exc}") from None

@@ -8,12 +8,17 @@ asynchronous, in one of two modes:
 * ``"snapshot"``: ``save()`` copies every tensor into one reused page-locked arena (size: sum of
   the storages, each rounded up to 4096 bytes) and returns; a background thread writes it. The
   caller waits for the copy, and for the previous save when its arena is still being written.
-* ``"fenced"``: no copy; the background thread writes straight from the live CPU tensors.
-  Each optimizer in ``state`` gets a step pre-hook: its next ``step()`` waits until every
-  pending save's tensors are on disk (and summed). Requirement: between ``save()`` and that
-  ``step()``, nothing else may change a saved tensor in place (e.g. BatchNorm running stats in
-  ``forward``, a manual ``param.add_``, an optimizer not in ``state``); call :meth:`wait` first
-  or use ``"snapshot"`` for such loops. Gradients are not saved, so ``backward`` is free to run.
+* ``"fenced"``: no copy at ``save()``; the background thread writes straight from the live CPU
+  tensors, those each optimizer in ``state`` changes first (in the order the optimizers stepped
+  at the previous save). Each such optimizer gets a step pre-hook: at its next ``step()``, the
+  pending saves' tensors it changes, and those no optimizer in ``state`` owns, that are not
+  written yet are copied into a reused locked staging arena and the step goes on; the rest of
+  the save is written from the copies (:mod:`._fence`). Where the arena
+  (``fence_staging_bytes``) is too small, the step waits for the write instead. Requirement:
+  between ``save()`` and that ``step()``, nothing else may change a saved tensor in place (e.g.
+  BatchNorm running stats in ``forward``, a manual ``param.add_``, an optimizer not in
+  ``state``); call :meth:`wait` first or use ``"snapshot"`` for such loops. Gradients are not
+  saved, so ``backward`` is free to run.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from ..io.plan import align_up
 from ..memory.copy import ParallelCopy
 from ..memory.views import storage_bytes
 from ._checksums import named_storages, record_names, resolve_algorithm
+from ._fence import Entry, FencedWrite, Staging, optimizer_storages
 from ._lock import DirectoryLock, try_lock
 from ._paths import as_path
 from ._policy import check_policy, is_due
@@ -45,7 +51,7 @@ from ._store import FILE, list_steps, new_building, remove_leftovers, step_dir
 from ._verify import load_checked
 from ._writer import Job, Writer
 from .async_saver import ensure_arena
-from .saver import StorageLayout, write_skeleton
+from .saver import StorageLayout, gather_small, write_skeleton
 
 __all__ = ["CheckpointManager", "SaveStats", "RNG_KEY"]
 
@@ -63,6 +69,7 @@ class SaveStats:
     fence_wait_seconds: float  # the fenced optimizer steps' part of blocked_seconds
     arena_wait_seconds: float  # snapshot: save() waiting for the previous write to free the arena
     last_write_seconds: float  # background: the newest finished save's write + fsync
+    fence_copied_bytes: int = 0  # fenced: bytes the optimizer step pre-hooks copied into staging
 
 
 class CheckpointManager:
@@ -71,14 +78,18 @@ class CheckpointManager:
     ``keep``: newest committed checkpoints kept (None: all). ``every_steps``/``every_seconds``:
     when ``save()`` writes (neither: every call). ``mode``: ``"snapshot"`` or ``"fenced"`` (module
     docstring). ``checksums``: False, True (``"crc32c"``), ``"crc32c"`` or ``"xxh64"``. ``rng``:
-    save and restore RNG states. One thread drives a manager; one manager may write a directory
-    at a time (:class:`CheckpointLockedError` for a second); reading needs no lock.
+    save and restore RNG states. ``fence_staging_bytes`` (fenced mode): the copy-on-fence arena's
+    cap in bytes (None: as large as a save's tensors over 256 KiB, allocated at the first fence
+    that copies; 0: never copy, the step waits for the write). One thread drives a manager; one
+    manager may write a directory at a time (:class:`CheckpointLockedError` for a second);
+    reading needs no lock.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3,
                  every_steps: int | None = None, every_seconds: float | None = None,
                  mode: Literal["snapshot", "fenced"] = "snapshot", checksums: bool | str = False,
-                 rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None) -> None:
+                 rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None,
+                 fence_staging_bytes: int | None = None) -> None:
         check_policy(keep=keep, every_steps=every_steps, every_seconds=every_seconds)
         if mode not in ("snapshot", "fenced"):
             raise ValueError(f"CheckpointManager: mode must be 'snapshot' or 'fenced', got {mode!r}")
@@ -97,11 +108,13 @@ class CheckpointManager:
         self._arena: torch.Tensor | None = None
         self._arena_free = threading.Event()
         self._arena_free.set()
-        self._fences: list[threading.Event] = []
+        self._staging = Staging(fence_staging_bytes)
+        self._fences: list[FencedWrite] = []
+        self._fence_order: list[int] = []  # id()s of optimizers in the order they last fenced
         self._hooks: dict[int, Any] = {}
         self._closed = False
         self._saves, self._blocked, self._fence_wait, self._last_write = 0, 0.0, 0.0, 0.0
-        self._arena_wait = 0.0
+        self._arena_wait, self._fence_copied = 0.0, 0
         self._tidy()
 
     def _tidy(self) -> None:
@@ -143,14 +156,15 @@ class CheckpointManager:
         self._last_start, self._last_step = time.monotonic(), step
         building = new_building(self.directory, step)
         file = os.path.join(building, FILE)
-        items: list[tuple[torch.Tensor, int]] | None
+        items: list[tuple[torch.Tensor, int]] | None = None
+        fenced: FencedWrite | None = None
         release: Callable[[], None] | None = None
         try:
             if self.mode == "snapshot":
                 layout, items, release = self._snapshot(saved, file)
             else:
                 layout = write_skeleton(saved, file)
-                items, release = self._fence(state)
+                fenced, release = self._fence(state, layout, file)
             names, order = record_names(saved, layout)
         except BaseException:
             if release is not None:
@@ -158,7 +172,7 @@ class CheckpointManager:
             shutil.rmtree(building, ignore_errors=True)
             raise
         job = Job(step=step, building=building, layout=layout, names=names, order=order,
-                  items=items, release=release)
+                  items=items, release=release, fenced=fenced)
         self._pending.append(job)
         writer.submit(job)
         self._saves += 1
@@ -226,25 +240,46 @@ class CheckpointManager:
             raise
         return layout, items, self._arena_free.set
 
-    def _fence(self, state: Mapping[str, Any]) -> tuple[None, Any]:
-        """Hook every optimizer in ``state`` (once) and open a fence their next step() waits on."""
-        for value in state.values():
-            if isinstance(value, torch.optim.Optimizer) and id(value) not in self._hooks:
-                self._hooks[id(value)] = value.register_step_pre_hook(self._wait_fences)
-        fence = threading.Event()
-        self._fences.append(fence)
+    def _fence(self, state: Mapping[str, Any], layout: StorageLayout, file: str
+               ) -> tuple[FencedWrite, Callable[[], None]]:
+        """Hook every optimizer in ``state`` (once); the save's storages in write order: those of
+        the optimizers that fenced first last time first, then the others', then unowned ones.
+        Small storages are copied now (:func:`gather_small`)."""
+        optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+        for opt in optimizers:
+            if id(opt) not in self._hooks:
+                self._hooks[id(opt)] = opt.register_step_pre_hook(self._wait_fences)
+        ranked = sorted(optimizers, key=lambda o: (self._fence_order.index(id(o))
+                                                   if id(o) in self._fence_order else len(self._fence_order)))
+        owners: dict[int, int] = {}
+        for opt in ranked:
+            for st in optimizer_storages(opt):
+                owners.setdefault(st._cdata, id(opt))
+        rank = {id(o): i for i, o in enumerate(ranked)}
+        large, regions = gather_small(file, layout)
+        entries = [Entry(key=k, storage=layout.items[k][0], offset=layout.items[k][1].offset,
+                         owner=owners.get(layout.items[k][0]._cdata)) for k in large]
+        entries.sort(key=lambda e: (len(rank) if e.owner is None else rank[e.owner], e.offset))
+        small = [(region, start, {k: (layout.items[k][1].offset - start, layout.items[k][1].end - start)
+                                  for k in keys}) for region, start, keys in regions]
+        fenced = FencedWrite(entries, small, self._staging)
+        self._fences.append(fenced)
+        self._fence_order = []
 
         def release() -> None:
-            fence.set()
-            self._fences.remove(fence)
-        return None, release
+            fenced.end()
+            self._fences.remove(fenced)
+            self._fence_copied += fenced.copied_bytes
+        return fenced, release
 
     def _wait_fences(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._fences:
             return
         start = time.perf_counter()
-        for fence in list(self._fences):
-            fence.wait()
+        if id(optimizer) not in self._fence_order:
+            self._fence_order.append(id(optimizer))
+        for fenced in list(self._fences):
+            fenced.protect(id(optimizer))
         waited = time.perf_counter() - start
         self._fence_wait += waited
         self._blocked += waited
@@ -283,6 +318,7 @@ class CheckpointManager:
             for hook in self._hooks.values():
                 hook.remove()
             self._hooks.clear()
+            self._staging.close()
             if self._arena is not None:
                 from ..memory.pinned import free_cpu_locked_tensor
                 free_cpu_locked_tensor(self._arena)
@@ -313,7 +349,8 @@ class CheckpointManager:
         """Cumulative cost of this manager's saves to the caller (see :class:`SaveStats`)."""
         return SaveStats(saves=self._saves, blocked_seconds=self._blocked,
                          fence_wait_seconds=self._fence_wait, arena_wait_seconds=self._arena_wait,
-                         last_write_seconds=self._last_write)
+                         last_write_seconds=self._last_write,
+                         fence_copied_bytes=self._fence_copied + sum(f.copied_bytes for f in self._fences))
 
     # ---- reading --------------------------------------------------------------------------
 

@@ -5,9 +5,10 @@ rule), how many stay (``keep``), the newest complete one after a crash, bit-exac
 (state dicts, tensors, plain data and RNG states) and optional per-tensor checksums. Saves are
 asynchronous, in one of two modes:
 
-* ``"snapshot"``: ``save()`` copies every tensor into one reused page-locked arena (size: sum of
-  the storages, each rounded up to 4096 bytes) and returns; a background thread writes it. The
-  caller waits for the copy, and for the previous save when its arena is still being written.
+* ``"snapshot"``: ``save()`` copies every tensor into a reused page-locked arena (size: sum of
+  the storages, each rounded up to 4096 bytes; ``snapshot_arenas`` of them at most, so locked
+  memory up to ``snapshot_arenas x`` that sum) and returns; a background thread writes it. The
+  caller waits for the copy, and for an earlier save when every arena is still being written.
 * ``"fenced"``: no copy at ``save()``; the background thread writes straight from the live CPU
   tensors, those each optimizer in ``state`` changes first (in the order the optimizers stepped
   at the previous save). Each such optimizer gets a step pre-hook: at its next ``step()``, the
@@ -39,6 +40,7 @@ from ..errors import CheckpointLockedError, CheckpointMismatchError, FileNotFoun
 from ..handles.aio import AioHandle
 from ..io.plan import align_up
 from ..memory.copy import ParallelCopy
+from ..memory.pinned import free_cpu_locked_tensor
 from ..memory.views import storage_bytes
 from ._checksums import named_storages, record_names, resolve_algorithm
 from ._fence import Entry, FencedWrite, Staging, optimizer_storages
@@ -78,7 +80,9 @@ class CheckpointManager:
     ``keep``: newest committed checkpoints kept (None: all). ``every_steps``/``every_seconds``:
     when ``save()`` writes (neither: every call). ``mode``: ``"snapshot"`` or ``"fenced"`` (module
     docstring). ``checksums``: False, True (``"crc32c"``), ``"crc32c"`` or ``"xxh64"``. ``rng``:
-    save and restore RNG states. ``fence_staging_bytes`` (fenced mode): the copy-on-fence arena's
+    save and restore RNG states. ``snapshot_arenas``: staging arenas of snapshot mode (the
+    second is allocated only when a save finds the first still being written).
+    ``fence_staging_bytes`` (fenced mode): the copy-on-fence arena's
     cap in bytes (None: as large as a save's tensors over 256 KiB, allocated at the first fence
     that copies; 0: never copy, the step waits for the write). One thread drives a manager; one
     manager may write a directory at a time (:class:`CheckpointLockedError` for a second);
@@ -89,7 +93,7 @@ class CheckpointManager:
                  every_steps: int | None = None, every_seconds: float | None = None,
                  mode: Literal["snapshot", "fenced"] = "snapshot", checksums: bool | str = False,
                  rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None,
-                 fence_staging_bytes: int | None = None) -> None:
+                 snapshot_arenas: int = 1, fence_staging_bytes: int | None = None) -> None:
         check_policy(keep=keep, every_steps=every_steps, every_seconds=every_seconds)
         if mode not in ("snapshot", "fenced"):
             raise ValueError(f"CheckpointManager: mode must be 'snapshot' or 'fenced', got {mode!r}")
@@ -105,9 +109,11 @@ class CheckpointManager:
         self._pending: list[Job] = []
         self._last_step: int | None = None
         self._last_start = time.monotonic()
-        self._arena: torch.Tensor | None = None
-        self._arena_free = threading.Event()
-        self._arena_free.set()
+        if isinstance(snapshot_arenas, bool) or not isinstance(snapshot_arenas, int) or snapshot_arenas < 1:
+            raise ValueError(f"CheckpointManager: snapshot_arenas must be an int >= 1, got {snapshot_arenas!r}")
+        self._arenas: list[torch.Tensor | None] = [None] * snapshot_arenas
+        self._arena_free = [True] * snapshot_arenas
+        self._arena_cond = threading.Condition()
         self._staging = Staging(fence_staging_bytes)
         self._fences: list[FencedWrite] = []
         self._fence_order: list[int] = []  # id()s of optimizers in the order they last fenced
@@ -214,19 +220,16 @@ class CheckpointManager:
                   ) -> tuple[StorageLayout, list[tuple[torch.Tensor, int]], Callable[[], None]]:
         """Copy the storages into the arena (waiting until the previous save released it) while
         the caller's thread writes the skeleton; each storage's (arena slice, file offset)."""
-        start = time.perf_counter()
-        self._arena_free.wait()
-        self._arena_wait += time.perf_counter() - start
-        self._arena_free.clear()
+        idx = self._take_arena()
         try:
             storages = [st for _, st in named_storages(saved)]
-            arena, self._arena = self._arena, None  # never keep a freed arena if allocation fails
-            self._arena = ensure_arena(arena, (st.nbytes() for st in storages))
+            arena, self._arenas[idx] = self._arenas[idx], None  # never keep a freed arena if allocation fails
+            self._arenas[idx] = arena = ensure_arena(arena, (st.nbytes() for st in storages))
             copy, slots, pos = ParallelCopy(), {}, 0
             try:
                 for st in storages:  # copies start now, on the pool's threads
                     n = st.nbytes()
-                    slots[st._cdata] = dst = self._arena[pos:pos + n]
+                    slots[st._cdata] = dst = arena[pos:pos + n]
                     if n:
                         copy.add(dst, storage_bytes(st))
                     pos += align_up(n, 4096)
@@ -236,9 +239,26 @@ class CheckpointManager:
             # a storage the walk missed is refused by _record_names before anything is written
             items = [(slots[st._cdata], span.offset) for st, span in layout.items.values() if st._cdata in slots]
         except BaseException:
-            self._arena_free.set()
+            self._give_arena(idx)
             raise
-        return layout, items, self._arena_free.set
+        return layout, items, lambda: self._give_arena(idx)
+
+    def _take_arena(self) -> int:
+        """A free arena's index (an allocated one first), waiting until the writer frees one."""
+        start = time.perf_counter()
+        with self._arena_cond:
+            while not any(self._arena_free):
+                self._arena_cond.wait()
+            free = [i for i, ok in enumerate(self._arena_free) if ok]
+            idx = next((i for i in free if self._arenas[i] is not None), free[0])
+            self._arena_free[idx] = False
+        self._arena_wait += time.perf_counter() - start
+        return idx
+
+    def _give_arena(self, idx: int) -> None:
+        with self._arena_cond:
+            self._arena_free[idx] = True
+            self._arena_cond.notify_all()
 
     def _fence(self, state: Mapping[str, Any], layout: StorageLayout, file: str
                ) -> tuple[FencedWrite, Callable[[], None]]:
@@ -319,10 +339,10 @@ class CheckpointManager:
                 hook.remove()
             self._hooks.clear()
             self._staging.close()
-            if self._arena is not None:
-                from ..memory.pinned import free_cpu_locked_tensor
-                free_cpu_locked_tensor(self._arena)
-                self._arena = None
+            for i, arena in enumerate(self._arenas):
+                if arena is not None:
+                    free_cpu_locked_tensor(arena)
+                    self._arenas[i] = None
             if self._handle is not None:
                 self._handle.close()
             if self._lock is not None:

@@ -255,3 +255,29 @@ def test_wait_from_another_thread_sees_commits(tmp_path):
     t.join(30)
     mgr.close()
     assert mgr.steps() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("arenas", [1, 2])
+def test_snapshot_second_arena_saves_without_waiting_for_the_previous_write(tmp_path, monkeypatch, arenas):
+    from deepnvme.checkpoint import _writer
+    real = _writer.Writer._write_items
+
+    def slow(self, job, file):
+        time.sleep(0.5)
+        return real(self, job, file)
+
+    monkeypatch.setattr(_writer.Writer, "_write_items", slow)
+    w = torch.arange(100_000, dtype=torch.float32)
+    with deepnvme.CheckpointManager(tmp_path, mode="snapshot", snapshot_arenas=arenas, keep=None) as mgr:
+        for step in range(3):
+            mgr.save(step, {"w": w})
+            w.add_(1)  # the snapshot holds the values of each save() call
+        waited = mgr.stats.arena_wait_seconds
+        mgr.wait()
+        got = [mgr.load(step)["w"] for step in range(3)]
+    # 1 arena: saves 1 and 2 wait for the writes before them; 2 arenas: only save 2 waits, for save 0
+    assert (waited > 0.7) if arenas == 1 else (0.2 < waited < 0.7)
+    for step, t in enumerate(got):
+        assert torch.equal(t, torch.arange(100_000, dtype=torch.float32) + step)
+    with pytest.raises(ValueError, match="snapshot_arenas"):
+        deepnvme.CheckpointManager(tmp_path, snapshot_arenas=0)

@@ -38,8 +38,9 @@ from ..memory.copy import ParallelCopy
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 from ..memory.views import storage_bytes
 from ._checksums import checksum
+from .saver import StorageLayout, gather_small
 
-__all__ = ["Entry", "FencedWrite", "Staging", "write_fenced", "optimizer_storages"]
+__all__ = ["Entry", "FencedWrite", "Staging", "plan_fenced", "write_fenced", "optimizer_storages"]
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +209,27 @@ class FencedWrite:
                           self._staging.budget, len(chosen), len(left), len(rest))
             while rest and not self._ended and any(e.state != DONE for e in rest):
                 self._cond.wait()
+
+
+def plan_fenced(optimizers: list[Any], fenced_first: list[int], layout: StorageLayout, file: str,
+                staging: Staging) -> FencedWrite:
+    """One save's :class:`FencedWrite`: large storages in write order (those of the optimizers
+    in ``fenced_first`` order (``id()`` s of those that fenced first at the previous save), then
+    the other optimizers', then unowned ones; file order within each), small ones copied now."""
+    ranked = sorted(optimizers, key=lambda o: (fenced_first.index(id(o)) if id(o) in fenced_first
+                                               else len(fenced_first)))
+    owners: dict[int, int] = {}
+    for opt in ranked:
+        for st in optimizer_storages(opt):
+            owners.setdefault(st._cdata, id(opt))
+    rank = {id(o): i for i, o in enumerate(ranked)}
+    large, regions = gather_small(file, layout)
+    entries = [Entry(key=k, storage=layout.items[k][0], offset=layout.items[k][1].offset,
+                     owner=owners.get(layout.items[k][0]._cdata)) for k in large]
+    entries.sort(key=lambda e: (len(rank) if e.owner is None else rank[e.owner], e.offset))
+    small = [(region, start, {k: (layout.items[k][1].offset - start, layout.items[k][1].end - start)
+                              for k in keys}) for region, start, keys in regions]
+    return FencedWrite(entries, small, staging)
 
 
 def write_fenced(handle: AioHandle, file: str, fw: FencedWrite,

@@ -43,17 +43,17 @@ from ..memory.copy import ParallelCopy
 from ..memory.pinned import free_cpu_locked_tensor
 from ..memory.views import storage_bytes
 from ._checksums import named_storages, record_names, resolve_algorithm
-from ._fence import Entry, FencedWrite, Staging, optimizer_storages
+from ._fence import FencedWrite, Staging, plan_fenced
 from ._lock import DirectoryLock, try_lock
 from ._paths import as_path
 from ._policy import check_policy, is_due
-from ._restore import open_skeleton, read_into
+from ._restore import check_fit, open_skeleton, read_into
 from ._rng import capture_rng, restore_rng
 from ._store import FILE, list_steps, new_building, remove_leftovers, step_dir
 from ._verify import load_checked
 from ._writer import Job, Writer
 from .async_saver import ensure_arena
-from .saver import StorageLayout, gather_small, write_skeleton
+from .saver import StorageLayout, write_skeleton
 
 __all__ = ["CheckpointManager", "SaveStats", "RNG_KEY"]
 
@@ -262,27 +262,12 @@ class CheckpointManager:
 
     def _fence(self, state: Mapping[str, Any], layout: StorageLayout, file: str
                ) -> tuple[FencedWrite, Callable[[], None]]:
-        """Hook every optimizer in ``state`` (once); the save's storages in write order: those of
-        the optimizers that fenced first last time first, then the others', then unowned ones.
-        Small storages are copied now (:func:`gather_small`)."""
+        """Hook every optimizer in ``state`` (once) and plan the save's writes (:func:`plan_fenced`)."""
         optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
         for opt in optimizers:
             if id(opt) not in self._hooks:
                 self._hooks[id(opt)] = opt.register_step_pre_hook(self._wait_fences)
-        ranked = sorted(optimizers, key=lambda o: (self._fence_order.index(id(o))
-                                                   if id(o) in self._fence_order else len(self._fence_order)))
-        owners: dict[int, int] = {}
-        for opt in ranked:
-            for st in optimizer_storages(opt):
-                owners.setdefault(st._cdata, id(opt))
-        rank = {id(o): i for i, o in enumerate(ranked)}
-        large, regions = gather_small(file, layout)
-        entries = [Entry(key=k, storage=layout.items[k][0], offset=layout.items[k][1].offset,
-                         owner=owners.get(layout.items[k][0]._cdata)) for k in large]
-        entries.sort(key=lambda e: (len(rank) if e.owner is None else rank[e.owner], e.offset))
-        small = [(region, start, {k: (layout.items[k][1].offset - start, layout.items[k][1].end - start)
-                                  for k in keys}) for region, start, keys in regions]
-        fenced = FencedWrite(entries, small, self._staging)
+        fenced = plan_fenced(optimizers, self._fence_order, layout, file, self._staging)
         self._fences.append(fenced)
         self._fence_order = []
 
@@ -414,7 +399,7 @@ class CheckpointManager:
         if not isinstance(sk.obj, dict):
             raise CheckpointMismatchError(f"step {chosen} in {self.directory!r} holds a {type(sk.obj).__name__}")
         dests = {n: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for n, v in state.items()}
-        self._check_fit(chosen, sk.obj, state, dests)
+        check_fit(f"step {chosen} in {self.directory!r}", sk.obj, state, dests, rng_key=RNG_KEY)
         saved = read_into(sk, dests, self._config)
         for name, value in list(state.items()):
             if isinstance(value, torch.Tensor):
@@ -427,30 +412,6 @@ class CheckpointManager:
         if self.rng and RNG_KEY in saved:
             restore_rng(saved[RNG_KEY])
         return chosen
-
-    def _check_fit(self, chosen: int, saved: Mapping[str, Any], state: Mapping[str, Any],
-                   dests: Mapping[str, Any]) -> None:
-        """Names of ``state`` and the checkpoint, shapes of its tensors and of its modules' state
-        dicts (``saved`` may hold ``meta`` tensors): one :class:`CheckpointMismatchError`."""
-        names = [n for n in saved if n != RNG_KEY]
-        missing = [n for n in state if n not in saved]
-        extra = [n for n in names if n not in state]
-        shapes = [(n, tuple(saved[n].shape), tuple(v.shape)) for n, v in state.items()
-                  if isinstance(v, torch.Tensor) and n in saved
-                  and (not isinstance(saved[n], torch.Tensor) or saved[n].shape != v.shape)]
-        for n, v in state.items():
-            if isinstance(v, torch.nn.Module) and isinstance(saved.get(n), dict):
-                have, want = saved[n], dests[n]
-                missing += [f"{n}/{k}" for k in want if k not in have]
-                extra += [f"{n}/{k}" for k in have if k not in want]
-                shapes += [(f"{n}/{k}", tuple(t.shape), tuple(want[k].shape)) for k, t in have.items()
-                           if isinstance(t, torch.Tensor) and isinstance(want.get(k), torch.Tensor)
-                           and t.shape != want[k].shape]
-        if missing or extra or shapes:
-            raise CheckpointMismatchError(
-                f"step {chosen} in {self.directory!r} does not fit the state: not in the checkpoint "
-                f"{missing}, not in the state {extra}, shapes {shapes}",
-                missing_keys=missing, unexpected_keys=extra, mismatched=shapes)
 
     def _resolve(self, step: int | None) -> int:
         steps = self.steps()

@@ -12,7 +12,7 @@ directory under ``--dir`` that is deleted afterwards:
 
 * ``none``: no checkpointing (the baseline step time);
 * ``fenced``, ``snapshot``: ``deepnvme.CheckpointManager(mode=..., keep=1)``; ``snapshot2``
-  (only when named in ``--configs``): snapshot mode with ``snapshot_arenas=2``;
+  and ``fenced_pre`` (only when named in ``--configs``): ``snapshot_arenas=2``, ``fence_precopy=True``;
 * ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (no process group: ``no_dist=True``)
   with ``DefaultStager(StagingOptions(use_pinned_memory=True, use_async_staging=True))``; the
   loop waits for the staging before ``optimizer.step()`` (a step pre-hook) and for the upload
@@ -51,7 +51,7 @@ from deepnvme.io.durable import wait_for_releases
 from deepnvme.io.posix import evict_page_cache
 
 CONFIGS = ("none", "fenced", "snapshot", "dcp_async", "torch_thread")
-EXTRA_CONFIGS = ("snapshot2",)  # run only when named in --configs
+EXTRA_CONFIGS = ("snapshot2", "fenced_pre")  # run only when named in --configs
 
 
 class Loop:
@@ -117,9 +117,10 @@ class Saver:
         self._hook: Any = None
         self._thread: threading.Thread | None = None
         self._resp: Any = None
-        if kind in ("fenced", "snapshot", "snapshot2"):
-            self._mgr = deepnvme.CheckpointManager(directory, keep=1, mode=kind.rstrip("2"), rng=False,
-                                                   snapshot_arenas=2 if kind == "snapshot2" else 1)
+        if kind in ("fenced", "fenced_pre", "snapshot", "snapshot2"):
+            self._mgr = deepnvme.CheckpointManager(directory, keep=1, mode=kind.split("_")[0].rstrip("2"),
+                                                   rng=False, snapshot_arenas=2 if kind == "snapshot2" else 1,
+                                                   fence_precopy=kind == "fenced_pre")
         if kind == "dcp_async":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
@@ -172,7 +173,7 @@ class Saver:
             stats = self._mgr.stats
             fence = stats.fence_wait_seconds
             self._extra, self._fence_seen = fence - self._fence_seen, fence
-            if self.kind == "fenced":
+            if self.kind.startswith("fenced"):
                 self.copied.append(stats.fence_copied_bytes - self._copied_seen)
                 self._copied_seen = stats.fence_copied_bytes
         extra, self._extra = self._extra, 0.0
@@ -374,15 +375,17 @@ def report(args: argparse.Namespace, loop: Loop, nbytes: int, write: float, copy
         print(f"{kind:<14}{step:>9.3f}{added:>9.3f}{added / base_step:>9.1%}{blocked:>11.4f}"
               f"{blocked / base_step:>11.1%}")
     targets: dict[str, Any] = {}
-    if "fenced" in rows and runs["fenced"]["fence_copied_bytes"]:
-        copied = runs["fenced"]["fence_copied_bytes"]
-        rows["fenced"]["fence_copied_bytes"] = copied
-        print(f"fenced: the fence copied {_med([float(c) for c in copied]) / 1e6:.0f} MB per save (median; "
-              f"{sum(1 for c in copied if c)} of {len(copied)} saves copied)")
-    if "fenced" in rows:
+    for fk in ("fenced", "fenced_pre"):
+        if fk not in rows:
+            continue
+        copied = runs[fk]["fence_copied_bytes"]
+        rows[fk]["fence_copied_bytes"] = copied
+        if copied:
+            print(f"{fk}: the fence copied {_med([float(c) for c in copied]) / 1e6:.0f} MB per save (median; "
+                  f"{sum(1 for c in copied if c)} of {len(copied)} saves copied)")
         allowed = max(0.0, write - base_step) + 0.03 * base_step
-        targets["fenced_added_s"] = {"value": rows["fenced"]["added_s"], "limit": allowed}
-        targets["fenced_blocked_fraction"] = {"value": rows["fenced"]["blocked_s"] / base_step, "limit": 0.02}
+        targets[f"{fk}_added_s"] = {"value": rows[fk]["added_s"], "limit": allowed}
+        targets[f"{fk}_blocked_fraction"] = {"value": rows[fk]["blocked_s"] / base_step, "limit": 0.02}
     for snap in ("snapshot", "snapshot2"):
         if snap not in rows:
             continue
@@ -395,7 +398,7 @@ def report(args: argparse.Namespace, loop: Loop, nbytes: int, write: float, copy
         targets[f"{snap}_blocked_no_wait_over_copy"] = {"value": own / copy, "limit": 1.1}
     if "dcp_async" in rows:
         dcp_added = rows["dcp_async"]["added_s"]
-        for kind in ("fenced", "snapshot"):
+        for kind in ("fenced", "fenced_pre", "snapshot", "snapshot2"):
             if kind in rows:
                 targets[f"{kind}_added_over_dcp"] = {"value": rows[kind]["added_s"] / dcp_added, "limit": 0.5}
     rest = {k: _med(v) for k, v in restore.items()}

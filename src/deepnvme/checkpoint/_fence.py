@@ -14,11 +14,13 @@ file. Storages under 256 KiB are gathered into regions copied when the save star
 Staging (:class:`Staging`): one page-locked arena reused by every save, allocated at the first
 fence that copies, of ``min(budget, sum of the save's large storages each rounded up to 4096)``
 bytes (``budget=None``: no cap, so never more than the save itself; ``budget=0``: never copy,
-the step waits for the write). When the arena cannot hold everything to protect, the fence copies
-the storages the writer would reach last and waits for the others to be written; when an
-earlier save still writes from the arena, the fence first waits for that save. Both are logged
-at debug level. The unit is a whole storage: a large tensor half written at the fence is copied
-whole.
+the step waits for the write). When the arena cannot hold everything to protect, the fence
+copies the storages the writer would reach last and waits for the others to be written; when
+an earlier save still writes from the arena, the fence first waits for that save. Both are
+logged at debug level. The unit is a whole storage: a large tensor half written at the fence
+is copied whole. With :meth:`FencedWrite.precopy` on a background thread, the copies start at
+``save()`` (from the end of the write order, while the writer writes from its start), so the
+fence finds less to copy; that costs memory bandwidth during forward and backward.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.plan import align_up
-from ..memory.copy import ParallelCopy
+from ..memory.copy import ParallelCopy, copy_bytes
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 from ..memory.views import storage_bytes
 from ._checksums import checksum
@@ -62,6 +64,7 @@ class Entry:
     copy: torch.Tensor | None = None  # its bytes at save() time once the fence copied them
     state: int = WAITING
     torn: bool = False  # copied while in flight: written and hashed again from the copy
+    copying: bool = False  # being copied by the background precopy (the writer leaves it)
     checksum: int | None = None
 
     def source(self) -> torch.Tensor:
@@ -130,10 +133,12 @@ class FencedWrite:
         self.entries = entries
         self.small = small
         self.staged = 0  # arena bytes in use by this save's copies
-        self.copied_bytes = 0
+        self.copied_bytes = 0  # copied by the fence (the training thread waits for these)
+        self.precopied_bytes = 0  # copied in the background before the fence (:meth:`precopy`)
         self._staging = staging
         self._cond = threading.Condition()
         self._ended = False
+        self._fenced = False
 
     # ---- writer side ----------------------------------------------------------------------
 
@@ -143,16 +148,19 @@ class FencedWrite:
         batch: list[tuple[Entry, torch.Tensor]] = []
         total = 0
         with self._cond:
-            for e in self.entries:
-                if e.state != WAITING:
-                    continue
-                n = e.storage.nbytes()
-                if batch and total + n > _BATCH:
-                    break
-                e.state = IN_FLIGHT
-                batch.append((e, e.source()))
-                total += n
-        return batch
+            while True:
+                for e in self.entries:
+                    if e.state != WAITING or e.copying:
+                        continue
+                    n = e.storage.nbytes()
+                    if batch and total + n > _BATCH:
+                        break
+                    e.state = IN_FLIGHT
+                    batch.append((e, e.source()))
+                    total += n
+                if batch or not any(e.copying for e in self.entries):
+                    return batch
+                self._cond.wait()  # only storages being precopied are left
 
     def finish(self, batch: list[tuple[Entry, torch.Tensor]], sums: dict[str, int]) -> None:
         """Entries of ``batch`` are written (and hashed: ``sums``); torn ones wait again."""
@@ -169,7 +177,48 @@ class FencedWrite:
         with self._cond:
             self._ended = True
             self._cond.notify_all()
+            while any(e.copying for e in self.entries):  # the arena stays ours until they end
+                self._cond.wait()
         self._staging.release(self)
+
+    def precopy(self) -> None:
+        """Background, from ``save()`` until the fence: copy waiting storages into the staging
+        arena one at a time, from the end of the write order, so the fence has less to copy."""
+        with self._cond:
+            if self._ended or self._fenced:
+                return
+            need = sum(align_up(e.storage.nbytes(), _ALIGN) for e in self.entries)
+        arena = self._staging.acquire(self, need)  # waits while an earlier save writes from it
+        try:
+            while arena is not None:
+                with self._cond:
+                    e = next((e for e in reversed(self.entries) if e.state == WAITING and e.copy is None
+                              and not e.copying), None)
+                    if self._ended or self._fenced or e is None:
+                        return
+                    n = e.storage.nbytes()
+                    if align_up(n, _ALIGN) > arena.numel() - self.staged:
+                        return
+                    dst = arena[self.staged:self.staged + n]
+                    self.staged += align_up(n, _ALIGN)
+                    e.copying = True
+                done = False
+                try:
+                    if n:
+                        copy_bytes([(dst, storage_bytes(e.storage))])
+                    done = True
+                finally:
+                    with self._cond:
+                        e.copying = False
+                        if done:
+                            e.copy = dst
+                            self.precopied_bytes += n
+                        self._cond.notify_all()
+        finally:
+            with self._cond:
+                ended = self._ended
+            if ended:  # end() may have run before acquire() returned
+                self._staging.release(self)
 
     # ---- training-thread side -------------------------------------------------------------
 
@@ -181,6 +230,9 @@ class FencedWrite:
                     and (e.owner is None or e.owner == owner)]
 
         with self._cond:
+            self._fenced = True  # no new precopy starts; one in progress is waited for
+            while any(e.copying for e in self.entries):
+                self._cond.wait()
             if self._ended or not todo():
                 return
             need = sum(align_up(e.storage.nbytes(), _ALIGN) for e in self.entries)

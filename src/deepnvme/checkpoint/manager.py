@@ -72,6 +72,7 @@ class SaveStats:
     arena_wait_seconds: float  # snapshot: save() waiting for the previous write to free the arena
     last_write_seconds: float  # background: the newest finished save's write + fsync
     fence_copied_bytes: int = 0  # fenced: bytes the optimizer step pre-hooks copied into staging
+    fence_precopied_bytes: int = 0  # fenced with fence_precopy: bytes copied in the background
 
 
 class CheckpointManager:
@@ -84,7 +85,8 @@ class CheckpointManager:
     second is allocated only when a save finds the first still being written).
     ``fence_staging_bytes`` (fenced mode): the copy-on-fence arena's
     cap in bytes (None: as large as a save's tensors over 256 KiB, allocated at the first fence
-    that copies; 0: never copy, the step waits for the write). One thread drives a manager; one
+    that copies; 0: never copy, the step waits for the write); ``fence_precopy``: start those
+    copies in the background at ``save()`` (see :mod:`._fence`). One thread drives a manager; one
     manager may write a directory at a time (:class:`CheckpointLockedError` for a second);
     reading needs no lock.
     """
@@ -93,7 +95,8 @@ class CheckpointManager:
                  every_steps: int | None = None, every_seconds: float | None = None,
                  mode: Literal["snapshot", "fenced"] = "snapshot", checksums: bool | str = False,
                  rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None,
-                 snapshot_arenas: int = 1, fence_staging_bytes: int | None = None) -> None:
+                 snapshot_arenas: int = 1, fence_staging_bytes: int | None = None,
+                 fence_precopy: bool = False) -> None:
         check_policy(keep=keep, every_steps=every_steps, every_seconds=every_seconds)
         if mode not in ("snapshot", "fenced"):
             raise ValueError(f"CheckpointManager: mode must be 'snapshot' or 'fenced', got {mode!r}")
@@ -115,12 +118,13 @@ class CheckpointManager:
         self._arena_free = [True] * snapshot_arenas
         self._arena_cond = threading.Condition()
         self._staging = Staging(fence_staging_bytes)
+        self._precopy = bool(fence_precopy)
         self._fences: list[FencedWrite] = []
         self._fence_order: list[int] = []  # id()s of optimizers in the order they last fenced
         self._hooks: dict[int, Any] = {}
         self._closed = False
         self._saves, self._blocked, self._fence_wait, self._last_write = 0, 0.0, 0.0, 0.0
-        self._arena_wait, self._fence_copied = 0.0, 0
+        self._arena_wait, self._fence_copied, self._fence_precopied = 0.0, 0, 0
         self._tidy()
 
     def _tidy(self) -> None:
@@ -270,11 +274,14 @@ class CheckpointManager:
         fenced = plan_fenced(optimizers, self._fence_order, layout, file, self._staging)
         self._fences.append(fenced)
         self._fence_order = []
+        if self._precopy:
+            threading.Thread(target=fenced.precopy, name="deepnvme-fence-precopy", daemon=True).start()
 
         def release() -> None:
             fenced.end()
             self._fences.remove(fenced)
             self._fence_copied += fenced.copied_bytes
+            self._fence_precopied += fenced.precopied_bytes
         return fenced, release
 
     def _wait_fences(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -355,7 +362,8 @@ class CheckpointManager:
         return SaveStats(saves=self._saves, blocked_seconds=self._blocked,
                          fence_wait_seconds=self._fence_wait, arena_wait_seconds=self._arena_wait,
                          last_write_seconds=self._last_write,
-                         fence_copied_bytes=self._fence_copied + sum(f.copied_bytes for f in self._fences))
+                         fence_copied_bytes=self._fence_copied + sum(f.copied_bytes for f in self._fences),
+                         fence_precopied_bytes=self._fence_precopied + sum(f.precopied_bytes for f in self._fences))
 
     # ---- reading --------------------------------------------------------------------------
 

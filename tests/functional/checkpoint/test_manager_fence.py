@@ -191,3 +191,28 @@ def test_fence_staging_bytes_is_checked(tmp_path):
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="fence_staging_bytes"):
             deepnvme.CheckpointManager(tmp_path, mode="fenced", fence_staging_bytes=bad)
+
+
+@pytest.mark.parametrize("settle", [0.0, 0.5])
+def test_precopy_copies_in_the_background_before_the_fence(tmp_path, monkeypatch, settle):
+    events: list = []
+    _slow_takes(monkeypatch, 0.2, events)
+    model, opt = _setup()
+    extra = torch.randn(300_000)
+    want = _want(model, opt, extra)
+    with deepnvme.CheckpointManager(tmp_path, mode="fenced", fence_precopy=True, checksums="crc32c") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"model": model, "opt": opt, "extra": extra})
+            time.sleep(settle)  # 0.5 s: forward and backward long enough to copy everything
+            _train(model, opt)  # the fence copies what precopy has not (settle 0: maybe all)
+            with torch.no_grad():
+                extra.add_(1.0)
+            if step == 1:
+                mgr.wait()
+                stats = mgr.stats
+        assert events[0] == "written"
+        mgr.wait()
+    if settle:
+        assert stats.fence_precopied_bytes > 2 * 384 * 384 * 4 and stats.fence_copied_bytes == 0
+    assert stats.fence_precopied_bytes + stats.fence_copied_bytes >= 4 * 384 * 384 * 4
+    _check(tmp_path, want)

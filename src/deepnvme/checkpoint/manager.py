@@ -396,7 +396,9 @@ class CheckpointManager:
         checkpoint must match, and so must the names and shapes of a module's state dict
         (:class:`CheckpointMismatchError` before anything changes). Bytes are read straight
         into the existing tensors (parameters, buffers, optimizer state, tensors in ``state``)
-        where dtype and shape match, else into new memory (:mod:`._restore`). Stored checksums
+        where dtype and shape match, else into new memory (:mod:`._restore`); O_DIRECT lands
+        in a tensor directly only when it is page-aligned, as PyTorch makes allocations of 2 MiB
+        and more when the process runs with ``THP_MEM_ALLOC_ENABLE=1``. Stored checksums
         are checked on the bytes read: a :class:`CheckpointCorruptError` then comes after the
         state's tensors were overwritten, as can an I/O error.
         """

@@ -181,14 +181,33 @@ class FencedWrite:
                 self._cond.wait()
         self._staging.release(self)
 
-    def precopy(self) -> None:
+    def wait_ended(self) -> None:
+        with self._cond:
+            while not self._ended:
+                self._cond.wait()
+
+    def _acquire(self, need: int) -> torch.Tensor | None:
+        """The staging arena for this save (None: budget 0, or the save ended meanwhile)."""
+        arena = self._staging.acquire(self, need)
+        with self._cond:
+            ended = self._ended
+        if ended:  # end() ran before acquire() returned: nobody else would give it back
+            self._staging.release(self)
+            return None
+        return arena
+
+    def precopy(self, after: FencedWrite | None) -> None:
         """Background, from ``save()`` until the fence: copy waiting storages into the staging
-        arena one at a time, from the end of the write order, so the fence has less to copy."""
+        arena one at a time, from the end of the write order, so the fence has less to copy.
+        Starts once ``after`` (the previous fenced save) has ended, so the arena goes to saves
+        in order and an earlier save's fence never waits for a later save."""
+        if after is not None:
+            after.wait_ended()
         with self._cond:
             if self._ended or self._fenced:
                 return
             need = sum(align_up(e.storage.nbytes(), _ALIGN) for e in self.entries)
-        arena = self._staging.acquire(self, need)  # waits while an earlier save writes from it
+        arena = self._acquire(need)
         try:
             while arena is not None:
                 with self._cond:
@@ -236,7 +255,7 @@ class FencedWrite:
             if self._ended or not todo():
                 return
             need = sum(align_up(e.storage.nbytes(), _ALIGN) for e in self.entries)
-        arena = self._staging.acquire(self, need)  # may wait for an earlier save: not under our lock
+        arena = self._acquire(need)  # may wait for an earlier save: not under our lock
         with self._cond:
             left = todo()
             room = 0 if arena is None else arena.numel() - self.staged

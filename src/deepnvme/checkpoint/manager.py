@@ -272,10 +272,12 @@ class CheckpointManager:
             if id(opt) not in self._hooks:
                 self._hooks[id(opt)] = opt.register_step_pre_hook(self._wait_fences)
         fenced = plan_fenced(optimizers, self._fence_order, layout, file, self._staging)
+        if self._precopy:
+            after = self._fences[-1] if self._fences else None
+            threading.Thread(target=fenced.precopy, args=(after,), name="deepnvme-fence-precopy",
+                             daemon=True).start()
         self._fences.append(fenced)
         self._fence_order = []
-        if self._precopy:
-            threading.Thread(target=fenced.precopy, name="deepnvme-fence-precopy", daemon=True).start()
 
         def release() -> None:
             fenced.end()

@@ -216,3 +216,31 @@ def test_precopy_copies_in_the_background_before_the_fence(tmp_path, monkeypatch
         assert stats.fence_precopied_bytes > 2 * 384 * 384 * 4 and stats.fence_copied_bytes == 0
     assert stats.fence_precopied_bytes + stats.fence_copied_bytes >= 4 * 384 * 384 * 4
     _check(tmp_path, want)
+
+
+@pytest.mark.parametrize("precopy", [False, True])
+def test_saving_every_step_while_the_writer_lags_ends_and_is_exact(tmp_path, monkeypatch, precopy):
+    _slow_takes(monkeypatch, 0.03, [])  # the writer stays a save or two behind the loop
+    model, opt = _setup()
+    wants: dict[int, dict] = {}
+    failed: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            with deepnvme.CheckpointManager(tmp_path, mode="fenced", fence_precopy=precopy, keep=None) as mgr:
+                for step in range(1, 7):
+                    wants[step] = {"model": _bits(model.state_dict()), "opt": _bits(opt.state_dict())}
+                    mgr.save(step, {"model": model, "opt": opt})
+                    _train(model, opt)
+        except BaseException as exc:  # reported below
+            failed.append(exc)
+
+    runner = threading.Thread(target=loop, daemon=True)
+    runner.start()
+    runner.join(60)
+    assert not runner.is_alive(), "the fenced saves deadlocked"
+    assert not failed
+    reader = deepnvme.CheckpointManager(tmp_path)
+    for step, want in wants.items():
+        got = reader.load(step)
+        assert _same(_bits({k: got[k] for k in want}), want), step

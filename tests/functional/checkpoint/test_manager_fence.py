@@ -244,3 +244,30 @@ def test_saving_every_step_while_the_writer_lags_ends_and_is_exact(tmp_path, mon
     for step, want in wants.items():
         got = reader.load(step)
         assert _same(_bits({k: got[k] for k in want}), want), step
+
+
+def test_a_save_that_ends_while_its_fence_waits_for_the_arena_gives_it_back():
+    staging = _fence.Staging(None)
+
+    def write(n: int) -> _fence.FencedWrite:
+        t = torch.zeros(1 << 16)
+        return _fence.FencedWrite([_fence.Entry(key="0", storage=t.untyped_storage(), offset=0, owner=None)],
+                                  [], staging)
+
+    first, second = write(0), write(1)
+    assert staging.acquire(first, 1 << 18) is not None  # an earlier save copies into the arena
+    fence = threading.Thread(target=second.protect, args=(0,))
+    fence.start()  # waits for the arena
+    time.sleep(0.2)
+    second.end()  # the second save got written meanwhile, and ends
+    first.end()  # the arena is free: the waiting fence gets it after its save ended
+    fence.join(10)
+    assert not fence.is_alive()
+    third = write(2)
+    got: list = []
+    taker = threading.Thread(target=lambda: got.append(staging.acquire(third, 1 << 18)))
+    taker.start()
+    taker.join(10)
+    assert got and got[0] is not None, "the arena stayed with a save that had ended"
+    staging.release(third)
+    staging.close()

@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 from ..config import IOConfig
-from ..errors import CheckpointCorruptError, CheckpointFormatError
+from ..errors import CheckpointCorruptError, CheckpointFormatError, CheckpointMismatchError
 from ..handles.aio import AioHandle
 from ..memory.views import aligned_empty, cast_to_byte_tensor
 from ._checksums import named_storages
 from ._stored import torch_skeleton
 from ._verify import check_structure, check_sums, open_checked
 
-__all__ = ["Skeleton", "open_skeleton", "read_into"]
+__all__ = ["Skeleton", "open_skeleton", "read_into", "check_fit"]
 
 log = logging.getLogger(__name__)
 
@@ -144,3 +144,28 @@ def _swap(value: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         items = [_swap(v, tensor) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
+
+
+def check_fit(what: str, saved: Mapping[str, Any], state: Mapping[str, Any], dests: Mapping[str, Any], *,
+          rng_key: str) -> None:
+    """Names of ``state`` and the checkpoint, shapes of its tensors and of its modules' state
+    dicts (``saved`` may hold ``meta`` tensors): one :class:`CheckpointMismatchError`."""
+    names = [n for n in saved if n != rng_key]
+    missing = [n for n in state if n not in saved]
+    extra = [n for n in names if n not in state]
+    shapes = [(n, tuple(saved[n].shape), tuple(v.shape)) for n, v in state.items()
+              if isinstance(v, torch.Tensor) and n in saved
+              and (not isinstance(saved[n], torch.Tensor) or saved[n].shape != v.shape)]
+    for n, v in state.items():
+        if isinstance(v, torch.nn.Module) and isinstance(saved.get(n), dict):
+            have, want = saved[n], dests[n]
+            missing += [f"{n}/{k}" for k in want if k not in have]
+            extra += [f"{n}/{k}" for k in have if k not in want]
+            shapes += [(f"{n}/{k}", tuple(t.shape), tuple(want[k].shape)) for k, t in have.items()
+                       if isinstance(t, torch.Tensor) and isinstance(want.get(k), torch.Tensor)
+                       and t.shape != want[k].shape]
+    if missing or extra or shapes:
+        raise CheckpointMismatchError(
+            f"{what} does not fit the state: not in the checkpoint "
+            f"{missing}, not in the state {extra}, shapes {shapes}",
+            missing_keys=missing, unexpected_keys=extra, mismatched=shapes)

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -27,9 +26,10 @@ from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.file import reserve
 from ._checksums import checksum, hasher
+from ._fence import FencedWrite, write_fenced
 from ._policy import retention_victims
 from ._store import FILE, FORMAT, MANIFEST, delete_step, list_steps, step_dir
-from .saver import StorageLayout, write_storages
+from .saver import StorageLayout
 
 __all__ = ["Job", "Writer"]
 
@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class Job:
     """One step to write. ``items``: arena slices and file offsets (snapshot mode), or None to
-    write ``layout``'s live storages (fenced). ``release`` runs once the tensor bytes are on
-    disk and summed (frees the arena or opens the fence), whatever happens."""
+    write ``fenced`` (fenced mode: live storages, copied at the fence; see :mod:`._fence`).
+    ``release`` runs once the tensor bytes are on disk and summed (frees the arena or ends the
+    fenced write), whatever happens."""
 
     step: int
     building: str
@@ -49,6 +50,7 @@ class Job:
     order: list[str]  # tensor names in manifest order
     items: list[tuple[torch.Tensor, int]] | None
     release: Callable[[], None]
+    fenced: FencedWrite | None = None
     future: Future[None] = field(default_factory=Future)
     write_seconds: float = 0.0
 
@@ -91,16 +93,12 @@ class Writer:
         file = os.path.join(job.building, FILE)
         start = time.perf_counter()
         try:
-            sums: Future[dict[str, int]] = Future()
-            summer = threading.Thread(target=self._sum, args=(job, sums), daemon=True)
-            summer.start()  # hashing overlaps the write; both only read the bytes
             reserve(file, os.path.getsize(file))
-            if job.items is not None:
-                self._handle.write_many(file, job.items, fsync=True).result()
+            if job.fenced is not None:
+                fn = None if self._algorithm is None else hasher(self._algorithm)
+                checksums = {job.names[k]: v for k, v in write_fenced(self._handle, file, job.fenced, fn).items()}
             else:
-                write_storages(self._handle, file, job.layout, fsync=True)
-            summer.join()
-            checksums = sums.result()
+                checksums = self._write_items(job, file)
         finally:
             job.release()
         job.write_seconds = time.perf_counter() - start
@@ -117,16 +115,22 @@ class Writer:
             delete_step(self.directory, old)
             log.debug("deepnvme.CheckpointManager: removed step %d (keep=%s)", old, self._keep)
 
+    def _write_items(self, job: Job, file: str) -> dict[str, int]:
+        """Write the snapshot's arena slices, hashing them alongside; checksums by tensor name."""
+        sums: Future[dict[str, int]] = Future()
+        summer = threading.Thread(target=self._sum, args=(job, sums), daemon=True)
+        summer.start()  # hashing overlaps the write; both only read the bytes
+        self._handle.write_many(file, job.items or [], fsync=True).result()
+        summer.join()
+        return sums.result()
+
     def _sum(self, job: Job, out: Future[dict[str, int]]) -> None:
         try:
             if self._algorithm is None:
                 out.set_result({})
                 return
             fn = hasher(self._algorithm)
-            if job.items is not None:
-                sources: list[Any] = [dst for dst, _ in job.items]
-            else:
-                sources = [storage for storage, _ in job.layout.items.values()]
+            sources = [dst for dst, _ in job.items or []]
             out.set_result({job.names[key]: checksum(fn, src)
                             for key, src in zip(job.layout.items, sources)})
         except BaseException as exc:

@@ -5,15 +5,21 @@ rule), how many stay (``keep``), the newest complete one after a crash, bit-exac
 (state dicts, tensors, plain data and RNG states) and optional per-tensor checksums. Saves are
 asynchronous, in one of two modes:
 
-* ``"snapshot"``: ``save()`` copies every tensor into one reused page-locked arena (size: sum of
-  the storages, each rounded up to 4096 bytes) and returns; a background thread writes it. The
-  caller waits for the copy, and for the previous save when its arena is still being written.
-* ``"fenced"``: no copy; the background thread writes straight from the live CPU tensors.
-  Each optimizer in ``state`` gets a step pre-hook: its next ``step()`` waits until every
-  pending save's tensors are on disk (and summed). Requirement: between ``save()`` and that
-  ``step()``, nothing else may change a saved tensor in place (e.g. BatchNorm running stats in
-  ``forward``, a manual ``param.add_``, an optimizer not in ``state``); call :meth:`wait` first
-  or use ``"snapshot"`` for such loops. Gradients are not saved, so ``backward`` is free to run.
+* ``"snapshot"``: ``save()`` copies every tensor into a reused page-locked arena (size: sum of
+  the storages, each rounded up to 4096 bytes; ``snapshot_arenas`` of them at most, so locked
+  memory up to ``snapshot_arenas x`` that sum) and returns; a background thread writes it. The
+  caller waits for the copy, and for an earlier save when every arena is still being written.
+* ``"fenced"``: no copy at ``save()``; the background thread writes straight from the live CPU
+  tensors, those each optimizer in ``state`` changes first (in the order the optimizers stepped
+  at the previous save). Each such optimizer gets a step pre-hook: at its next ``step()``, the
+  pending saves' tensors it changes, and those no optimizer in ``state`` owns, that are not
+  written yet are copied into a reused locked staging arena and the step goes on; the rest of
+  the save is written from the copies (:mod:`._fence`). Where the arena
+  (``fence_staging_bytes``) is too small, the step waits for the write instead. Requirement:
+  between ``save()`` and that ``step()``, nothing else may change a saved tensor in place (e.g.
+  BatchNorm running stats in ``forward``, a manual ``param.add_``, an optimizer not in
+  ``state``); call :meth:`wait` first or use ``"snapshot"`` for such loops. Gradients are not
+  saved, so ``backward`` is free to run.
 """
 
 from __future__ import annotations
@@ -34,12 +40,14 @@ from ..errors import CheckpointLockedError, CheckpointMismatchError, FileNotFoun
 from ..handles.aio import AioHandle
 from ..io.plan import align_up
 from ..memory.copy import ParallelCopy
+from ..memory.pinned import free_cpu_locked_tensor
 from ..memory.views import storage_bytes
 from ._checksums import named_storages, record_names, resolve_algorithm
+from ._fence import FencedWrite, Staging, plan_fenced
 from ._lock import DirectoryLock, try_lock
 from ._paths import as_path
 from ._policy import check_policy, is_due
-from ._restore import open_skeleton, read_into
+from ._restore import check_fit, open_skeleton, read_into
 from ._rng import capture_rng, restore_rng
 from ._store import FILE, list_steps, new_building, remove_leftovers, step_dir
 from ._verify import load_checked
@@ -63,6 +71,8 @@ class SaveStats:
     fence_wait_seconds: float  # the fenced optimizer steps' part of blocked_seconds
     arena_wait_seconds: float  # snapshot: save() waiting for the previous write to free the arena
     last_write_seconds: float  # background: the newest finished save's write + fsync
+    fence_copied_bytes: int = 0  # fenced: bytes the optimizer step pre-hooks copied into staging
+    fence_precopied_bytes: int = 0  # fenced with fence_precopy: bytes copied in the background
 
 
 class CheckpointManager:
@@ -71,14 +81,22 @@ class CheckpointManager:
     ``keep``: newest committed checkpoints kept (None: all). ``every_steps``/``every_seconds``:
     when ``save()`` writes (neither: every call). ``mode``: ``"snapshot"`` or ``"fenced"`` (module
     docstring). ``checksums``: False, True (``"crc32c"``), ``"crc32c"`` or ``"xxh64"``. ``rng``:
-    save and restore RNG states. One thread drives a manager; one manager may write a directory
-    at a time (:class:`CheckpointLockedError` for a second); reading needs no lock.
+    save and restore RNG states. ``snapshot_arenas``: staging arenas of snapshot mode (the
+    second is allocated only when a save finds the first still being written).
+    ``fence_staging_bytes`` (fenced mode): the copy-on-fence arena's
+    cap in bytes (None: as large as a save's tensors over 256 KiB, allocated at the first fence
+    that copies; 0: never copy, the step waits for the write); ``fence_precopy``: start those
+    copies in the background at ``save()`` (see :mod:`._fence`). One thread drives a manager; one
+    manager may write a directory at a time (:class:`CheckpointLockedError` for a second);
+    reading needs no lock.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3,
                  every_steps: int | None = None, every_seconds: float | None = None,
                  mode: Literal["snapshot", "fenced"] = "snapshot", checksums: bool | str = False,
-                 rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None) -> None:
+                 rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None,
+                 snapshot_arenas: int = 1, fence_staging_bytes: int | None = None,
+                 fence_precopy: bool = False) -> None:
         check_policy(keep=keep, every_steps=every_steps, every_seconds=every_seconds)
         if mode not in ("snapshot", "fenced"):
             raise ValueError(f"CheckpointManager: mode must be 'snapshot' or 'fenced', got {mode!r}")
@@ -94,14 +112,19 @@ class CheckpointManager:
         self._pending: list[Job] = []
         self._last_step: int | None = None
         self._last_start = time.monotonic()
-        self._arena: torch.Tensor | None = None
-        self._arena_free = threading.Event()
-        self._arena_free.set()
-        self._fences: list[threading.Event] = []
+        if isinstance(snapshot_arenas, bool) or not isinstance(snapshot_arenas, int) or snapshot_arenas < 1:
+            raise ValueError(f"CheckpointManager: snapshot_arenas must be an int >= 1, got {snapshot_arenas!r}")
+        self._arenas: list[torch.Tensor | None] = [None] * snapshot_arenas
+        self._arena_free = [True] * snapshot_arenas
+        self._arena_cond = threading.Condition()
+        self._staging = Staging(fence_staging_bytes)
+        self._precopy = bool(fence_precopy)
+        self._fences: list[FencedWrite] = []
+        self._fence_order: list[int] = []  # id()s of optimizers in the order they last fenced
         self._hooks: dict[int, Any] = {}
         self._closed = False
         self._saves, self._blocked, self._fence_wait, self._last_write = 0, 0.0, 0.0, 0.0
-        self._arena_wait = 0.0
+        self._arena_wait, self._fence_copied, self._fence_precopied = 0.0, 0, 0
         self._tidy()
 
     def _tidy(self) -> None:
@@ -143,14 +166,15 @@ class CheckpointManager:
         self._last_start, self._last_step = time.monotonic(), step
         building = new_building(self.directory, step)
         file = os.path.join(building, FILE)
-        items: list[tuple[torch.Tensor, int]] | None
+        items: list[tuple[torch.Tensor, int]] | None = None
+        fenced: FencedWrite | None = None
         release: Callable[[], None] | None = None
         try:
             if self.mode == "snapshot":
                 layout, items, release = self._snapshot(saved, file)
             else:
                 layout = write_skeleton(saved, file)
-                items, release = self._fence(state)
+                fenced, release = self._fence(state, layout, file)
             names, order = record_names(saved, layout)
         except BaseException:
             if release is not None:
@@ -158,7 +182,7 @@ class CheckpointManager:
             shutil.rmtree(building, ignore_errors=True)
             raise
         job = Job(step=step, building=building, layout=layout, names=names, order=order,
-                  items=items, release=release)
+                  items=items, release=release, fenced=fenced)
         self._pending.append(job)
         writer.submit(job)
         self._saves += 1
@@ -200,19 +224,16 @@ class CheckpointManager:
                   ) -> tuple[StorageLayout, list[tuple[torch.Tensor, int]], Callable[[], None]]:
         """Copy the storages into the arena (waiting until the previous save released it) while
         the caller's thread writes the skeleton; each storage's (arena slice, file offset)."""
-        start = time.perf_counter()
-        self._arena_free.wait()
-        self._arena_wait += time.perf_counter() - start
-        self._arena_free.clear()
+        idx = self._take_arena()
         try:
             storages = [st for _, st in named_storages(saved)]
-            arena, self._arena = self._arena, None  # never keep a freed arena if allocation fails
-            self._arena = ensure_arena(arena, (st.nbytes() for st in storages))
+            arena, self._arenas[idx] = self._arenas[idx], None  # never keep a freed arena if allocation fails
+            self._arenas[idx] = arena = ensure_arena(arena, (st.nbytes() for st in storages))
             copy, slots, pos = ParallelCopy(), {}, 0
             try:
                 for st in storages:  # copies start now, on the pool's threads
                     n = st.nbytes()
-                    slots[st._cdata] = dst = self._arena[pos:pos + n]
+                    slots[st._cdata] = dst = arena[pos:pos + n]
                     if n:
                         copy.add(dst, storage_bytes(st))
                     pos += align_up(n, 4096)
@@ -222,29 +243,57 @@ class CheckpointManager:
             # a storage the walk missed is refused by _record_names before anything is written
             items = [(slots[st._cdata], span.offset) for st, span in layout.items.values() if st._cdata in slots]
         except BaseException:
-            self._arena_free.set()
+            self._give_arena(idx)
             raise
-        return layout, items, self._arena_free.set
+        return layout, items, lambda: self._give_arena(idx)
 
-    def _fence(self, state: Mapping[str, Any]) -> tuple[None, Any]:
-        """Hook every optimizer in ``state`` (once) and open a fence their next step() waits on."""
-        for value in state.values():
-            if isinstance(value, torch.optim.Optimizer) and id(value) not in self._hooks:
-                self._hooks[id(value)] = value.register_step_pre_hook(self._wait_fences)
-        fence = threading.Event()
-        self._fences.append(fence)
+    def _take_arena(self) -> int:
+        """A free arena's index (an allocated one first), waiting until the writer frees one."""
+        start = time.perf_counter()
+        with self._arena_cond:
+            while not any(self._arena_free):
+                self._arena_cond.wait()
+            free = [i for i, ok in enumerate(self._arena_free) if ok]
+            idx = next((i for i in free if self._arenas[i] is not None), free[0])
+            self._arena_free[idx] = False
+        self._arena_wait += time.perf_counter() - start
+        return idx
+
+    def _give_arena(self, idx: int) -> None:
+        with self._arena_cond:
+            self._arena_free[idx] = True
+            self._arena_cond.notify_all()
+
+    def _fence(self, state: Mapping[str, Any], layout: StorageLayout, file: str
+               ) -> tuple[FencedWrite, Callable[[], None]]:
+        """Hook every optimizer in ``state`` (once) and plan the save's writes (:func:`plan_fenced`)."""
+        optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+        for opt in optimizers:
+            if id(opt) not in self._hooks:
+                self._hooks[id(opt)] = opt.register_step_pre_hook(self._wait_fences)
+        fenced = plan_fenced(optimizers, self._fence_order, layout, file, self._staging)
+        if self._precopy:
+            after = self._fences[-1] if self._fences else None
+            threading.Thread(target=fenced.precopy, args=(after,), name="deepnvme-fence-precopy",
+                             daemon=True).start()
+        self._fences.append(fenced)
+        self._fence_order = []
 
         def release() -> None:
-            fence.set()
-            self._fences.remove(fence)
-        return None, release
+            fenced.end()
+            self._fences.remove(fenced)
+            self._fence_copied += fenced.copied_bytes
+            self._fence_precopied += fenced.precopied_bytes
+        return fenced, release
 
     def _wait_fences(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._fences:
             return
         start = time.perf_counter()
-        for fence in list(self._fences):
-            fence.wait()
+        if id(optimizer) not in self._fence_order:
+            self._fence_order.append(id(optimizer))
+        for fenced in list(self._fences):
+            fenced.protect(id(optimizer))
         waited = time.perf_counter() - start
         self._fence_wait += waited
         self._blocked += waited
@@ -283,10 +332,11 @@ class CheckpointManager:
             for hook in self._hooks.values():
                 hook.remove()
             self._hooks.clear()
-            if self._arena is not None:
-                from ..memory.pinned import free_cpu_locked_tensor
-                free_cpu_locked_tensor(self._arena)
-                self._arena = None
+            self._staging.close()
+            for i, arena in enumerate(self._arenas):
+                if arena is not None:
+                    free_cpu_locked_tensor(arena)
+                    self._arenas[i] = None
             if self._handle is not None:
                 self._handle.close()
             if self._lock is not None:
@@ -313,7 +363,9 @@ class CheckpointManager:
         """Cumulative cost of this manager's saves to the caller (see :class:`SaveStats`)."""
         return SaveStats(saves=self._saves, blocked_seconds=self._blocked,
                          fence_wait_seconds=self._fence_wait, arena_wait_seconds=self._arena_wait,
-                         last_write_seconds=self._last_write)
+                         last_write_seconds=self._last_write,
+                         fence_copied_bytes=self._fence_copied + sum(f.copied_bytes for f in self._fences),
+                         fence_precopied_bytes=self._fence_precopied + sum(f.precopied_bytes for f in self._fences))
 
     # ---- reading --------------------------------------------------------------------------
 
@@ -346,7 +398,9 @@ class CheckpointManager:
         checkpoint must match, and so must the names and shapes of a module's state dict
         (:class:`CheckpointMismatchError` before anything changes). Bytes are read straight
         into the existing tensors (parameters, buffers, optimizer state, tensors in ``state``)
-        where dtype and shape match, else into new memory (:mod:`._restore`). Stored checksums
+        where dtype and shape match, else into new memory (:mod:`._restore`); O_DIRECT lands
+        in a tensor directly only when it is page-aligned, as PyTorch makes allocations of 2 MiB
+        and more when the process runs with ``THP_MEM_ALLOC_ENABLE=1``. Stored checksums
         are checked on the bytes read: a :class:`CheckpointCorruptError` then comes after the
         state's tensors were overwritten, as can an I/O error.
         """
@@ -357,7 +411,7 @@ class CheckpointManager:
         if not isinstance(sk.obj, dict):
             raise CheckpointMismatchError(f"step {chosen} in {self.directory!r} holds a {type(sk.obj).__name__}")
         dests = {n: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for n, v in state.items()}
-        self._check_fit(chosen, sk.obj, state, dests)
+        check_fit(f"step {chosen} in {self.directory!r}", sk.obj, state, dests, rng_key=RNG_KEY)
         saved = read_into(sk, dests, self._config)
         for name, value in list(state.items()):
             if isinstance(value, torch.Tensor):
@@ -370,30 +424,6 @@ class CheckpointManager:
         if self.rng and RNG_KEY in saved:
             restore_rng(saved[RNG_KEY])
         return chosen
-
-    def _check_fit(self, chosen: int, saved: Mapping[str, Any], state: Mapping[str, Any],
-                   dests: Mapping[str, Any]) -> None:
-        """Names of ``state`` and the checkpoint, shapes of its tensors and of its modules' state
-        dicts (``saved`` may hold ``meta`` tensors): one :class:`CheckpointMismatchError`."""
-        names = [n for n in saved if n != RNG_KEY]
-        missing = [n for n in state if n not in saved]
-        extra = [n for n in names if n not in state]
-        shapes = [(n, tuple(saved[n].shape), tuple(v.shape)) for n, v in state.items()
-                  if isinstance(v, torch.Tensor) and n in saved
-                  and (not isinstance(saved[n], torch.Tensor) or saved[n].shape != v.shape)]
-        for n, v in state.items():
-            if isinstance(v, torch.nn.Module) and isinstance(saved.get(n), dict):
-                have, want = saved[n], dests[n]
-                missing += [f"{n}/{k}" for k in want if k not in have]
-                extra += [f"{n}/{k}" for k in have if k not in want]
-                shapes += [(f"{n}/{k}", tuple(t.shape), tuple(want[k].shape)) for k, t in have.items()
-                           if isinstance(t, torch.Tensor) and isinstance(want.get(k), torch.Tensor)
-                           and t.shape != want[k].shape]
-        if missing or extra or shapes:
-            raise CheckpointMismatchError(
-                f"step {chosen} in {self.directory!r} does not fit the state: not in the checkpoint "
-                f"{missing}, not in the state {extra}, shapes {shapes}",
-                missing_keys=missing, unexpected_keys=extra, mismatched=shapes)
 
     def _resolve(self, step: int | None) -> int:
         steps = self.steps()

@@ -35,7 +35,7 @@ from ..io.file import read_buffered, reserve
 from ..memory.views import aligned_empty, storage_bytes
 from ._paths import as_path
 
-__all__ = ["save", "write_skeleton", "pickle_skeleton", "StorageLayout"]
+__all__ = ["save", "write_skeleton", "pickle_skeleton", "StorageLayout", "gather_small", "write_storages"]
 
 log = logging.getLogger(__name__)
 
@@ -114,20 +114,18 @@ def write_skeleton(obj: Any, path: str) -> StorageLayout:
     return StorageLayout({k: (storages[k], spans[k]) for k in spans})
 
 
-def write_storages(handle: AioHandle, path: str, layout: StorageLayout, keys: list[str] | None = None,
-                   *, fsync: bool = True) -> None:
-    """Write the bytes of the storages ``keys`` (default: all) into their records. Blocks.
-
-    Large storages are written straight from tensor memory; runs of small ones are gathered,
-    with the zip headers between them (read back from the skeleton), into one request each.
-    """
+def gather_small(path: str, layout: StorageLayout, keys: list[str] | None = None
+                 ) -> tuple[list[str], list[tuple[torch.Tensor, int, list[str]]]]:
+    """Split the storages ``keys`` (default: all) into those written straight from tensor memory
+    and runs of small ones copied now, with the zip headers between them (read back from the
+    skeleton), into one region each: ``(large keys, [(region, file offset, its keys)])``."""
     chosen = layout.items if keys is None else {k: layout.items[k] for k in keys}
     spans = {k: span for k, (_, span) in chosen.items()}
-    items = []
+    large: list[str] = []
+    regions: list[tuple[torch.Tensor, int, list[str]]] = []
     for group in batch_small_records(spans):
         if len(group) == 1:
-            storage, span = chosen[group[0]]
-            items.append((storage_bytes(storage), span.offset))
+            large.append(group[0])
             continue
         start, end = spans[group[0]].offset, spans[group[-1]].end
         region = aligned_empty(end - start, start)
@@ -136,7 +134,20 @@ def write_storages(handle: AioHandle, path: str, layout: StorageLayout, keys: li
             storage, span = chosen[key]
             if span.size:
                 region[span.offset - start:span.end - start].copy_(storage_bytes(storage))
-        items.append((region, start))
+        regions.append((region, start, group))
+    return large, regions
+
+
+def write_storages(handle: AioHandle, path: str, layout: StorageLayout, keys: list[str] | None = None,
+                   *, fsync: bool = True) -> None:
+    """Write the bytes of the storages ``keys`` (default: all) into their records. Blocks.
+
+    Large storages are written straight from tensor memory; runs of small ones are gathered
+    into one request each (:func:`gather_small`).
+    """
+    large, regions = gather_small(path, layout, keys)
+    items = [(storage_bytes(layout.items[k][0]), layout.items[k][1].offset) for k in large]
+    items += [(region, start) for region, start, _ in regions]
     handle.write_many(path, items, fsync=fsync).result()
 
 

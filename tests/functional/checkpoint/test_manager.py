@@ -1,5 +1,5 @@
-"""CheckpointManager end to end: bitwise round trips in both modes, the fence, the interval
-policy, retention, the lock, leftovers, ENOSPC and RNG states."""
+"""CheckpointManager end to end: bitwise round trips in both modes, the interval policy,
+retention, the lock, leftovers, ENOSPC and RNG states (the fence: test_manager_fence.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.checkpoint import _writer
 from deepnvme.io.posix import Posix, injected
 
 
@@ -66,7 +65,7 @@ def test_round_trip_is_bitwise_and_torch_loadable(tmp_path, mode):
         assert mgr.save(3, state) is True
         draws = (torch.rand(4), random.random())  # what the saved RNG states produce next
         _train(model, opt, sched, steps=2)  # the fence (or the snapshot) keeps step 3 intact
-        extra.add_(1) if mode == "snapshot" else None
+        extra.add_(1)  # fenced: allowed once the optimizer's step has run
         mgr.wait()
         assert mgr.steps() == [3] and mgr.latest_step() == 3
     plain = torch.load(tmp_path / "step-000000000003" / "state.pt", weights_only=True)
@@ -97,37 +96,6 @@ def test_numpy_rng_state_is_restored(tmp_path):
         want = np.random.rand(3)
         mgr.restore({"x": 0})
         assert np.array_equal(np.random.rand(3), want)
-
-
-def _slow_writes(monkeypatch, delay: float, log: list):
-    real = _writer.write_storages
-
-    def slow(*args, **kwargs):
-        time.sleep(delay)
-        real(*args, **kwargs)
-        log.append(("written", time.perf_counter()))
-
-    monkeypatch.setattr(_writer, "write_storages", slow)
-
-
-def test_fenced_step_waits_for_the_write(tmp_path, monkeypatch):
-    events: list = []
-    _slow_writes(monkeypatch, 0.4, events)
-    model, opt, _ = _setup()
-    _train(model, opt)
-    want = _bits(model.state_dict())
-    opt.register_step_post_hook(lambda *a: events.append(("stepped", time.perf_counter())))
-    with deepnvme.CheckpointManager(tmp_path, mode="fenced") as mgr:
-        t0 = time.perf_counter()
-        mgr.save(1, {"model": model, "opt": opt})
-        assert time.perf_counter() - t0 < 0.3  # save() does not wait for the write
-        _train(model, opt)  # forward/backward run; step() blocks until the bytes are written
-        assert [e[0] for e in events] == ["written", "stepped"]
-        assert mgr.stats.fence_wait_seconds > 0.2
-        mgr.wait()
-        _train(model, opt)  # no save pending: no waiting
-    assert [e[0] for e in events] == ["written", "stepped", "stepped"]
-    assert _bits(deepnvme.CheckpointManager(tmp_path).load()["model"]) == want
 
 
 def test_fenced_refuses_non_cpu_tensors(tmp_path):
@@ -287,3 +255,29 @@ def test_wait_from_another_thread_sees_commits(tmp_path):
     t.join(30)
     mgr.close()
     assert mgr.steps() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("arenas", [1, 2])
+def test_snapshot_second_arena_saves_without_waiting_for_the_previous_write(tmp_path, monkeypatch, arenas):
+    from deepnvme.checkpoint import _writer
+    real = _writer.Writer._write_items
+
+    def slow(self, job, file):
+        time.sleep(0.5)
+        return real(self, job, file)
+
+    monkeypatch.setattr(_writer.Writer, "_write_items", slow)
+    w = torch.arange(100_000, dtype=torch.float32)
+    with deepnvme.CheckpointManager(tmp_path, mode="snapshot", snapshot_arenas=arenas, keep=None) as mgr:
+        for step in range(3):
+            mgr.save(step, {"w": w})
+            w.add_(1)  # the snapshot holds the values of each save() call
+        waited = mgr.stats.arena_wait_seconds
+        mgr.wait()
+        got = [mgr.load(step)["w"] for step in range(3)]
+    # 1 arena: saves 1 and 2 wait for the writes before them; 2 arenas: only save 2 waits, for save 0
+    assert (waited > 0.7) if arenas == 1 else (0.2 < waited < 0.7)
+    for step, t in enumerate(got):
+        assert torch.equal(t, torch.arange(100_000, dtype=torch.float32) + step)
+    with pytest.raises(ValueError, match="snapshot_arenas"):
+        deepnvme.CheckpointManager(tmp_path, snapshot_arenas=0)

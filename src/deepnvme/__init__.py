@@ -4,8 +4,10 @@ Importing this package starts no threads, touches no CUDA state and reads no env
 variables; all of that happens when a handle is first used.
 """
 
+import importlib
 import importlib.util
 import warnings
+from typing import TYPE_CHECKING, Any
 
 with warnings.catch_warnings():
     if importlib.util.find_spec("numpy") is None:
@@ -16,7 +18,6 @@ with warnings.catch_warnings():
                                 category=UserWarning)
     import torch  # noqa: F401  (first imported here, under the filter above)
 
-from . import inference  # deepnvme.inference.offload / load_offloaded (imports no transformers)
 from ._version import __version__
 from .checkpoint import (
     AsyncCheckpointer,
@@ -38,7 +39,6 @@ from .checkpoint import (
     save_safetensors,
 )
 from .config import IOConfig, override, resolve_config
-from .data import TokenDataset, write_token_dataset
 from .errors import (
     ConfigError,
     DatasetFormatError,
@@ -53,15 +53,52 @@ from .handles import AioHandle, GdsHandle, gds_status
 from .io.movers import EngineProbe, probe_engines
 from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
 from .memory.views import cast_to_byte_tensor
-from .offload import (
-    DeepSpeedOffloadSettings,
-    OffloadStats,
-    ParameterOffload,
-    from_deepspeed_config,
-    offload_parameters,
-)
-from .optim import NVMeOptimizer
-from .swap import SwapBufferError, SwapError, TensorSwapper
+
+# The training, inference and data halves load on first use (PEP 562): ``import deepnvme``
+# for a checkpoint load need not pay for them (about half of the package's import time).
+_LAZY = {
+    "inference": ("inference", None),
+    "TokenDataset": ("data", "TokenDataset"),
+    "write_token_dataset": ("data", "write_token_dataset"),
+    "DeepSpeedOffloadSettings": ("offload", "DeepSpeedOffloadSettings"),
+    "OffloadStats": ("offload", "OffloadStats"),
+    "ParameterOffload": ("offload", "ParameterOffload"),
+    "from_deepspeed_config": ("offload", "from_deepspeed_config"),
+    "offload_parameters": ("offload", "offload_parameters"),
+    "NVMeOptimizer": ("optim", "NVMeOptimizer"),
+    "SwapBufferError": ("swap", "SwapBufferError"),
+    "SwapError": ("swap", "SwapError"),
+    "TensorSwapper": ("swap", "TensorSwapper"),
+}
+
+if TYPE_CHECKING:
+    from . import inference
+    from .data import TokenDataset, write_token_dataset
+    from .offload import (
+        DeepSpeedOffloadSettings,
+        OffloadStats,
+        ParameterOffload,
+        from_deepspeed_config,
+        offload_parameters,
+    )
+    from .optim import NVMeOptimizer
+    from .swap import SwapBufferError, SwapError, TensorSwapper
+
+
+def __getattr__(name: str) -> Any:
+    """Import a lazily exported name's subpackage on first use; cache it in the namespace."""
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'deepnvme' has no attribute {name!r}") from None
+    sub = importlib.import_module(f".{module}", __name__)
+    value = sub if attr is None else getattr(sub, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 __all__ = [
     "AioHandle",

@@ -13,6 +13,9 @@ Buffer reuse: a tensor's mapping (``nbytes >= MAPPED_MIN``) goes to a free list 
 once its I/O ended and nothing else refers to its storage (use count back to what it was when
 mapped), so a step maps, unmaps and page-faults nothing after the first. A gradient
 handed over by autograd already exists, so it is counted and room is made after the fact.
+Resident entries: tensors below the offload's ``min_offload_bytes`` (biases, norms) are kept in
+memory with their gradients, counted in ``held`` for good: each would cost a file request per
+use for a few KiB.
 Thread-safety: every public method takes one lock (autograd may run hooks on other threads).
 """
 
@@ -51,7 +54,7 @@ class Entry:
     """One offloaded tensor: a parameter's data (``grad=False``) or its gradient."""
 
     __slots__ = ("key", "name", "param", "grad", "shape", "dtype", "nbytes", "tensor", "read",
-                 "write", "pins", "tick", "prefetched", "valid", "buf")
+                 "write", "pins", "tick", "prefetched", "valid", "buf", "resident")
 
     def __init__(self, key: int, name: str, param: torch.nn.Parameter, *, grad: bool) -> None:
         self.key = key
@@ -69,6 +72,7 @@ class Entry:
         self.prefetched = False
         self.valid = not grad             # a gradient is valid once one was accumulated
         self.buf: Buffer | None = None   # the reusable mapping behind ``tensor``, if any
+        self.resident = False   # a small tensor kept in memory: no file I/O, never dropped
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -114,6 +118,7 @@ class TensorStore:
         self._free: dict[int, list[Buffer]] = {}    # nbytes -> free buffers (counted in held)
         self.free_bytes = 0
         self.reused = 0       # allocations served by a free buffer
+        self.resident_bytes = 0   # reserved for resident entries (see make_resident)
 
     # --- accounting ----------------------------------------------------------------------
 
@@ -219,6 +224,19 @@ class TensorStore:
                     return None
                 raise self._too_big(nbytes, what)
 
+    # --- resident entries ----------------------------------------------------------------
+
+    def make_resident(self, data: Entry, grad: Entry, value: torch.Tensor) -> None:
+        """Keep ``data`` (with ``value``, already counted) and its gradient ``grad`` (counted
+        from now on, though allocated when the first one arrives) in memory for good: no file
+        I/O, never evicted."""
+        with self.lock:
+            self.make_room(grad.nbytes, demand=True, what=f"gradient of {grad.name}")
+            self._count(grad.nbytes)
+            data.resident = grad.resident = True
+            data.tensor = value
+            self.resident_bytes += data.nbytes + grad.nbytes
+
     # --- moving entries ----------------------------------------------------------------
 
     def store(self, entry: Entry, tensor: torch.Tensor, *, keep: bool,
@@ -226,7 +244,8 @@ class TensorStore:
         """Start writing ``tensor`` (already counted in ``held``) as ``entry``'s value. With
         ``keep`` it is the entry's present tensor and stays (unchanged until the write ends);
         else it leaves memory once written (``buf``, the free buffer it is in, is then reused),
-        waiting for writes while over the budget."""
+        waiting for writes while over the budget. Not for resident entries."""
+        assert not entry.resident  # callers keep resident values in memory; internal invariant
         data = tensor.detach()
         if not data.is_contiguous():
             data = data.contiguous()
@@ -258,8 +277,9 @@ class TensorStore:
         self.held -= nbytes
 
     def drop(self, entry: Entry) -> None:
-        """Forget the present value (a parameter gets its placeholder back)."""
-        if entry.tensor is None:
+        """Forget the present value (a parameter gets its placeholder back); a resident
+        entry keeps it."""
+        if entry.tensor is None or entry.resident:
             return
         self._present.pop(entry.key, None)
         if not entry.grad:

@@ -24,6 +24,7 @@ class UpdateSide:
 
     _store: TensorStore
     _entries: dict[int, tuple[Entry, Entry]]   # id(param) -> (data, grad)
+    _backups: dict[int, torch.Tensor]          # resident key -> its value before the update
 
     def _pairs(self, params: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, Entry, Entry]]:
         for p in params:
@@ -48,15 +49,22 @@ class UpdateSide:
                 d.write.result()   # the update writes into the tensor a previous write reads
         needed = [d for _, d, _ in triples] + [g for _, _, g in triples if g.valid]
         self._store.fetch(needed, "an optimizer sub-group (parameters and gradients)")
+        for _, d, _ in triples:
+            if d.resident and d.tensor is not None:   # no file to fall back on if it fails
+                self._backups[d.key] = d.tensor.clone()
         for p, _, g in triples:
             p.grad = g.tensor if g.valid else None
 
     def abort_update(self, params: Iterable[torch.Tensor]) -> None:
-        """An update failed: unpin without writing (the files keep the values before it)."""
+        """An update failed: unpin without writing (the files keep the values before it;
+        resident parameters get theirs back from the copy begin_update made)."""
         with self._store.lock:
             for p, d, g in self._pairs(params):
                 p.grad = None
                 self._store.unpin([d, g] if g.valid else [d])
+                backup = self._backups.pop(d.key, None)
+                if backup is not None and d.tensor is not None:
+                    d.tensor.copy_(backup)
                 self._store.drop(d)
 
     def end_update(self, params: Iterable[torch.Tensor]) -> None:
@@ -69,7 +77,10 @@ class UpdateSide:
                     store.unpin([g])
                     store.drop(g)
                 assert d.tensor is not None  # begin_update made it present; internal invariant
-                store.store(d, d.tensor, keep=True)
+                if d.resident:
+                    self._backups.pop(d.key, None)
+                else:
+                    store.store(d, d.tensor, keep=True)
                 store.unpin([d])
 
     def finish_updates(self) -> None:

@@ -93,7 +93,8 @@ def run_mode(args: argparse.Namespace) -> dict:
         with torch.device("meta"):
             model = make_model(args.layers, args.dim)
         offload = deepnvme.offload_parameters(model, args.dir, max_in_memory_bytes=budget,
-                                              prefetch=args.prefetch, config=config, source=init)
+                                              prefetch=args.prefetch, config=config, source=init,
+                                              min_offload_bytes=args.min_offload_bytes)
         opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=args.dir,
                                      config=config, buffer_count=args.buffers, lr=1e-4)
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
@@ -124,8 +125,9 @@ def spawn(args: argparse.Namespace, mode: str) -> dict:
     python = args.ds_python if mode == "deepspeed" else sys.executable
     cmd = [python, __file__, "--child", mode, "--dir", args.dir]
     for k in ("layers", "dim", "batch", "budget_mib", "steps", "buffers", "prefetch", "block_size",
-              "io_threads", "threads"):
-        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+              "io_threads", "threads", "min_offload_bytes"):
+        if getattr(args, k) is not None:
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode and mode == "deepspeed":   # the peer's failure is a result, not the end
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -149,6 +151,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=8 << 20)
     ap.add_argument("--io-threads", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    ap.add_argument("--min-offload-bytes", type=int, default=None,
+                    help="offload_parameters' min_offload_bytes (default: the library's, 64 KiB); "
+                         "the DeepSpeed peer keeps the same parameters in memory "
+                         "(stage3_param_persistence_threshold, model cap = budget / 8)")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--report", help="only print the table of a --json file written earlier")
     ap.add_argument("--ds-python", default=None,

@@ -50,11 +50,10 @@ def accept_gradient(store: TensorStore, entry: Entry, grad: torch.Tensor) -> Non
 
 
 def _keep(store: TensorStore, entry: Entry, grad: torch.Tensor) -> None:
-    """A resident gradient (counted since setup): autograd's own tensor becomes it (the first
-    one), is copied into it (the first since zero_grad) or added to it."""
-    if entry.tensor is None:
-        entry.tensor = grad if grad.is_contiguous() else grad.contiguous()
-    elif entry.valid:
+    """A resident gradient (its memory allocated at setup): the first since zero_grad is copied
+    into it, a later one added to it."""
+    assert entry.tensor is not None  # pack_resident allocated it; internal invariant
+    if entry.valid:
         entry.tensor += grad             # what AccumulateGrad does: param.grad += grad
     else:
         entry.tensor.copy_(grad)

@@ -14,8 +14,8 @@ once its I/O ended and nothing else refers to its storage (use count back to wha
 mapped), so a step maps, unmaps and page-faults nothing after the first. A gradient
 handed over by autograd already exists, so it is counted and room is made after the fact.
 Resident entries: tensors below the offload's ``min_offload_bytes`` (biases, norms) are kept in
-memory with their gradients, counted in ``held`` for good: each would cost a file request per
-use for a few KiB.
+memory with their gradients and a backup copy (for a failed update), all in one allocation,
+counted in ``held`` for good (3 x their bytes): each would cost a file request per use.
 Thread-safety: every public method takes one lock (autograd may run hooks on other threads).
 """
 
@@ -39,6 +39,7 @@ from ..swap import TensorSwapper
 __all__ = ["Buffer", "Entry", "TensorStore", "placeholder"]
 
 _PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}
+_ALIGN = 64   # bytes between resident tensors in their shared allocation
 
 
 def placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -118,7 +119,9 @@ class TensorStore:
         self._free: dict[int, list[Buffer]] = {}    # nbytes -> free buffers (counted in held)
         self.free_bytes = 0
         self.reused = 0       # allocations served by a free buffer
-        self.resident_bytes = 0   # reserved for resident entries (see make_resident)
+        self.resident_bytes = 0   # counted for resident entries (see make_resident)
+        self._resident: list[tuple[Entry, Entry]] = []
+        self.backups: dict[int, torch.Tensor] = {}   # resident key -> room for its old value
 
     # --- accounting ----------------------------------------------------------------------
 
@@ -227,15 +230,36 @@ class TensorStore:
     # --- resident entries ----------------------------------------------------------------
 
     def make_resident(self, data: Entry, grad: Entry, value: torch.Tensor) -> None:
-        """Keep ``data`` (with ``value``, already counted) and its gradient ``grad`` (counted
-        from now on, though allocated when the first one arrives) in memory for good: no file
-        I/O, never evicted."""
+        """Keep ``data`` (with ``value``, already counted) and its gradient ``grad`` in memory
+        for good: no file I/O, never evicted. Counts the gradient and a copy for
+        :attr:`backups` too (allocated by :meth:`pack_resident`)."""
         with self.lock:
-            self.make_room(grad.nbytes, demand=True, what=f"gradient of {grad.name}")
-            self._count(grad.nbytes)
+            self.make_room(2 * data.nbytes, demand=True, what=f"gradient of {grad.name}")
+            self._count(2 * data.nbytes)
             data.resident = grad.resident = True
             data.tensor = value
-            self.resident_bytes += data.nbytes + grad.nbytes
+            self._resident.append((data, grad))
+            self.resident_bytes += 3 * data.nbytes
+
+    def pack_resident(self) -> None:
+        """Move the resident values into one allocation that also holds their gradients and
+        backups (call once, after every :meth:`make_resident`). Why one: small tensors that
+        live for good, allocated one by one among the megabyte tensors that come and go,
+        keep the heap from giving those back (measured: +230 MiB in a first backward)."""
+        with self.lock:
+            sizes = [-(-d.nbytes // _ALIGN) * _ALIGN for d, _ in self._resident]
+            arena = torch.empty(3 * sum(sizes), dtype=torch.uint8)
+            at = 0
+            for (d, g), size in zip(self._resident, sizes):
+                views = [arena[at + i * size:at + i * size + d.nbytes].view(d.dtype).view(d.shape)
+                         for i in range(3)]
+                at += 3 * size
+                assert d.tensor is not None  # make_resident set it; internal invariant
+                views[0].copy_(d.tensor)
+                d.tensor = views[0]
+                d.param.data = views[0]
+                g.tensor = views[1]     # no gradient yet: ``valid`` stays False
+                self.backups[d.key] = views[2]
 
     # --- moving entries ----------------------------------------------------------------
 

@@ -24,7 +24,6 @@ class UpdateSide:
 
     _store: TensorStore
     _entries: dict[int, tuple[Entry, Entry]]   # id(param) -> (data, grad)
-    _backups: dict[int, torch.Tensor]          # resident key -> its value before the update
 
     def _pairs(self, params: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, Entry, Entry]]:
         for p in params:
@@ -51,7 +50,7 @@ class UpdateSide:
         self._store.fetch(needed, "an optimizer sub-group (parameters and gradients)")
         for _, d, _ in triples:
             if d.resident and d.tensor is not None:   # no file to fall back on if it fails
-                self._backups[d.key] = d.tensor.clone()
+                self._store.backups[d.key].copy_(d.tensor)
         for p, _, g in triples:
             p.grad = g.tensor if g.valid else None
 
@@ -62,9 +61,8 @@ class UpdateSide:
             for p, d, g in self._pairs(params):
                 p.grad = None
                 self._store.unpin([d, g] if g.valid else [d])
-                backup = self._backups.pop(d.key, None)
-                if backup is not None and d.tensor is not None:
-                    d.tensor.copy_(backup)
+                if d.resident and d.tensor is not None:
+                    d.tensor.copy_(self._store.backups[d.key])
                 self._store.drop(d)
 
     def end_update(self, params: Iterable[torch.Tensor]) -> None:
@@ -77,9 +75,7 @@ class UpdateSide:
                     store.unpin([g])
                     store.drop(g)
                 assert d.tensor is not None  # begin_update made it present; internal invariant
-                if d.resident:
-                    self._backups.pop(d.key, None)
-                else:
+                if not d.resident:
                     store.store(d, d.tensor, keep=True)
                 store.unpin([d])
 

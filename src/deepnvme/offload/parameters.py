@@ -91,7 +91,6 @@ class ParameterOffload(UpdateSide):
         self._units: list[list[Entry]] = []                    # per module with parameters
         self._unit_of: dict[int, int] = {}                     # entry key -> first unit
         self._pushed: list[tuple[int, saved_tensors_hooks]] = []
-        self._backups: dict[int, torch.Tensor] = {}
         self._backward_pending = False
         self._hooks: list[Any] = []
         self._meta: dict[int, tuple[torch.Tensor, torch.nn.Parameter]] = {}  # id -> (meta, new)
@@ -138,6 +137,7 @@ class ParameterOffload(UpdateSide):
                     self._pre_hook(len(self._units) - 1, mname), prepend=True))
                 self._hooks.append(module.register_forward_hook(
                     self._post_hook(len(self._units) - 1), always_call=True))
+        self._store.pack_resident()
         self._store.wait_writes()
 
     def _materialize(self, prefix: str, module: torch.nn.Module, aliases: dict[int, list[str]],
@@ -188,7 +188,7 @@ class ParameterOffload(UpdateSide):
         self._entries[id(p)] = (data, grad)
         store = self._store
         if (data.nbytes < self._min_offload
-                and store.resident_bytes + 2 * data.nbytes <= store.budget // 8):
+                and store.resident_bytes + 3 * data.nbytes <= store.budget // 8):
             store.make_resident(data, grad, value)
             p.data = value
         else:
@@ -379,8 +379,9 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     Parameters smaller than ``min_offload_bytes`` (default :data:`MIN_OFFLOAD_BYTES`, 64 KiB:
     biases, norm weights) stay in memory with their gradients, as DeepSpeed's
     ``stage3_param_persistence_threshold`` keeps small parameters: each would otherwise cost a
-    file request per use for a few KiB. They count in ``max_in_memory_bytes`` for good, at most
-    an eighth of it (further small ones are offloaded); 0 offloads every parameter.
+    file request per use for a few KiB. They count in ``max_in_memory_bytes`` for good (3 x
+    their size: value, gradient, a copy for a failed update), at most an eighth of it (further
+    small ones are offloaded); 0 offloads every parameter.
     Train with :class:`~deepnvme.NVMeOptimizer`, which reads and writes the offloaded tensors.
     """
     return ParameterOffload(model, directory, max_in_memory_bytes=max_in_memory_bytes,

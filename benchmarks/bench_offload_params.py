@@ -96,7 +96,8 @@ def run_mode(args: argparse.Namespace) -> dict:
                                               prefetch=args.prefetch, config=config, source=init,
                                               min_offload_bytes=args.min_offload_bytes)
         opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=args.dir,
-                                     config=config, buffer_count=args.buffers, lr=1e-4)
+                                     config=config, buffer_count=args.buffers, lr=1e-4,
+                                     update_threads=args.update_threads)
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
 
     def step() -> None:
@@ -125,7 +126,7 @@ def spawn(args: argparse.Namespace, mode: str) -> dict:
     python = args.ds_python if mode == "deepspeed" else sys.executable
     cmd = [python, __file__, "--child", mode, "--dir", args.dir]
     for k in ("layers", "dim", "batch", "budget_mib", "steps", "buffers", "prefetch", "block_size",
-              "io_threads", "threads", "min_offload_bytes"):
+              "io_threads", "threads", "min_offload_bytes", "update_threads"):
         if getattr(args, k) is not None:
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -155,6 +156,9 @@ def parse() -> argparse.Namespace:
                     help="offload_parameters' min_offload_bytes (default: the library's, 64 KiB); "
                          "the DeepSpeed peer keeps the same parameters in memory "
                          "(stage3_param_persistence_threshold, model cap = budget / 8)")
+    ap.add_argument("--update-threads", type=int, default=None,
+                    help="NVMeOptimizer's update_threads (torch threads for AdamW's update while "
+                         "the I/O runs; default: --threads)")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--report", help="only print the table of a --json file written earlier")
     ap.add_argument("--ds-python", default=None,
@@ -213,7 +217,8 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], w_bw: float, r
     bound = off["budget"] + off["opt_buffers"]
     print(f"{args.layers} x Linear({args.dim}, {args.dim}), {off['n_params'] / 1e6:.0f} M fp32 params, "
           f"AdamW, batch {args.batch}; torch threads {args.threads}, I/O threads {args.io_threads}, "
-          f"block {args.block_size >> 10} KiB, prefetch {args.prefetch}; medians of "
+          f"block {args.block_size >> 10} KiB, prefetch {args.prefetch}, update threads "
+          f"{getattr(args, 'update_threads', None) or args.threads}; medians of "
           f"{args.reps} x {args.steps} steps")
     print(f"storage ({args.dir}): write {w_bw:.2f} GB/s (through fsync), cold read {r_bw:.2f} "
           f"GB/s, concurrent read+write {m_bw:.2f} GB/s")

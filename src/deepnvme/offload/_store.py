@@ -8,7 +8,8 @@ one-element placeholder expanded to its shape (NaN for floating types, so a stra
 Memory bound: ``held`` = present tensors + reads in flight + tensors still being written after
 they left their entry + free buffers kept for reuse; every allocation first takes a free buffer of
 its size, else makes room (dropping free buffers, evicting unpinned entries, least recently used
-first, then waiting for the oldest writes) so ``held <= budget``.
+first, then waiting for the oldest writes, then for prefetches still in flight) so
+``held <= budget``.
 Buffer reuse: a tensor's mapping (``nbytes >= MAPPED_MIN``) goes to a free list keyed by ``nbytes``
 once its I/O ended and nothing else refers to its storage (use count back to what it was when
 mapped), so a step maps, unmaps and page-faults nothing after the first. A gradient
@@ -183,12 +184,26 @@ class TensorStore:
         self.drop(min(victims, key=lambda e: e.tick))
         return True
 
+    def _wait_prefetch(self) -> bool:
+        """Wait for the oldest read still in flight of an unpinned entry (a prefetch), then
+        drop it; False if there is none. Its error, if any, comes back on the next fetch."""
+        reading = [e for e in self._present.values()
+                   if e.pins == 0 and e.read is not None and not e.read.done()]
+        if not reading:
+            return False
+        oldest = min(reading, key=lambda e: e.tick)
+        assert oldest.read is not None  # just selected for it; internal invariant
+        oldest.read.exception()
+        self.drop(oldest)
+        return True
+
     def _room_step(self, *, demand: bool) -> bool:
         """Free some counted memory: a finished write, a free buffer, an LRU entry (a demand
-        also waits for the oldest write). False if nothing could be done."""
+        also waits for the oldest write, then for a prefetch to land). False if nothing could
+        be done."""
         return (self._reap(block=False) or self._free_one()
                 or self._evict_one(spare_prefetched=not demand)
-                or (demand and self._reap(block=True)))
+                or (demand and (self._reap(block=True) or self._wait_prefetch())))
 
     def _too_big(self, nbytes: int, what: str) -> OffloadMemoryError:
         pinned = sorted(e.name + (".grad" if e.grad else "") for e in self._present.values()
@@ -290,7 +305,8 @@ class TensorStore:
         budget by evicting and waiting for writes, as far as that goes."""
         while self.held > self.budget:
             if not (self._reap(block=False) or self._free_one()
-                    or self._evict_one(spare_prefetched=False) or self._reap(block=True)):
+                    or self._evict_one(spare_prefetched=False) or self._reap(block=True)
+                    or self._wait_prefetch()):
                 return
 
     def count(self, nbytes: int) -> None:

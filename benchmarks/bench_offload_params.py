@@ -130,6 +130,8 @@ def spawn(args: argparse.Namespace, mode: str) -> dict:
         if getattr(args, k) is not None:
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if mode == "deepspeed":   # its swap files stay behind; the next runs need the space
+        shutil.rmtree(os.path.join(args.dir, "deepspeed"), ignore_errors=True)
     if proc.returncode and mode == "deepspeed":   # the peer's failure is a result, not the end
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         return {"mode": mode, "error": lines[-1] if lines else f"exit {proc.returncode}"}

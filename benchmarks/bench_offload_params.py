@@ -93,9 +93,11 @@ def run_mode(args: argparse.Namespace) -> dict:
         with torch.device("meta"):
             model = make_model(args.layers, args.dim)
         offload = deepnvme.offload_parameters(model, args.dir, max_in_memory_bytes=budget,
-                                              prefetch=args.prefetch, config=config, source=init)
+                                              prefetch=args.prefetch, config=config, source=init,
+                                              min_offload_bytes=args.min_offload_bytes)
         opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=args.dir,
-                                     config=config, buffer_count=args.buffers, lr=1e-4)
+                                     config=config, buffer_count=args.buffers, lr=1e-4,
+                                     update_threads=args.update_threads)
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
 
     def step() -> None:
@@ -124,9 +126,12 @@ def spawn(args: argparse.Namespace, mode: str) -> dict:
     python = args.ds_python if mode == "deepspeed" else sys.executable
     cmd = [python, __file__, "--child", mode, "--dir", args.dir]
     for k in ("layers", "dim", "batch", "budget_mib", "steps", "buffers", "prefetch", "block_size",
-              "io_threads", "threads"):
-        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+              "io_threads", "threads", "min_offload_bytes", "update_threads"):
+        if getattr(args, k) is not None:
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if mode == "deepspeed":   # its swap files stay behind; the next runs need the space
+        shutil.rmtree(os.path.join(args.dir, "deepspeed"), ignore_errors=True)
     if proc.returncode and mode == "deepspeed":   # the peer's failure is a result, not the end
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         return {"mode": mode, "error": lines[-1] if lines else f"exit {proc.returncode}"}
@@ -149,6 +154,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=8 << 20)
     ap.add_argument("--io-threads", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    ap.add_argument("--min-offload-bytes", type=int, default=None,
+                    help="offload_parameters' min_offload_bytes (default: the library's, 64 KiB); "
+                         "the DeepSpeed peer keeps the same parameters in memory "
+                         "(stage3_param_persistence_threshold, model cap = budget / 8)")
+    ap.add_argument("--update-threads", type=int, default=None,
+                    help="NVMeOptimizer's update_threads (torch threads for AdamW's update while "
+                         "the I/O runs; default: --threads)")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--report", help="only print the table of a --json file written earlier")
     ap.add_argument("--ds-python", default=None,
@@ -207,7 +219,8 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], w_bw: float, r
     bound = off["budget"] + off["opt_buffers"]
     print(f"{args.layers} x Linear({args.dim}, {args.dim}), {off['n_params'] / 1e6:.0f} M fp32 params, "
           f"AdamW, batch {args.batch}; torch threads {args.threads}, I/O threads {args.io_threads}, "
-          f"block {args.block_size >> 10} KiB, prefetch {args.prefetch}; medians of "
+          f"block {args.block_size >> 10} KiB, prefetch {args.prefetch}, update threads "
+          f"{getattr(args, 'update_threads', None) or args.threads}; medians of "
           f"{args.reps} x {args.steps} steps")
     print(f"storage ({args.dir}): write {w_bw:.2f} GB/s (through fsync), cold read {r_bw:.2f} "
           f"GB/s, concurrent read+write {m_bw:.2f} GB/s")

@@ -32,6 +32,8 @@ def run_deepspeed(args: argparse.Namespace, make_model: Callable[[int, int], tor
     baseline = status("VmRSS")
     largest = args.dim * args.dim
     budget_elems = int(args.budget_mib * 2**20) // 4
+    min_offload = 64 << 10 if args.min_offload_bytes is None else args.min_offload_bytes
+    persist_elems = min_offload // 4   # fp32: parameters of fewer bytes than min_offload
     nvme = os.path.join(args.dir, "deepspeed")
     os.makedirs(nvme, exist_ok=True)
     cfg = {
@@ -47,7 +49,10 @@ def run_deepspeed(args: argparse.Namespace, make_model: Callable[[int, int], tor
             # buffers for Adam (parameter, two moments, gradient) and asserts
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
                                   "buffer_count": max(4, args.buffers)},
-            "stage3_param_persistence_threshold": 0,
+            # the parameters deepnvme keeps in memory (min_offload_bytes, at most an eighth of
+            # the budget with their gradients) persist in DeepSpeed too
+            "stage3_param_persistence_threshold": persist_elems,
+            "stage3_model_persistence_threshold": budget_elems // 16,
             "stage3_max_live_parameters": budget_elems,
             "stage3_prefetch_bucket_size": budget_elems // 4,
             "sub_group_size": budget_elems // 4,

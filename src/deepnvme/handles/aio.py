@@ -107,43 +107,61 @@ class AioHandle:
     # --- the Pythonic surface: futures -----------------------------------------------------
 
     def submit_read(self, buffer: torch.Tensor, path: str, *, offset: int = 0,
-                    validate: bool = False) -> Future[int]:
+                    validate: bool = False, keep_open: bool = False) -> Future[int]:
         """Start reading ``buffer.nbytes`` bytes at ``offset`` of ``path`` into ``buffer``.
 
         Returns a future of the byte count; the caller owns it (it is not counted by
         :meth:`wait`, which serves DeepSpeed's async calls). :meth:`close` still waits for it.
+        ``keep_open`` (CPU buffers): keep the file's descriptors open for later requests that
+        also ask for it, instead of opening and closing it per request; see :meth:`close_files`.
         """
-        return self._submit(False, buffer, path, offset, validate, track=False)
+        return self._submit(False, buffer, path, offset, validate, track=False,
+                            keep_open=keep_open)
 
     def submit_write(self, buffer: torch.Tensor, path: str | int, *, offset: int = 0,
-                     validate: bool = False, fsync: bool | None = None) -> Future[int]:
+                     validate: bool = False, fsync: bool | None = None,
+                     keep_open: bool = False) -> Future[int]:
         """Start writing ``buffer``'s bytes at ``offset`` of ``path`` (created if missing,
         never truncated) or of an open file descriptor. ``fsync`` overrides the config's.
-        Like :meth:`submit_read`, the future is the caller's and not counted by :meth:`wait`."""
-        return self._submit(True, buffer, path, offset, validate, fsync, track=False)
+        Like :meth:`submit_read`, the future is the caller's and not counted by :meth:`wait`;
+        ``keep_open`` as there."""
+        return self._submit(True, buffer, path, offset, validate, fsync, track=False,
+                            keep_open=keep_open)
 
     def read_many(self, path: str | os.PathLike[str],
-                  items: Sequence[tuple[torch.Tensor, int]], *, validate: bool = False
-                  ) -> Future[int]:
+                  items: Sequence[tuple[torch.Tensor, int]], *, validate: bool = False,
+                  keep_open: bool = False) -> Future[int]:
         """Start reading many ``(buffer, file_offset)`` items of one file, opened once.
 
         Items that are one aligned O_DIRECT chunk each are gathered many to a request; others
         are planned like any request (split into chunks); all are in flight together up to
         the window. The future's result is the total byte count, or the first failure once
-        every item has ended. CPU buffers only.
+        every item has ended. CPU buffers only. ``keep_open`` as in :meth:`submit_read`.
         """
-        return self._submit_many(False, path, items, validate, None)
+        return self._submit_many(False, path, items, validate, None, keep_open)
 
     def write_many(self, path: str | os.PathLike[str],
                    items: Sequence[tuple[torch.Tensor, int]], *, validate: bool = False,
-                   fsync: bool | None = None) -> Future[int]:
+                   fsync: bool | None = None, keep_open: bool = False) -> Future[int]:
         """Start writing many ``(buffer, file_offset)`` items into one file (created if missing,
-        never truncated), opened once; ``fsync`` runs once after the last item."""
-        return self._submit_many(True, path, items, validate, fsync)
+        never truncated), opened once; ``fsync`` runs once after the last item. ``keep_open``
+        as in :meth:`submit_read`."""
+        return self._submit_many(True, path, items, validate, fsync, keep_open)
+
+    def close_files(self, paths: Iterable[str | os.PathLike[str]] = (), *,
+                    under: str | os.PathLike[str] | None = None) -> None:
+        """Close the descriptors kept open (``keep_open=True``) for ``paths`` and for every file
+        under the directory ``under`` (one still in use closes when its requests end). Call it
+        before deleting, renaming over or truncating such a file elsewhere: a kept descriptor
+        keeps reaching the old file. :meth:`close` closes them all. At most a quarter of the
+        process's descriptor limit (up to 4096) files stay open per handle; beyond it the least
+        recently used idle one is closed. Raises the first close failure, naming the file."""
+        self._engine.close_files([os.fspath(p) for p in paths],
+                                 under=None if under is None else os.fspath(under))
 
     def _submit_many(self, write: bool, path: str | os.PathLike[str],
                      items: Sequence[tuple[torch.Tensor, int]], validate: bool,
-                     fsync: bool | None) -> Future[int]:
+                     fsync: bool | None, keep_open: bool = False) -> Future[int]:
         target = os.fspath(path)
         if not isinstance(target, str):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -170,11 +188,16 @@ class AioHandle:
             offsets.append(int(offset))
             buffers.append(buffer)
         return self._engine.submit_many(write, target, Items(addresses, sizes, offsets, buffers),
-                                        validate=validate, fsync=fsync)
+                                        validate=validate, fsync=fsync, keep_open=keep_open)
 
     def _submit(self, write: bool, buffer: torch.Tensor, target: str | int, offset: int,
-                validate: bool, fsync: bool | None = None, *, track: bool) -> Future[int]:
+                validate: bool, fsync: bool | None = None, *, track: bool,
+                keep_open: bool = False) -> Future[int]:
         staged = self._check_buffer(buffer)
+        if staged and keep_open:
+            raise UnsupportedBufferError(
+                f"keep_open is for CPU buffers; this one is on {buffer.device} (staged requests "
+                "open their file each time): pass keep_open=False")
         if hasattr(target, "__fspath__"):
             target = os.fspath(target)
         if isinstance(target, bool) or not isinstance(target, (str, int)):
@@ -188,7 +211,7 @@ class AioHandle:
                                          fsync=self.config.fsync if fsync is None else fsync)
         else:
             fut = _submit_to(self._engine, write, buffer, target, int(offset), validate=validate,
-                             fsync=fsync)
+                             fsync=fsync, keep_open=keep_open)
         if track:
             with self._lock:
                 self._pending.append(fut)
@@ -374,12 +397,12 @@ class AioHandle:
 
 
 def _submit_to(engine: Engine, write: bool, buffer: torch.Tensor, target: str | int, offset: int,
-               *, validate: bool, fsync: bool | None) -> Future[int]:
+               *, validate: bool, fsync: bool | None, keep_open: bool = False) -> Future[int]:
     """Hand one contiguous CPU buffer to the engine (the staging pipeline's ``submit_io``)."""
     transfer = Transfer(write=write, address=buffer.data_ptr(),
                         size=buffer.numel() * buffer.element_size(),
                         target=target, file_offset=offset, keepalive=buffer)
-    return engine.submit(transfer, validate=validate, fsync=fsync)
+    return engine.submit(transfer, validate=validate, fsync=fsync, keep_open=keep_open)
 
 
 def wait_all(futures: Iterable[Future[int] | None]) -> None:

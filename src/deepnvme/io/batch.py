@@ -64,9 +64,10 @@ class _GatheredChunks(Sequence[Chunk]):
 
 
 def submit_many(engine: Engine, write: bool, target: str, items: Items, *,
-                validate: bool, fsync: bool) -> Future[int]:
+                validate: bool, fsync: bool, keep_open: bool = False) -> Future[int]:
     """Start the batch; the future's result is the total byte count, or the first failure once
-    every item has ended. ``fsync`` (writes) runs once, after the last item."""
+    every item has ended. ``fsync`` (writes) runs once, after the last item. ``keep_open``
+    uses the engine's kept descriptors of ``target`` (see :meth:`Engine.submit`)."""
     engine._workers.check_open()
     if not len(items):
         done: Future[int] = Future()
@@ -77,7 +78,7 @@ def submit_many(engine: Engine, write: bool, target: str, items: Items, *,
                            keepalive=items.keepalive), validate, fsync)
     batch.future.set_running_or_notify_cancel()
     try:
-        alignment = engine._open(batch)
+        alignment = engine._open(batch, keep_open)
         ops = _plan(engine, batch, items, alignment, validate)
     except BaseException as exc:  # every failure goes to the future
         batch.close_fds(engine.posix)

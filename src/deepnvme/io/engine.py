@@ -13,6 +13,9 @@ Concurrency: ``intra_op_parallelism`` worker threads (started on first use). Win
 intra_op_parallelism`` with a kernel engine. Bounce memory (only for buffers whose address
 O_DIRECT cannot use): at most ``intra_op_parallelism x block_size`` bytes with ``threads``,
 ``intra_op_parallelism x min(queue_depth, 4) x block_size`` with a kernel engine.
+Descriptors: each request opens and closes its file, except ``keep_open`` requests, which share
+the engine's kept descriptors (:mod:`deepnvme.io.kept`: at most its limit of files, closed by
+:meth:`Engine.close_files` or :meth:`Engine.close`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import logging
 import os
 import queue
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -35,6 +38,7 @@ from ..memory.pinned import BufferPool
 from ..memory.views import byte_view
 from .batch import Items
 from .batch import submit_many as _submit_batch
+from .kept import KeptFiles, Opened
 from .kernel import KernelQueue, kernel_worker
 from .movers import EngineProbe, Mover, probe_engines, queue_factory, select_engine
 from .op import Op, Transfer
@@ -77,6 +81,7 @@ class Engine:
         self._bounce: dict[int, BufferPool] = {}
         self._bounce_views: dict[int, memoryview] = {}
         self._open_ops: set[Op] = self._workers.open
+        self._kept = KeptFiles(posix)   # files kept open for ``keep_open`` requests
         _live_engines.add(self)
 
     @staticmethod
@@ -93,17 +98,20 @@ class Engine:
 
     # --- submission ----------------------------------------------------------------------
 
-    def submit(self, transfer: Transfer, *, validate: bool = False, fsync: bool | None = None
-               ) -> Future[int]:
+    def submit(self, transfer: Transfer, *, validate: bool = False, fsync: bool | None = None,
+               keep_open: bool = False) -> Future[int]:
         """Start a request; the future's result is the number of bytes moved.
 
-        Errors (open failures included) are set on the future, never raised here.
+        ``keep_open`` (a path target, CPU memory): use the file's kept descriptors, opening
+        and keeping them if needed (:mod:`deepnvme.io.kept`), instead of opening and closing
+        it for this request. Errors (open failures included) are set on the future, never
+        raised here.
         """
         self._workers.check_open()
         op = Op(transfer, validate, self.config.fsync if fsync is None else fsync)
         op.future.set_running_or_notify_cancel()  # the transfer cannot be cancelled once started
         try:
-            self._prepare(op)
+            self._prepare(op, keep_open)
         except BaseException as exc:  # every failure goes to the future
             op.close_fds(self.posix)
             op.future.set_exception(exc)
@@ -115,13 +123,20 @@ class Engine:
         return op.future
 
     def submit_many(self, write: bool, target: str, items: Items, *, validate: bool = False,
-                    fsync: bool | None = None) -> Future[int]:
-        """Start one request per item, all on file ``target``, opened once; see
-        :mod:`deepnvme.io.batch`."""
+                    fsync: bool | None = None, keep_open: bool = False) -> Future[int]:
+        """Start one request per item, all on file ``target``, opened once (or kept open,
+        as :meth:`submit`); see :mod:`deepnvme.io.batch`."""
         if self.mover is not None:
             raise ValueError(f"submit_many is not supported by the {self.name} mover")
         return _submit_batch(self, write, target, items, validate=validate,
-                             fsync=self.config.fsync if fsync is None else fsync)
+                             fsync=self.config.fsync if fsync is None else fsync,
+                             keep_open=keep_open)
+
+    def close_files(self, paths: Iterable[str] = (), *, under: str | None = None) -> None:
+        """Close the descriptors kept open for ``paths`` and for the files under the directory
+        ``under`` (those in use once their requests end). Call it before deleting or replacing
+        a file used with ``keep_open``. Raises the first close failure, naming the file."""
+        self._kept.forget(paths, under=under)
 
     def _admit(self, ops: list[Op], owner: Op) -> None:
         """Queue ``ops``' chunks (an op without chunks completes at once). If the workers
@@ -159,12 +174,14 @@ class Engine:
                                                          make(self.config.queue_depth),
                                                          _close_queue))
 
-    def _prepare(self, op: Op) -> None:
+    def _prepare(self, op: Op, keep_open: bool = False) -> None:
         t = op.transfer
         if t.file_offset < 0:
             raise DeepNVMeIOError("negative file offset", path=t.name, offset=t.file_offset,
                                   size=t.size, errno=errno.EINVAL)
-        alignment = self._open(op)
+        if keep_open and self.mover is not None:
+            raise ValueError(f"keep_open is not supported by the {self.name} mover")
+        alignment = self._open(op, keep_open)
         if not t.write:
             fd = op.fd_direct if op.fd_direct >= 0 else op.fd_buffered
             file_size = self.posix.file_size(fd)
@@ -182,8 +199,9 @@ class Engine:
         if any(c.kind is Kind.BUFFERED for c in op.chunks) and op.fd_buffered < 0:
             op.fd_buffered = self._reopen_buffered(op)
 
-    def _open(self, op: Op) -> Alignment | None:
-        """Open the descriptors a request needs; returns the O_DIRECT alignment or None."""
+    def _open(self, op: Op, keep_open: bool = False) -> Alignment | None:
+        """Open the descriptors a request needs (or take the kept ones, with ``keep_open`` and
+        a path); returns the O_DIRECT alignment or None."""
         t, px = op.transfer, self.posix
         if isinstance(t.target, int):
             if px.is_direct(t.target):
@@ -191,26 +209,41 @@ class Engine:
                 return self._alignment(op.fd_direct, t.name)
             op.fd_buffered = t.target
             return None
+        if keep_open:
+            kept = self._kept.acquire(t.target, t.write, self._open_path)
+            if kept is not None:
+                op.kept = kept
+                op.fd_direct, op.fd_buffered = kept.fd_direct, kept.fd_buffered
+                return kept.alignment
+        op.fd_direct, op.fd_buffered, alignment = self._open_path(
+            t.target, t.write, False, offset=t.file_offset, size=t.size)
+        op.owned_fds += [fd for fd in (op.fd_direct, op.fd_buffered) if fd >= 0]
+        return alignment
+
+    def _open_path(self, path: str, write: bool, read_write: bool, *, offset: int | None = None,
+                   size: int | None = None) -> Opened:
+        """Open ``path`` with O_DIRECT where it works (else buffered): (direct fd or -1,
+        buffered fd or -1, alignment or None). ``read_write`` opens O_RDWR (for kept files;
+        ``write`` then also creates it). Closes what it opened if it raises."""
+        px = self.posix
+        mode = {"read_write": True} if read_write else {}  # fakes of open() may not take it
         if self.config.o_direct:
             try:
-                op.fd_direct = px.open(t.target, write=t.write, direct=True, offset=t.file_offset,
-                                       size=t.size)
+                fd = px.open(path, write=write, direct=True, offset=offset, size=size, **mode)
             except DeepNVMeIOError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self._log_fallback(t.target, "open(O_DIRECT) returned EINVAL")
+                self._log_fallback(path, "open(O_DIRECT) returned EINVAL")
             else:
-                op.owned_fds.append(op.fd_direct)
-                alignment = self._alignment(op.fd_direct, t.name)
+                try:
+                    alignment = self._alignment(fd, path)
+                except BaseException:
+                    px.close(fd)
+                    raise
                 if alignment is not None:
-                    return alignment
-                op.owned_fds.remove(op.fd_direct)
-                px.close(op.fd_direct)
-                op.fd_direct = -1
-        op.fd_buffered = px.open(t.target, write=t.write, direct=False, offset=t.file_offset,
-                                   size=t.size)
-        op.owned_fds.append(op.fd_buffered)
-        return None
+                    return fd, -1, alignment
+                px.close(fd)
+        return -1, px.open(path, write=write, direct=False, offset=offset, size=size, **mode), None
 
     def _alignment(self, fd: int, name: str) -> Alignment | None:
         try:
@@ -224,8 +257,13 @@ class Engine:
         return found
 
     def _reopen_buffered(self, op: Op) -> int:
-        t = op.transfer
+        """A buffered descriptor for a request's unaligned edges (a kept file keeps its own)."""
+        t, kept = op.transfer, op.kept
         path = t.target if isinstance(t.target, str) else f"/proc/self/fd/{t.target}"
+        if kept is not None:
+            return kept.buffered(lambda: self.posix.open(
+                path, write=False, direct=False, offset=t.file_offset, size=t.size,
+                **({"read_write": True} if kept.writable else {})))
         fd = self.posix.open(path, write=t.write, direct=False, offset=t.file_offset, size=t.size)
         op.owned_fds.append(fd)
         return fd
@@ -308,6 +346,10 @@ class Engine:
         buffers. Idempotent. Not callable from a worker thread (a future's done-callback)."""
         if not self._workers.close():
             return
+        try:
+            self._kept.close()
+        except DeepNVMeIOError as exc:
+            log.error("deepnvme: %s", exc)
         self._bounce_views.clear()
         for pool in self._bounce.values():
             pool.close()

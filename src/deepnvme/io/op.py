@@ -4,7 +4,8 @@ Guarantees: the first error wins and chunks not yet started are skipped once it 
 caller's buffer (``Transfer.keepalive``) is referenced until the request ends and released
 just before its future completes (a caller it wakes may resize or free that memory at once,
 while a worker thread still holds the finished request for a moment); descriptors
-the request opened are closed exactly once, before the future completes; an fsync or
+the request opened are closed exactly once, before the future completes (kept descriptors,
+``keep_open``, are released instead); an fsync or
 validation failure fails the request like an I/O error does. A mover's per-request
 :class:`Session` (e.g. a cuFile handle on the request's descriptor) is closed once, before the
 descriptors.
@@ -17,11 +18,14 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import DeepNVMeIOError, ShortTransferError, ValidationError
 from .plan import Chunk, Kind
 from .posix import Posix
+
+if TYPE_CHECKING:
+    from .kept import KeptFile
 
 __all__ = ["Op", "Batch", "Transfer", "Session"]
 
@@ -83,7 +87,8 @@ class Op:
     """Coordinator of one request (see the module docstring for its guarantees)."""
 
     __slots__ = ("transfer", "chunks", "next", "remaining", "error", "future", "fd_direct",
-                 "fd_buffered", "owned_fds", "validate", "fsync", "lock", "batch", "session")
+                 "fd_buffered", "owned_fds", "validate", "fsync", "lock", "batch", "session",
+                 "kept")
 
     def __init__(self, transfer: Transfer, validate: bool, fsync: bool, *,
                  batch: Batch | None = None) -> None:
@@ -97,6 +102,8 @@ class Op:
         self.fd_direct = -1
         self.fd_buffered = -1
         self.owned_fds: list[int] = []
+        #: the kept file whose descriptors this request uses (``keep_open``), released on close
+        self.kept: KeptFile | None = None
         #: a mover's per-request file state, closed by :meth:`close_fds` before the descriptors
         self.session: Session | None = None
         self.validate = validate
@@ -183,6 +190,12 @@ class Op:
                 self.fail(DeepNVMeIOError.from_oserror(exc, op="close", path=t.name,
                                                        offset=t.file_offset, size=t.size))
         self.owned_fds.clear()
+        kept, self.kept = self.kept, None
+        if kept is not None:
+            try:
+                kept.release()
+            except DeepNVMeIOError as exc:   # closing a forgotten kept file failed
+                self.fail(exc)
 
     def _validate(self, posix: Posix) -> None:
         """Re-read the range through a fresh buffered descriptor and compare byte for byte."""

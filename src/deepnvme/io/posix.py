@@ -66,19 +66,24 @@ class Posix:
     """Blocking positional I/O on file descriptors (``os.preadv``/``os.pwritev`` release the GIL)."""
 
     def open(self, path: str, *, write: bool, direct: bool, offset: int | None = None,
-             size: int | None = None) -> int:
-        """Open for reading, or for writing (created if missing, never truncated).
+             size: int | None = None, read_write: bool = False) -> int:
+        """Open for reading, or for writing (created if missing, never truncated); with
+        ``read_write`` for both (``O_RDWR``, created only if ``write``).
 
         ``offset``/``size`` only name the request in the error message.
         """
-        flags = os.O_CLOEXEC | (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY)
+        if read_write:
+            flags = os.O_CLOEXEC | os.O_RDWR | (os.O_CREAT if write else 0)
+        else:
+            flags = os.O_CLOEXEC | (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY)
         if direct:
             flags |= O_DIRECT
         try:
             return os.open(path, flags, 0o644)
         except OSError as exc:
             raise DeepNVMeIOError.from_oserror(
-                exc, op="open for " + ("write" if write else "read") + (" (O_DIRECT)" if direct else ""),
+                exc, op="open for " + ("read and write" if read_write else "write" if write else "read")
+                + (" (O_DIRECT)" if direct else ""),
                 path=path, offset=offset, size=size) from None
 
     def close(self, fd: int) -> None:
@@ -95,6 +100,10 @@ class Posix:
 
     def file_size(self, fd: int) -> int:
         return os.fstat(fd).st_size
+
+    def link_count(self, fd: int) -> int:
+        """Names the open file has; 0 once it was deleted or replaced (renamed over)."""
+        return os.fstat(fd).st_nlink
 
     def fallocate(self, fd: int, offset: int, length: int) -> bool:
         """Reserve blocks for ``[offset, offset + length)``; False where the filesystem cannot.

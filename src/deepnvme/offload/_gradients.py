@@ -1,6 +1,7 @@
 """Taking a gradient from autograd into the store: written from a reused page-aligned buffer.
 
-Autograd's gradient comes from torch's heap (not page-aligned), so it is copied into a buffer of
+A resident (small) gradient stays in memory: autograd's tensor is kept, or copied or added into
+the kept one. Autograd's gradient comes from torch's heap (not page-aligned), so it is copied into a buffer of
 the store first: the engine then writes with O_DIRECT and no bounce buffers. The buffer comes
 from :meth:`TensorStore.buffer` like a read's, so room is made first (an unpinned parameter, least
 recently used, is evicted and its mapping reused) instead of mapping and page-faulting fresh
@@ -25,6 +26,9 @@ def accept_gradient(store: TensorStore, entry: Entry, grad: torch.Tensor) -> Non
     """Add ``grad`` to ``entry`` (a gradient entry: the first since zero_grad is stored, a later
     one is added to the stored one, as ``param.grad += grad``) and start writing it."""
     with store.lock:
+        if entry.resident:
+            _keep(store, entry, grad)
+            return
         if entry.valid:
             _accumulate(store, entry, grad)
             return
@@ -43,6 +47,17 @@ def accept_gradient(store: TensorStore, entry: Entry, grad: torch.Tensor) -> Non
             store.count(entry.nbytes)    # written from autograd's own (aligned) tensor
         store.store(entry, grad, keep=False, buf=buf)
         entry.valid = True
+
+
+def _keep(store: TensorStore, entry: Entry, grad: torch.Tensor) -> None:
+    """A resident gradient (its memory allocated at setup): the first since zero_grad is copied
+    into it, a later one added to it."""
+    assert entry.tensor is not None  # pack_resident allocated it; internal invariant
+    if entry.valid:
+        entry.tensor += grad             # what AccumulateGrad does: param.grad += grad
+    else:
+        entry.tensor.copy_(grad)
+    entry.valid = True
 
 
 def _accumulate(store: TensorStore, entry: Entry, grad: torch.Tensor) -> None:

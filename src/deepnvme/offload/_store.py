@@ -8,11 +8,15 @@ one-element placeholder expanded to its shape (NaN for floating types, so a stra
 Memory bound: ``held`` = present tensors + reads in flight + tensors still being written after
 they left their entry + free buffers kept for reuse; every allocation first takes a free buffer of
 its size, else makes room (dropping free buffers, evicting unpinned entries, least recently used
-first, then waiting for the oldest writes) so ``held <= budget``.
+first, then waiting for the oldest writes, then for prefetches still in flight) so
+``held <= budget``.
 Buffer reuse: a tensor's mapping (``nbytes >= MAPPED_MIN``) goes to a free list keyed by ``nbytes``
 once its I/O ended and nothing else refers to its storage (use count back to what it was when
 mapped), so a step maps, unmaps and page-faults nothing after the first. A gradient
 handed over by autograd already exists, so it is counted and room is made after the fact.
+Resident entries: tensors below the offload's ``min_offload_bytes`` (biases, norms) are kept in
+memory with their gradients and a backup copy (for a failed update), all in one allocation,
+counted in ``held`` for good (3 x their bytes): each would cost a file request per use.
 Thread-safety: every public method takes one lock (autograd may run hooks on other threads).
 """
 
@@ -36,6 +40,7 @@ from ..swap import TensorSwapper
 __all__ = ["Buffer", "Entry", "TensorStore", "placeholder"]
 
 _PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}
+_ALIGN = 64   # bytes between resident tensors in their shared allocation
 
 
 def placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -51,7 +56,7 @@ class Entry:
     """One offloaded tensor: a parameter's data (``grad=False``) or its gradient."""
 
     __slots__ = ("key", "name", "param", "grad", "shape", "dtype", "nbytes", "tensor", "read",
-                 "write", "pins", "tick", "prefetched", "valid", "buf")
+                 "write", "pins", "tick", "prefetched", "valid", "buf", "resident")
 
     def __init__(self, key: int, name: str, param: torch.nn.Parameter, *, grad: bool) -> None:
         self.key = key
@@ -69,6 +74,7 @@ class Entry:
         self.prefetched = False
         self.valid = not grad             # a gradient is valid once one was accumulated
         self.buf: Buffer | None = None   # the reusable mapping behind ``tensor``, if any
+        self.resident = False   # a small tensor kept in memory: no file I/O, never dropped
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -114,6 +120,9 @@ class TensorStore:
         self._free: dict[int, list[Buffer]] = {}    # nbytes -> free buffers (counted in held)
         self.free_bytes = 0
         self.reused = 0       # allocations served by a free buffer
+        self.resident_bytes = 0   # counted for resident entries (see make_resident)
+        self._resident: list[tuple[Entry, Entry]] = []
+        self.backups: dict[int, torch.Tensor] = {}   # resident key -> room for its old value
 
     # --- accounting ----------------------------------------------------------------------
 
@@ -175,12 +184,26 @@ class TensorStore:
         self.drop(min(victims, key=lambda e: e.tick))
         return True
 
+    def _wait_prefetch(self) -> bool:
+        """Wait for the oldest read still in flight of an unpinned entry (a prefetch), then
+        drop it; False if there is none. Its error, if any, comes back on the next fetch."""
+        reading = [e for e in self._present.values()
+                   if e.pins == 0 and e.read is not None and not e.read.done()]
+        if not reading:
+            return False
+        oldest = min(reading, key=lambda e: e.tick)
+        assert oldest.read is not None  # just selected for it; internal invariant
+        oldest.read.exception()
+        self.drop(oldest)
+        return True
+
     def _room_step(self, *, demand: bool) -> bool:
         """Free some counted memory: a finished write, a free buffer, an LRU entry (a demand
-        also waits for the oldest write). False if nothing could be done."""
+        also waits for the oldest write, then for a prefetch to land). False if nothing could
+        be done."""
         return (self._reap(block=False) or self._free_one()
                 or self._evict_one(spare_prefetched=not demand)
-                or (demand and self._reap(block=True)))
+                or (demand and (self._reap(block=True) or self._wait_prefetch())))
 
     def _too_big(self, nbytes: int, what: str) -> OffloadMemoryError:
         pinned = sorted(e.name + (".grad" if e.grad else "") for e in self._present.values()
@@ -219,6 +242,40 @@ class TensorStore:
                     return None
                 raise self._too_big(nbytes, what)
 
+    # --- resident entries ----------------------------------------------------------------
+
+    def make_resident(self, data: Entry, grad: Entry, value: torch.Tensor) -> None:
+        """Keep ``data`` (with ``value``, already counted) and its gradient ``grad`` in memory
+        for good: no file I/O, never evicted. Counts the gradient and a copy for
+        :attr:`backups` too (allocated by :meth:`pack_resident`)."""
+        with self.lock:
+            self.make_room(2 * data.nbytes, demand=True, what=f"gradient of {grad.name}")
+            self._count(2 * data.nbytes)
+            data.resident = grad.resident = True
+            data.tensor = value
+            self._resident.append((data, grad))
+            self.resident_bytes += 3 * data.nbytes
+
+    def pack_resident(self) -> None:
+        """Move the resident values into one allocation that also holds their gradients and
+        backups (call once, after every :meth:`make_resident`). Why one: small tensors that
+        live for good, allocated one by one among the megabyte tensors that come and go,
+        keep the heap from giving those back (measured: +230 MiB in a first backward)."""
+        with self.lock:
+            sizes = [-(-d.nbytes // _ALIGN) * _ALIGN for d, _ in self._resident]
+            arena = torch.empty(3 * sum(sizes), dtype=torch.uint8)
+            at = 0
+            for (d, g), size in zip(self._resident, sizes):
+                views = [arena[at + i * size:at + i * size + d.nbytes].view(d.dtype).view(d.shape)
+                         for i in range(3)]
+                at += 3 * size
+                assert d.tensor is not None  # make_resident set it; internal invariant
+                views[0].copy_(d.tensor)
+                d.tensor = views[0]
+                d.param.data = views[0]
+                g.tensor = views[1]     # no gradient yet: ``valid`` stays False
+                self.backups[d.key] = views[2]
+
     # --- moving entries ----------------------------------------------------------------
 
     def store(self, entry: Entry, tensor: torch.Tensor, *, keep: bool,
@@ -226,7 +283,8 @@ class TensorStore:
         """Start writing ``tensor`` (already counted in ``held``) as ``entry``'s value. With
         ``keep`` it is the entry's present tensor and stays (unchanged until the write ends);
         else it leaves memory once written (``buf``, the free buffer it is in, is then reused),
-        waiting for writes while over the budget."""
+        waiting for writes while over the budget. Not for resident entries."""
+        assert not entry.resident  # callers keep resident values in memory; internal invariant
         data = tensor.detach()
         if not data.is_contiguous():
             data = data.contiguous()
@@ -247,7 +305,8 @@ class TensorStore:
         budget by evicting and waiting for writes, as far as that goes."""
         while self.held > self.budget:
             if not (self._reap(block=False) or self._free_one()
-                    or self._evict_one(spare_prefetched=False) or self._reap(block=True)):
+                    or self._evict_one(spare_prefetched=False) or self._reap(block=True)
+                    or self._wait_prefetch()):
                 return
 
     def count(self, nbytes: int) -> None:
@@ -258,8 +317,9 @@ class TensorStore:
         self.held -= nbytes
 
     def drop(self, entry: Entry) -> None:
-        """Forget the present value (a parameter gets its placeholder back)."""
-        if entry.tensor is None:
+        """Forget the present value (a parameter gets its placeholder back); a resident
+        entry keeps it."""
+        if entry.tensor is None or entry.resident:
             return
         self._present.pop(entry.key, None)
         if not entry.grad:

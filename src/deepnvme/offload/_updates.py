@@ -48,15 +48,21 @@ class UpdateSide:
                 d.write.result()   # the update writes into the tensor a previous write reads
         needed = [d for _, d, _ in triples] + [g for _, _, g in triples if g.valid]
         self._store.fetch(needed, "an optimizer sub-group (parameters and gradients)")
+        for _, d, _ in triples:
+            if d.resident and d.tensor is not None:   # no file to fall back on if it fails
+                self._store.backups[d.key].copy_(d.tensor)
         for p, _, g in triples:
             p.grad = g.tensor if g.valid else None
 
     def abort_update(self, params: Iterable[torch.Tensor]) -> None:
-        """An update failed: unpin without writing (the files keep the values before it)."""
+        """An update failed: unpin without writing (the files keep the values before it;
+        resident parameters get theirs back from the copy begin_update made)."""
         with self._store.lock:
             for p, d, g in self._pairs(params):
                 p.grad = None
                 self._store.unpin([d, g] if g.valid else [d])
+                if d.resident and d.tensor is not None:
+                    d.tensor.copy_(self._store.backups[d.key])
                 self._store.drop(d)
 
     def end_update(self, params: Iterable[torch.Tensor]) -> None:
@@ -69,7 +75,8 @@ class UpdateSide:
                     store.unpin([g])
                     store.drop(g)
                 assert d.tensor is not None  # begin_update made it present; internal invariant
-                store.store(d, d.tensor, keep=True)
+                if not d.resident:
+                    store.store(d, d.tensor, keep=True)
                 store.unpin([d])
 
     def finish_updates(self) -> None:

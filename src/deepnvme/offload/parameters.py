@@ -42,6 +42,8 @@ __all__ = ["OffloadStats", "ParameterOffload", "offload_parameters"]
 log = logging.getLogger(__name__)
 
 STORE_ATTRIBUTE = "_deepnvme_offload"   # set on each offloaded Parameter: its ParameterOffload
+#: parameters smaller than this (bytes) stay in memory with their gradients, by default
+MIN_OFFLOAD_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,14 @@ class ParameterOffload(UpdateSide):
     def __init__(self, model: torch.nn.Module, directory: str | os.PathLike[str], *,
                  max_in_memory_bytes: int, prefetch: int = 2, dtype: torch.dtype | None = None,
                  config: IOConfig | None = None,
-                 source: str | os.PathLike[str] | Init | None = None) -> None:
+                 source: str | os.PathLike[str] | Init | None = None,
+                 min_offload_bytes: int | None = None) -> None:
         if max_in_memory_bytes < 1:
             raise OffloadMemoryError(f"max_in_memory_bytes must be >= 1, got {max_in_memory_bytes}")
+        if min_offload_bytes is not None and min_offload_bytes < 0:
+            raise ValueError(f"min_offload_bytes must be >= 0, got {min_offload_bytes}")
         self.model = model
+        self._min_offload = MIN_OFFLOAD_BYTES if min_offload_bytes is None else min_offload_bytes
         self._store = TensorStore(directory, budget=max_in_memory_bytes, config=config)
         self._forward = OrderTracker(prefetch)
         self._backward = OrderTracker(prefetch)
@@ -131,6 +137,7 @@ class ParameterOffload(UpdateSide):
                     self._pre_hook(len(self._units) - 1, mname), prepend=True))
                 self._hooks.append(module.register_forward_hook(
                     self._post_hook(len(self._units) - 1), always_call=True))
+        self._store.pack_resident()
         self._store.wait_writes()
 
     def _materialize(self, prefix: str, module: torch.nn.Module, aliases: dict[int, list[str]],
@@ -179,8 +186,14 @@ class ParameterOffload(UpdateSide):
         data = Entry(key, name, p, grad=False)
         grad = Entry(key + 1, name, p, grad=True)
         self._entries[id(p)] = (data, grad)
-        self._store.store(data, value, keep=False)
-        p.data = placeholder(data.shape, data.dtype)
+        store = self._store
+        if (data.nbytes < self._min_offload
+                and store.resident_bytes + 3 * data.nbytes <= store.budget // 8):
+            store.make_resident(data, grad, value)
+            p.data = value
+        else:
+            store.store(data, value, keep=False)
+            p.data = placeholder(data.shape, data.dtype)
         setattr(p, STORE_ATTRIBUTE, self)
         if p.requires_grad:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -337,7 +350,8 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
                        max_in_memory_bytes: int, prefetch: int = 2,
                        dtype: torch.dtype | None = None,
                        config: IOConfig | None = None,
-                       source: str | os.PathLike[str] | Init | None = None) -> ParameterOffload:
+                       source: str | os.PathLike[str] | Init | None = None,
+                       min_offload_bytes: int | None = None) -> ParameterOffload:
     """Move ``model``'s parameters (and, in training, their gradients) to files under ``directory``.
 
     Each submodule's own parameters are read in before its forward and again when the backward
@@ -362,7 +376,14 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     own parameters, and each optimizer sub-group's parameters plus gradients, must fit the
     budget; if a module needs more than is free while everything is pinned,
     :class:`~deepnvme.OffloadMemoryError` is raised.
+    Parameters smaller than ``min_offload_bytes`` (default :data:`MIN_OFFLOAD_BYTES`, 64 KiB:
+    biases, norm weights) stay in memory with their gradients, as DeepSpeed's
+    ``stage3_param_persistence_threshold`` keeps small parameters: each would otherwise cost a
+    file request per use for a few KiB. They count in ``max_in_memory_bytes`` for good (3 x
+    their size: value, gradient, a copy for a failed update), at most an eighth of it (further
+    small ones are offloaded); 0 offloads every parameter.
     Train with :class:`~deepnvme.NVMeOptimizer`, which reads and writes the offloaded tensors.
     """
     return ParameterOffload(model, directory, max_in_memory_bytes=max_in_memory_bytes,
-                            prefetch=prefetch, dtype=dtype, config=config, source=source)
+                            prefetch=prefetch, dtype=dtype, config=config, source=source,
+                            min_offload_bytes=min_offload_bytes)

@@ -75,12 +75,25 @@ class NVMeOptimizer(torch.optim.Optimizer):
     state are used. ``step()`` blocks until every write finished. Not thread-safe (like torch's
     optimizers). Step pre/post hooks registered here run once per step; other hooks belong on
     :attr:`optimizer`.
+
+    ``update_threads``: torch's intra-op threads (``torch.set_num_threads``, process-wide) for the
+    wrapped optimizer's update of each sub-group, restored after it; None keeps the caller's.
+    The update runs while the next sub-group is read and the previous one written: where the
+    I/O threads (and, on a RAM-backed device, the kernel's copies) need the cores that torch's
+    threads use, each parallel elementwise op waits for its slowest thread, and fewer threads
+    finish sooner (see BENCHMARKS.md, issue 16). Elementwise optimizers (SGD, Adam, AdamW)
+    give bitwise the same results with any thread count; one that reduces (a norm) may round
+    differently.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  *, swap_dir: str | os.PathLike[str], sub_group_bytes: int = 256 << 20,
                  buffer_count: int = 3, config: IOConfig | None = None, stale: str = "warn",
-                 handle: AioHandle | None = None, **optimizer_kwargs: Any) -> None:
+                 handle: AioHandle | None = None, update_threads: int | None = None,
+                 **optimizer_kwargs: Any) -> None:
+        if update_threads is not None and update_threads < 1:
+            raise ValueError(f"update_threads must be >= 1 or None, got {update_threads}")
+        self.update_threads = update_threads
         if buffer_count < 2:
             raise ValueError(f"buffer_count must be >= 2 (3 overlaps read, update and write), "
                              f"got {buffer_count}")
@@ -254,18 +267,31 @@ class NVMeOptimizer(torch.optim.Optimizer):
         parameters and gradients read in first and written back after (i+1's read ahead)."""
         offload = self._offload
         if offload is None:
-            self.optimizer.step()
+            self._wrapped_step()
             return
         params = [p for _, p in self._groups[i]]
         offload.begin_update(params)
         if i + 1 < len(self._groups):
             offload.prefetch_update(p for _, p in self._groups[i + 1])
         try:
-            self.optimizer.step()
+            self._wrapped_step()
         except BaseException:
             offload.abort_update(params)
             raise
         offload.end_update(params)
+
+    def _wrapped_step(self) -> None:
+        """The wrapped optimizer's step, with ``update_threads`` torch threads if set."""
+        threads = self.update_threads
+        if threads is None:
+            self.optimizer.step()
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            self.optimizer.step()
+        finally:
+            torch.set_num_threads(before)
 
     # --- sub-groups --------------------------------------------------------------------------
 

@@ -166,7 +166,7 @@ class _Slot:
                     return
                 self.write_error = err = self.wrap("swap_out", exc)
             raise err
-        return self.chain.then(lambda: handle.submit_write(data, self.path), settle)
+        return self.chain.then(lambda: handle.submit_write(data, self.path, keep_open=True), settle)
 
     def read_into(self, handle: AioHandle, lender: Lender, target: torch.Tensor,
                   lease: Lease | None, result: Callable[[], Any]) -> Future[Any]:
@@ -180,7 +180,7 @@ class _Slot:
                 raise SwapError(f"swap_in of key {self.key!r} impossible: the swap_out before it "
                                 f"failed ({self.write_error})", path=self.path, offset=0,
                                 size=self.nbytes, errno=errno.EIO)
-            return handle.submit_read(target, self.path)
+            return handle.submit_read(target, self.path, keep_open=True)
 
         def settle(exc: BaseException | None, _n: int) -> Any:
             if lease is not None:

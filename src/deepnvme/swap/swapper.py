@@ -35,12 +35,13 @@ log = logging.getLogger(__name__)
 
 
 def _cleanup_at_exit(handle: AioHandle, owned: bool, path: str) -> None:
-    """Finalizer (also run at interpreter exit): stop I/O, then delete the swap files."""
+    """Finalizer (also run at interpreter exit): stop I/O, close the files, then delete them."""
     try:
         if owned:
             handle.close()
         else:
             handle.drain()
+            handle.close_files(under=path)
     finally:
         _dirs.remove_dir(path)
 
@@ -69,6 +70,8 @@ class TensorSwapper:
     runs in ``directory``: ``"warn"`` (default; listed in :attr:`stale_dirs`), ``"remove"`` or
     ``"error"``. The swap files are deleted by :meth:`close`, or at interpreter exit.
     ``handle`` (optional) is an :class:`AioHandle` to use instead of a new one from ``config``.
+    Each key's file stays open between swaps (the handle's ``keep_open``): at most one
+    descriptor per key, up to the handle's limit, closed by :meth:`discard` and :meth:`close`.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, config: IOConfig | None = None,
@@ -225,6 +228,7 @@ class TensorSwapper:
         with self._lock:
             slot.release(self._lender, force=True)
             del self._slots[key]
+        self._handle.close_files([slot.path])
         try:
             os.unlink(slot.path)
         except FileNotFoundError:

@@ -154,3 +154,33 @@ def test_gradients_are_written_from_reused_buffers_within_the_budget(tmp_path, m
     assert stats.peak_bytes <= budget
     off.close()
     opt.close()
+
+
+def test_a_demand_waits_for_a_prefetch_in_flight_instead_of_failing(tmp_path):
+    """Room held only by a prefetch whose read is still running: a demand waits for it to
+    land and evicts it (it raised OffloadMemoryError before)."""
+    store, (e0, e1) = _store_with_two(tmp_path, MAPPED_MIN)   # room for one tensor
+    gate, real = Future(), store.swapper.swap_in
+    landed = threading.Event()
+
+    def slow_read(key, out=None):
+        read = real(key, out=out)
+
+        def land_later():
+            time.sleep(0.3)
+            read.result()
+            landed.set()
+            gate.set_result(out)
+        threading.Thread(target=land_later).start()
+        return gate
+
+    store.swapper.swap_in = slow_read
+    store.prefetch([e0])                    # takes the whole budget, read in flight
+    store.swapper.swap_in = real
+    assert e0.tensor is not None and not landed.is_set()
+    store.fetch([e1], "test")               # waits for e0's read, drops e0, reads e1
+    assert landed.is_set() and e0.tensor is None
+    assert torch.equal(e1.tensor, torch.full_like(e1.tensor, 2.0))
+    assert store.held <= store.budget
+    store.unpin([e1])
+    store.close()

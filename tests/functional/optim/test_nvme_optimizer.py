@@ -243,3 +243,57 @@ def test_pipeline_overlaps_read_update_and_write(tmp_path):
     serial = 3 * n * d
     assert n == 10 and per_step < 0.65 * serial, (per_step, serial)
     opt.close()
+
+
+class ThreadsSeen(torch.optim.AdamW):
+    """AdamW that records torch's thread count at each step (and can fail once)."""
+
+    def __init__(self, *a, fail=False, **kw):
+        super().__init__(*a, **kw)
+        self.seen, self.fail = [], fail
+
+    def step(self, closure=None):
+        self.seen.append(torch.get_num_threads())
+        if self.fail:
+            raise RuntimeError("update failed")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("cls,kwargs", [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+                                        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})])
+def test_update_threads_run_the_update_with_that_many_threads_bitwise_the_same(tmp_path, cls,
+                                                                                 kwargs):
+    """Elementwise updates of tensors large enough for torch to split across threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Linear(512, 512))
+        off = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Linear(512, 512))
+        off.load_state_dict(ref.state_dict())
+        with NVMeOptimizer(off.parameters(), cls, swap_dir=tmp_path, update_threads=1,
+                           sub_group_bytes=1 << 20, **kwargs) as opt:
+            train(ref, cls(ref.parameters(), **kwargs), 3)
+            train(off, opt, 3)
+            assert same_params(ref, off) and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_update_threads_are_set_for_the_update_and_restored_after_a_failure(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = make_model()
+        with NVMeOptimizer(model.parameters(), ThreadsSeen, swap_dir=tmp_path, update_threads=1,
+                           sub_group_bytes=8 << 10, lr=1e-3) as opt:
+            train(model, opt, 1)
+            assert opt.optimizer.seen == [1] * opt.num_sub_groups
+            opt.optimizer.fail = True
+            with pytest.raises(RuntimeError, match="update failed"):
+                train(model, opt, 1)
+            assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="update_threads"):
+            NVMeOptimizer(model.parameters(), swap_dir=tmp_path, update_threads=0)
+    finally:
+        torch.set_num_threads(threads)

@@ -17,11 +17,14 @@ class ManualHandle:
         self.queue: list[tuple[str, torch.Tensor, str, Future]] = []
         self._engine = self  # the swapper drains a handle it does not own at exit
 
-    def submit_write(self, data, path):
+    def submit_write(self, data, path, *, keep_open=False):
         return self._queue("w", data, path)
 
-    def submit_read(self, target, path):
+    def submit_read(self, target, path, *, keep_open=False):
         return self._queue("r", target, path)
+
+    def close_files(self, paths=(), *, under=None):
+        """Nothing is kept open here (the swapper asks keep_open; the files are a dict)."""
 
     def _queue(self, kind, tensor, path):
         f = Future()

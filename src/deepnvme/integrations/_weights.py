@@ -2,11 +2,13 @@
 
 Framework-free (a serving engine's loader consumes the iterator): tensors are grouped, in file
 order, into contiguous byte ranges of at most ``read_window`` bytes (a larger tensor is a range
-of its own); each range is one engine read into a fresh O_DIRECT-aligned buffer and yielded as
+of its own); each range is one engine read into an O_DIRECT-aligned buffer and yielded as
 views of it. The next range is read while the consumer copies the current one, so the stream
 holds at most ``2 x max(read_window, largest tensor)`` bytes of buffers (plus the engine's bounce
 space, see :mod:`deepnvme.config`); tensors the consumer keeps alive keep their range alive.
-Yielded tensors are never overwritten: each range has its own buffer.
+Buffers are reused (:class:`_Windows`): new memory costs page faults that, on a fast device,
+take longer than the read. Yielded tensors are never overwritten: a buffer is reused only once
+no tensor views it any more (its storage's use count), else a new one is made.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from ..errors import CheckpointFormatError, ConfigError, DeepNVMeError
 from ..formats.hf_index import check_weight_map, find_checkpoint
 from ..formats.safetensors import StoredTensor, locate, read_header
 from ..handles.aio import AioHandle
-from ..memory.views import aligned_empty
 
 __all__ = ["DEFAULT_READ_WINDOW", "LOADER_KEYS", "LoaderOptions", "ReadRange", "loader_options",
            "plan_ranges", "checkpoint_tensors", "size_setting", "stream_tensors", "stream_weights"]
@@ -156,6 +157,37 @@ def _view(buffer: torch.Tensor, start: int, t: StoredTensor) -> torch.Tensor:
     return raw.view(t.dtype).reshape(t.shape)
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)   # private: without it, no reuse
+
+
+class _Windows:
+    """Up to two reused read buffers (raw storages of at least ``window`` bytes plus alignment).
+
+    A storage is handed out again only when its use count is 1 (this pool's own reference): no
+    yielded tensor, no read in flight and no view the consumer kept still points into it."""
+
+    def __init__(self, window: int, alignment: int) -> None:
+        self.window, self.alignment = window, alignment
+        self._raws: list[torch.UntypedStorage] = []
+        self.made = 0  # buffers allocated (for tests)
+
+    def take(self, nbytes: int, file_offset: int) -> torch.Tensor:
+        """An uninitialised uint8 tensor of ``nbytes`` whose address is congruent to
+        ``file_offset`` modulo the alignment."""
+        need = nbytes + self.alignment
+        raw = next((r for r in self._raws if r.nbytes() >= need and _use_count is not None
+                    and _use_count(r._cdata) == 1), None)
+        if raw is None:
+            raw = torch.empty(max(need, self.window + self.alignment), dtype=torch.uint8).untyped_storage()
+            self.made += 1
+            self._raws.append(raw)
+            if len(self._raws) > 2:   # keep the two largest; the others go when unused
+                self._raws.sort(key=lambda r: r.nbytes(), reverse=True)
+                del self._raws[2:]
+        pad = (file_offset - raw.data_ptr()) % self.alignment
+        return torch.empty(0, dtype=torch.uint8).set_(raw, pad, (nbytes,), (1,))
+
+
 def stream_weights(model_dir: str, options: LoaderOptions
                    ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint in ``model_dir``: see
@@ -171,9 +203,10 @@ def stream_tensors(tensors: Sequence[StoredTensor], options: LoaderOptions
     Blocks while a range is read; a failed or short read raises. ``close()`` (or exhausting it)
     waits for the read in flight and stops the engine's threads. Not thread-safe."""
     ranges = plan_ranges(tensors, options.read_window)
+    windows = _Windows(options.read_window, options.io.alignment)
     with AioHandle(config=options.io) as handle:
         def start(r: ReadRange) -> tuple[ReadRange, torch.Tensor, Future[int] | None]:
-            buf = aligned_empty(r.nbytes, r.offset, options.io.alignment)
+            buf = windows.take(r.nbytes, r.offset)
             return r, buf, handle.submit_read(buf, r.file, offset=r.offset) if r.nbytes else None
 
         pending = start(ranges[0]) if ranges else None

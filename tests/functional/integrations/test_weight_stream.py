@@ -68,13 +68,13 @@ def test_single_file_and_default_engine(tmp_path):
 def test_at_most_two_ranges_are_read_ahead(folder, monkeypatch):
     """When the consumer gets range k's tensors, buffers exist for ranges <= k + 1 only."""
     allocated = []
-    real = _weights.aligned_empty
+    real = _weights._Windows.take
 
-    def counting(nbytes, offset, alignment):
+    def counting(self, nbytes, offset):
         allocated.append(nbytes)
-        return real(nbytes, offset, alignment)
+        return real(self, nbytes, offset)
 
-    monkeypatch.setattr(_weights, "aligned_empty", counting)
+    monkeypatch.setattr(_weights._Windows, "take", counting)
     options = loader_options({"read_window": 4096, "engine": "threads"})
     ranges = _weights.plan_ranges(_weights.checkpoint_tensors(str(folder)), 4096)
     assert len(ranges) >= 4
@@ -117,3 +117,56 @@ def test_closing_early_stops_the_engine_threads(folder):
     assert threading.active_count() > before
     stream.close()
     assert threading.active_count() == before
+
+
+def _many(tmp_path, n=24):
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"t{i:02d}": torch.randn(4096, generator=g) for i in range(n)}   # 16 KiB each
+    safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
+    return tensors
+
+
+def test_buffers_are_reused_once_the_consumer_lets_go(tmp_path):
+    expected = _many(tmp_path)
+    made = []
+    real = _weights._Windows.take
+
+    def counting(self, nbytes, offset):
+        out = real(self, nbytes, offset)
+        made.append(self.made)
+        return out
+
+    got = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_weights._Windows, "take", counting)
+        for name, t in stream_weights(str(tmp_path), loader_options({"read_window": "32K"})):
+            got[name] = t.clone()   # copied, as a model's load_weights does, and dropped
+            del t
+    assert got.keys() == expected.keys()
+    for name, t in expected.items():
+        assert torch.equal(got[name], t), name
+    assert len(made) == 12 and made[-1] == 2   # 12 ranges read through two buffers
+
+
+def test_windows_hand_out_a_buffer_only_when_nothing_views_it():
+    w = _weights._Windows(1 << 16, 4096)
+    a = w.take(1000, 100)
+    assert a.data_ptr() % 4096 == 100 and a.numel() == 1000
+    view = a[8:16]
+    del a
+    b = w.take(1000, 0)   # the first buffer is still viewed: a second one
+    assert w.made == 2 and b.data_ptr() % 4096 == 0
+    del view, b
+    for _ in range(5):
+        w.take(1 << 16, 0)   # each dropped at once: reused
+    assert w.made == 2
+    big = w.take(1 << 20, 0)   # larger than the buffers: a new one
+    assert w.made == 3 and big.numel() == 1 << 20
+
+
+def test_a_buffer_the_consumer_still_views_is_not_reused(tmp_path):
+    expected = _many(tmp_path)
+    kept = dict(stream_weights(str(tmp_path), loader_options({"read_window": "32K"})))
+    assert len({t.untyped_storage().data_ptr() for t in kept.values()}) == 12
+    for name, t in expected.items():   # nothing yielded was overwritten by a later read
+        assert torch.equal(kept[name], t), name

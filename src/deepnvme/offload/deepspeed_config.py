@@ -7,6 +7,9 @@ naming the key. Mapping: parameters go to :func:`offload_parameters` under ``off
 .nvme_path`` with a budget of ``buffer_count x buffer_size`` elements (DeepSpeed's pool for
 swapped-in parameters); optimizer state goes to :class:`NVMeOptimizer` under
 ``offload_optimizer.nvme_path`` with its ``buffer_count``; ``aio`` becomes the :class:`IOConfig`.
+``zero_optimization.stage3_param_persistence_threshold`` (elements; DeepSpeed keeps parameters
+with fewer elements whole on every rank) becomes ``min_offload_bytes``: such parameters stay in
+memory; without the key, deepnvme's own default applies.
 ``device: "cpu"`` or ``"none"`` keeps that part in memory (a CPU loop already has it there).
 """
 
@@ -34,6 +37,7 @@ _DEVICES = ("none", "cpu", "nvme")
 # are named in the warning: deepnvme reads into ordinary memory under one byte budget
 _PARAM_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size")
 _OPTIMIZER_KEYS = ("device", "nvme_path", "buffer_count")
+_PERSISTENCE = "stage3_param_persistence_threshold"
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,11 @@ class ParamOffloadSettings:
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
     pin_memory: bool = False
+    persistence_threshold: int | None = None  # elements; None: deepnvme's min_offload_bytes default
+
+    def min_offload_bytes(self, element_size: int) -> int | None:
+        """Parameters below this many bytes stay in memory (None: deepnvme's default)."""
+        return None if self.persistence_threshold is None else self.persistence_threshold * element_size
 
     def max_in_memory_bytes(self, element_size: int) -> int:
         """The parameter budget: ``buffer_count x buffer_size`` elements of ``element_size`` bytes."""
@@ -76,7 +85,8 @@ class DeepSpeedOffloadSettings:
         first = next(model.parameters(), None)
         size = 4 if first is None else first.element_size()
         return offload_parameters(model, self.param.nvme_path, prefetch=prefetch, config=self.io,
-                                  max_in_memory_bytes=self.param.max_in_memory_bytes(size))
+                                  max_in_memory_bytes=self.param.max_in_memory_bytes(size),
+                                  min_offload_bytes=self.param.min_offload_bytes(size))
 
     def make_optimizer(self, params: Iterable[Any],
                        optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
@@ -176,7 +186,9 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike[str]
     zero = cfg.get("zero_optimization", {})
     if not isinstance(zero, Mapping):
         raise ConfigError(f"zero_optimization must be an object, got {type(zero).__name__}")
-    unused += [f"zero_optimization.{k}" for k in zero if k not in ("offload_param", "offload_optimizer")]
+    param_on_nvme = isinstance(zero.get("offload_param"), Mapping) and zero["offload_param"].get("device") == "nvme"
+    acting = ("offload_param", "offload_optimizer", *((_PERSISTENCE,) if param_on_nvme else ()))
+    unused += [f"zero_optimization.{k}" for k in zero if k not in acting]
     aio = cfg.get("aio", {})
     if not isinstance(aio, Mapping):
         raise ConfigError(f"aio must be an object, got {type(aio).__name__}")
@@ -201,7 +213,9 @@ def _param_settings(zero: Mapping[str, Any], unused: list[str]) -> ParamOffloadS
         nvme_path=os.fspath(s["nvme_path"]), buffer_count=_count(s, "buffer_count", where, 5, 1),
         buffer_size=_count(s, "buffer_size", where, 100_000_000, 1),
         max_in_cpu=_count(s, "max_in_cpu", where, 1_000_000_000, 0),
-        pin_memory=_flag(s, "pin_memory", where))
+        pin_memory=_flag(s, "pin_memory", where),
+        persistence_threshold=(_count(zero, _PERSISTENCE, "zero_optimization", 0, 0)
+                               if _PERSISTENCE in zero else None))
 
 
 def _optimizer_settings(zero: Mapping[str, Any], unused: list[str]) -> OptimizerOffloadSettings | None:

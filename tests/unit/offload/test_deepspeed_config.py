@@ -117,3 +117,32 @@ def test_no_warning_when_every_key_is_used():
             "offload_param": {"device": "nvme", "nvme_path": "/x", "buffer_count": 2, "buffer_size": 10}},
             "aio": {"queue_depth": 8}})
     assert s.param is not None and s.param.max_in_memory_bytes(2) == 40 and s.io.queue_depth == 8
+
+
+def test_the_persistence_threshold_keeps_small_parameters_in_memory(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the key acts: not named as unused
+        s = from_deepspeed_config({"zero_optimization": {
+            "stage3_param_persistence_threshold": 1e3,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4,
+                              "buffer_size": 1 << 16}}})
+    assert s.param is not None and s.param.persistence_threshold == 1000
+    assert s.param.min_offload_bytes(4) == 4000
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))   # 4096, 64, 512, 8
+    offload = s.offload_model(model)
+    assert offload is not None
+    try:
+        resident = sorted(d.name for d, _ in offload._entries.values() if d.resident)
+        assert resident == ["0.bias", "1.bias", "1.weight"]   # fewer than 1000 elements
+    finally:
+        offload.close()
+
+
+def test_the_persistence_threshold_without_nvme_params_is_unused_and_checked():
+    with pytest.warns(UserWarning, match="zero_optimization.stage3_param_persistence_threshold"):
+        from_deepspeed_config({"zero_optimization": {"stage3_param_persistence_threshold": 10}})
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage3_param_persistence_threshold "
+                                          r"must be an integer >= 0, got -1"):
+        from_deepspeed_config({"zero_optimization": {
+            "stage3_param_persistence_threshold": -1,
+            "offload_param": {"device": "nvme", "nvme_path": "/x"}}})

@@ -97,7 +97,8 @@ def run_mode(args: argparse.Namespace) -> dict:
                                               min_offload_bytes=args.min_offload_bytes)
         opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=args.dir,
                                      config=config, buffer_count=args.buffers, lr=1e-4,
-                                     update_threads=args.update_threads)
+                                     update_threads=("auto" if args.update_threads is None
+                                                     else args.update_threads))
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
 
     def step() -> None:
@@ -160,7 +161,7 @@ def parse() -> argparse.Namespace:
                          "(stage3_param_persistence_threshold, model cap = budget / 8)")
     ap.add_argument("--update-threads", type=int, default=None,
                     help="NVMeOptimizer's update_threads (torch threads for AdamW's update while "
-                         "the I/O runs; default: --threads)")
+                         "the I/O runs; default: the library's \"auto\")")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--report", help="only print the table of a --json file written earlier")
     ap.add_argument("--ds-python", default=None,

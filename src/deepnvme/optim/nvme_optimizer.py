@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+# elementwise updates: bitwise the same with any number of threads (update_threads="auto")
+_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
 def _swapped(value: Any) -> bool:
@@ -83,17 +85,22 @@ class NVMeOptimizer(torch.optim.Optimizer):
     threads use, each parallel elementwise op waits for its slowest thread, and fewer threads
     finish sooner (see BENCHMARKS.md, issue 16). Elementwise optimizers (SGD, Adam, AdamW)
     give bitwise the same results with any thread count; one that reduces (a norm) may round
-    differently.
+    differently. ``"auto"`` (the default): for ``torch.optim.SGD``, ``Adam`` and ``AdamW``
+    themselves, torch's threads less the I/O handle's threads (at least 1) while their state is
+    on NVMe; for any other optimizer, None.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  *, swap_dir: str | os.PathLike[str], sub_group_bytes: int = 256 << 20,
                  buffer_count: int = 3, config: IOConfig | None = None, stale: str = "warn",
-                 handle: AioHandle | None = None, update_threads: int | None = None,
+                 handle: AioHandle | None = None, update_threads: int | str | None = "auto",
                  **optimizer_kwargs: Any) -> None:
-        if update_threads is not None and update_threads < 1:
-            raise ValueError(f"update_threads must be >= 1 or None, got {update_threads}")
-        self.update_threads = update_threads
+        if update_threads != "auto" and update_threads is not None and (
+                isinstance(update_threads, (bool, str)) or not isinstance(update_threads, int)
+                or update_threads < 1):
+            raise ValueError(f"update_threads must be an int >= 1, 'auto' or None, got {update_threads!r}")
+        self._auto_threads = update_threads == "auto"
+        self.update_threads: int | None = None if self._auto_threads else update_threads  # type: ignore[assignment]
         if buffer_count < 2:
             raise ValueError(f"buffer_count must be >= 2 (3 overlaps read, update and write), "
                              f"got {buffer_count}")
@@ -115,6 +122,9 @@ class NVMeOptimizer(torch.optim.Optimizer):
         self._swapper = TensorSwapper(swap_dir, config=config, buffer_bytes=max(bounds + [1]),
                                       buffer_count=buffer_count, min_swap_bytes=0, stale=stale,
                                       handle=handle)
+        if self._auto_threads and type(self.optimizer) in _ELEMENTWISE:
+            io_threads = self._swapper.io_config.intra_op_parallelism
+            self.update_threads = max(1, torch.get_num_threads() - io_threads)
 
     # --- the torch.optim.Optimizer surface -------------------------------------------------
 

@@ -243,6 +243,11 @@ class TensorSwapper:
         if first is not None:
             raise first
 
+    @property
+    def io_config(self) -> IOConfig:
+        """The I/O settings of the handle the swapper reads and writes with."""
+        return self._handle.config
+
     def close(self) -> None:
         """Wait for I/O, free the buffers and delete the swap directory. Idempotent; failures of
         swaps nobody waited for are logged (call :meth:`wait` first to have them raised)."""

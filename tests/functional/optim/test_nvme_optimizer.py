@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import deepnvme
+from deepnvme import IOConfig
 from deepnvme.io.posix import Posix
 from deepnvme.optim import NVMeOptimizer
 from deepnvme.swap import SwapError
@@ -295,5 +296,30 @@ def test_update_threads_are_set_for_the_update_and_restored_after_a_failure(tmp_
             assert torch.get_num_threads() == 2
         with pytest.raises(ValueError, match="update_threads"):
             NVMeOptimizer(model.parameters(), swap_dir=tmp_path, update_threads=0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_auto_update_threads_leave_cores_to_the_io_for_elementwise_optimizers_only(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(6)
+    try:
+        model = make_model()
+        config = IOConfig(intra_op_parallelism=2)
+        with NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=tmp_path / "a",
+                           config=config, lr=1e-3) as opt:
+            assert opt.update_threads == 4   # 6 torch threads less 2 I/O threads
+        with NVMeOptimizer(model.parameters(), torch.optim.SGD, swap_dir=tmp_path / "b",
+                           config=IOConfig(intra_op_parallelism=8), lr=1e-3) as opt:
+            assert opt.update_threads == 1   # never below one
+        with NVMeOptimizer(model.parameters(), ThreadsSeen, swap_dir=tmp_path / "c", lr=1e-3) as opt:
+            assert opt.update_threads is None   # not known to be elementwise: the caller's threads
+            train(model, opt, 1)
+            assert set(opt.optimizer.seen) == {6}
+        with NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=tmp_path / "d",
+                           update_threads=None, lr=1e-3) as opt:
+            assert opt.update_threads is None
+        with pytest.raises(ValueError, match="update_threads must be an int >= 1, 'auto' or None"):
+            NVMeOptimizer(model.parameters(), swap_dir=tmp_path / "e", update_threads="some")
     finally:
         torch.set_num_threads(threads)

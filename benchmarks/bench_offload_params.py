@@ -221,7 +221,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], w_bw: float, r
     print(f"{args.layers} x Linear({args.dim}, {args.dim}), {off['n_params'] / 1e6:.0f} M fp32 params, "
           f"AdamW, batch {args.batch}; torch threads {args.threads}, I/O threads {args.io_threads}, "
           f"block {args.block_size >> 10} KiB, prefetch {args.prefetch}, update threads "
-          f"{getattr(args, 'update_threads', None) or args.threads}; medians of "
+          f"{getattr(args, 'update_threads', None) or 'auto'}; medians of "
           f"{args.reps} x {args.steps} steps")
     print(f"storage ({args.dir}): write {w_bw:.2f} GB/s (through fsync), cold read {r_bw:.2f} "
           f"GB/s, concurrent read+write {m_bw:.2f} GB/s")

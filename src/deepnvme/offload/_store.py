@@ -303,11 +303,8 @@ class TensorStore:
     def settle(self) -> None:
         """After memory arrived uncounted-for (a gradient from autograd): get back within the
         budget by evicting and waiting for writes, as far as that goes."""
-        while self.held > self.budget:
-            if not (self._reap(block=False) or self._free_one()
-                    or self._evict_one(spare_prefetched=False) or self._reap(block=True)
-                    or self._wait_prefetch()):
-                return
+        while self.held > self.budget and self._room_step(demand=True):
+            pass
 
     def count(self, nbytes: int) -> None:
         """Count ``nbytes`` that arrived from outside (a gradient handed over by autograd)."""

@@ -186,9 +186,8 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike[str]
     zero = cfg.get("zero_optimization", {})
     if not isinstance(zero, Mapping):
         raise ConfigError(f"zero_optimization must be an object, got {type(zero).__name__}")
-    param_on_nvme = isinstance(zero.get("offload_param"), Mapping) and zero["offload_param"].get("device") == "nvme"
-    acting = ("offload_param", "offload_optimizer", *((_PERSISTENCE,) if param_on_nvme else ()))
-    unused += [f"zero_optimization.{k}" for k in zero if k not in acting]
+    unused += [f"zero_optimization.{k}" for k in zero
+               if k not in ("offload_param", "offload_optimizer", _PERSISTENCE)]
     aio = cfg.get("aio", {})
     if not isinstance(aio, Mapping):
         raise ConfigError(f"aio must be an object, got {type(aio).__name__}")
@@ -197,6 +196,8 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike[str]
                           "Storage moves data between NVMe and GPU memory); set it to false")
     io = IOConfig.from_deepspeed(aio)
     param = _param_settings(zero, unused)
+    if param is None and _PERSISTENCE in zero:   # it acts on offloaded parameters only
+        unused.append(f"zero_optimization.{_PERSISTENCE}")
     optimizer = _optimizer_settings(zero, unused)
     if unused:
         warnings.warn(f"deepnvme ignores these DeepSpeed config keys (no effect on NVMe offload "

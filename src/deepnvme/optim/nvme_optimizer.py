@@ -95,12 +95,9 @@ class NVMeOptimizer(torch.optim.Optimizer):
                  buffer_count: int = 3, config: IOConfig | None = None, stale: str = "warn",
                  handle: AioHandle | None = None, update_threads: int | str | None = "auto",
                  **optimizer_kwargs: Any) -> None:
-        if update_threads != "auto" and update_threads is not None and (
-                isinstance(update_threads, (bool, str)) or not isinstance(update_threads, int)
-                or update_threads < 1):
+        if update_threads not in ("auto", None) and (
+                isinstance(update_threads, bool) or not isinstance(update_threads, int) or update_threads < 1):
             raise ValueError(f"update_threads must be an int >= 1, 'auto' or None, got {update_threads!r}")
-        self._auto_threads = update_threads == "auto"
-        self.update_threads: int | None = None if self._auto_threads else update_threads  # type: ignore[assignment]
         if buffer_count < 2:
             raise ValueError(f"buffer_count must be >= 2 (3 overlaps read, update and write), "
                              f"got {buffer_count}")
@@ -122,7 +119,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
         self._swapper = TensorSwapper(swap_dir, config=config, buffer_bytes=max(bounds + [1]),
                                       buffer_count=buffer_count, min_swap_bytes=0, stale=stale,
                                       handle=handle)
-        if self._auto_threads and type(self.optimizer) in _ELEMENTWISE:
+        self.update_threads = update_threads if isinstance(update_threads, int) else None
+        if update_threads == "auto" and type(self.optimizer) in _ELEMENTWISE:
             io_threads = self._swapper.io_config.intra_op_parallelism
             self.update_threads = max(1, torch.get_num_threads() - io_threads)
 

@@ -1,5 +1,6 @@
 """NVMeOptimizer: bitwise equal to the wrapped optimizer in memory, state on disk, failures."""
 
+import contextlib
 import errno
 import os
 import time
@@ -246,6 +247,17 @@ def test_pipeline_overlaps_read_update_and_write(tmp_path):
     opt.close()
 
 
+@contextlib.contextmanager
+def torch_threads(n):
+    """torch's intra-op thread count set to ``n`` for the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class ThreadsSeen(torch.optim.AdamW):
     """AdamW that records torch's thread count at each step (and can fail once)."""
 
@@ -265,9 +277,7 @@ class ThreadsSeen(torch.optim.AdamW):
 def test_update_threads_run_the_update_with_that_many_threads_bitwise_the_same(tmp_path, cls,
                                                                                  kwargs):
     """Elementwise updates of tensors large enough for torch to split across threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         torch.manual_seed(0)
         ref = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Linear(512, 512))
         off = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.Linear(512, 512))
@@ -277,14 +287,10 @@ def test_update_threads_run_the_update_with_that_many_threads_bitwise_the_same(t
             train(ref, cls(ref.parameters(), **kwargs), 3)
             train(off, opt, 3)
             assert same_params(ref, off) and torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_update_threads_are_set_for_the_update_and_restored_after_a_failure(tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         model = make_model()
         with NVMeOptimizer(model.parameters(), ThreadsSeen, swap_dir=tmp_path, update_threads=1,
                            sub_group_bytes=8 << 10, lr=1e-3) as opt:
@@ -296,14 +302,10 @@ def test_update_threads_are_set_for_the_update_and_restored_after_a_failure(tmp_
             assert torch.get_num_threads() == 2
         with pytest.raises(ValueError, match="update_threads"):
             NVMeOptimizer(model.parameters(), swap_dir=tmp_path, update_threads=0)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_auto_update_threads_leave_cores_to_the_io_for_elementwise_optimizers_only(tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(6)
-    try:
+    with torch_threads(6):
         model = make_model()
         config = IOConfig(intra_op_parallelism=2)
         with NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=tmp_path / "a",
@@ -321,5 +323,3 @@ def test_auto_update_threads_leave_cores_to_the_io_for_elementwise_optimizers_on
             assert opt.update_threads is None
         with pytest.raises(ValueError, match="update_threads must be an int >= 1, 'auto' or None"):
             NVMeOptimizer(model.parameters(), swap_dir=tmp_path / "e", update_threads="some")
-    finally:
-        torch.set_num_threads(threads)

@@ -86,6 +86,7 @@ def _software() -> list[Check]:
                             "CPU tensors work; for GPU tensors install a CUDA build of torch "
                             "and the NVIDIA driver", data={"cuda_devices": 0}))
     checks.append(_gds_check())
+    checks.extend((_omp_check(), _alignment_check()))
     fio = shutil.which("fio")
     checks.append(Check("fio", OK if fio else WARN, fio or "not found",
                         "" if fio else "'deepnvme bench --compare' also times fio: apt-get install fio",
@@ -109,6 +110,43 @@ def _gds_check() -> Check:
                      "load the nvidia-fs kernel module (modprobe nvidia_fs) for direct DMA", data)
     return Check("gpudirect storage", OK, f"usable in {status.mode} mode: {status.detail}",
                  data=data)
+
+
+_FEW_CPUS = 8  # at or below this many cores, spinning OpenMP threads starve background I/O
+
+
+def _omp_check(cpus: int | None = None, policy: str | None = None) -> Check:
+    """OpenMP's wait policy: on few cores, torch's threads spinning between operations take the
+    CPU that background reads and writes need (BENCHMARKS.md, issues 15-17)."""
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    policy = os.environ.get("OMP_WAIT_POLICY") if policy is None else policy
+    data = {"omp_wait_policy": policy or None}
+    if not torch.backends.openmp.is_available():
+        return Check("openmp wait", OK, "torch is not built with OpenMP", data=data)
+    if (policy or "").strip().lower() == "passive":
+        return Check("openmp wait", OK, "OMP_WAIT_POLICY=PASSIVE", data=data)
+    value = f"OMP_WAIT_POLICY={policy}" if policy else "OMP_WAIT_POLICY unset (threads spin)"
+    if cpus > _FEW_CPUS:
+        return Check("openmp wait", OK, f"{value}; {cpus} cores leave room for I/O", data=data)
+    return Check("openmp wait", WARN, f"{value} on {cpus} cores",
+                 "background saves, offloaded training and weight streaming share these cores "
+                 "with torch's spinning threads: start Python with OMP_WAIT_POLICY=PASSIVE "
+                 "(read once, when OpenMP starts)", data)
+
+
+def _alignment_check() -> Check:
+    """Where torch puts a large CPU tensor: O_DIRECT reads land straight in existing tensors
+    (load_into, restore) only when they start on a page."""
+    probe = torch.empty(4 << 20, dtype=torch.uint8)
+    offset = probe.data_ptr() % mmap.PAGESIZE
+    data = {"torch_alloc_page_offset": offset}
+    if offset == 0:
+        return Check("tensor alignment", OK, "large CPU tensors start on a page", data=data)
+    return Check("tensor alignment", WARN,
+                 f"large CPU tensors start {offset} B past a page: reads into existing tensors "
+                 "go through bounce buffers",
+                 "start Python with THP_MEM_ALLOC_ENABLE=1 (torch then page-aligns CPU "
+                 "allocations of 2 MiB and more)", data)
 
 
 _ENGINE_HINTS = {

@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 import os
 import resource
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
 from deepnvme import AioHandle
 from deepnvme.config import ENGINE_NAMES
 from deepnvme.io.engine import probe_engines
+
+SRC = str(Path(__file__).resolve().parents[3] / "src")
 
 
 def test_report_json_on_a_writable_dir(run_cli, leftovers, tmp_path) -> None:
@@ -130,3 +135,40 @@ def test_report_json_gives_numbers_and_booleans_as_json_types(run_cli, tmp_path)
 def test_report_json_on_a_missing_dir_says_not_writable(run_cli, tmp_path) -> None:
     code, out, _ = run_cli("report", "--dir", str(tmp_path / "nope"), "--json")
     assert code == 1 and json.loads(out)["facts"]["writable"] is False
+
+
+def test_report_warns_about_spinning_openmp_threads_on_few_cores() -> None:
+    from deepnvme.cli.report import _omp_check
+
+    if not torch.backends.openmp.is_available():
+        assert _omp_check(2, "").status == "OK"
+        return
+    unset = _omp_check(2, "")
+    assert unset.status == "WARN" and "OMP_WAIT_POLICY=PASSIVE" in unset.hint
+    assert unset.data == {"omp_wait_policy": None}
+    active = _omp_check(4, "ACTIVE")
+    assert active.status == "WARN" and "OMP_WAIT_POLICY=ACTIVE" in active.value
+    assert _omp_check(2, "passive").status == "OK"
+    assert _omp_check(64, "").status == "OK"  # cores to spare for the I/O
+
+
+def _report_in(env: dict[str, str], tmp_path) -> dict[str, dict]:
+    """``deepnvme report --json`` in a fresh process (torch reads these variables once)."""
+    full = {**os.environ, **env, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "deepnvme.cli.main", "report", "--dir", str(tmp_path),
+                          "--json"], env=full, capture_output=True, text=True, timeout=120)
+    return {c["name"]: c for c in json.loads(out.stdout)["checks"]}
+
+
+def test_report_tells_where_torch_puts_large_tensors(tmp_path) -> None:
+    aligned = _report_in({"THP_MEM_ALLOC_ENABLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}, tmp_path)
+    assert aligned["tensor alignment"]["status"] == "OK"
+    assert aligned["tensor alignment"]["data"] == {"torch_alloc_page_offset": 0}
+    assert aligned["openmp wait"]["status"] == "OK"
+    default = _report_in({"THP_MEM_ALLOC_ENABLE": "0"}, tmp_path)["tensor alignment"]
+    offset = default["data"]["torch_alloc_page_offset"]
+    assert 0 <= offset < 4096
+    assert default["status"] == ("OK" if offset == 0 else "WARN")
+    if offset:
+        assert f"{offset} B past a page" in default["value"]
+        assert "THP_MEM_ALLOC_ENABLE=1" in default["hint"]

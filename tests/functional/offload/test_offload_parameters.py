@@ -1,6 +1,7 @@
 """offload_parameters: training with parameters, gradients and optimizer state in files equals
 training in memory bitwise; the budget holds; tied parameters, modules called twice,
-no_grad evaluation, gradient accumulation and clear errors."""
+no_grad evaluation (between steps and in the middle of accumulating), gradient accumulation,
+forward and backward prefetch orders learned and relearned, and clear errors."""
 
 import copy
 import os
@@ -45,12 +46,23 @@ def loss_of(model, x, y):
 
 
 def train(model, opt, steps, accum):
+    """``steps`` optimizer steps of ``accum`` micro-batches, with a ``torch.no_grad()`` evaluation
+    after the first micro-batch (in the middle of accumulating when ``accum > 1``) and after each
+    step; returns the evaluations' outputs."""
     data = iter(batches(steps * accum))
+    probe = batches(1, seed=11)[0][0]
+    outputs = []
     for _ in range(steps):
         opt.zero_grad()
-        for _ in range(accum):
+        for micro in range(accum):
             loss_of(model, *next(data)).backward()
+            if micro == 0:
+                with torch.no_grad():
+                    outputs.append(model(probe))
         opt.step()
+        with torch.no_grad():
+            outputs.append(model(probe))
+    return outputs
 
 
 def assert_same(reference, offload):
@@ -71,11 +83,12 @@ def make_pair():
 def test_training_offloaded_equals_training_in_memory_bitwise(tmp_path, accum, opt_cls, kwargs):
     a, b = make_pair()
     ref = opt_cls(a.parameters(), **kwargs)
-    train(a, ref, 3, accum)
+    expected = train(a, ref, 3, accum)
     off = offload_parameters(b, tmp_path, max_in_memory_bytes=24_000, prefetch=2)
     opt = deepnvme.NVMeOptimizer(b.parameters(), opt_cls, swap_dir=tmp_path, sub_group_bytes=8_000,
                                  **kwargs)
-    train(b, opt, 3, accum)
+    got = train(b, opt, 3, accum)
+    assert len(got) == 6 and all(torch.equal(e, g) for e, g in zip(expected, got))
     assert_same(a, off)
     stats = off.stats()
     # the budget holds, give or take the one gradient autograd just handed over
@@ -201,6 +214,47 @@ def test_the_execution_order_is_relearned_when_it_changes(tmp_path):
             expected = nn.functional.linear(expected, off.parameter(f"layers.{i}.weight"),
                                             off.parameter(f"layers.{i}.bias"))
         assert torch.equal(net(x), expected)
+    off.close()
+
+
+def test_the_backward_order_is_learned_and_relearned_in_training(tmp_path):
+    """Backward prefetches follow the order learned on the first backward; when the forward
+    order changes, the backward's changes with it and is learned again on the next pass."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+            self.order = list(range(6))
+
+        def forward(self, x):
+            for i in self.order:
+                x = torch.tanh(self.layers[i](x))
+            return x
+
+    net = Net()
+    reference = copy.deepcopy(net)
+    off = offload_parameters(net, tmp_path, max_in_memory_bytes=3 * 1088, prefetch=1)  # 3 layers
+    x = torch.randn(2, 16)
+
+    def backward_hits():
+        loss = net(x).pow(2).sum()
+        off.reset_stats()
+        loss.backward()
+        return off.stats().prefetch_hits
+
+    # no order known in the first backward; then the weights of the three layers evicted during
+    # the forward are each prefetched (biases are not saved for the backward)
+    assert [backward_hits() for _ in range(3)] == [0, 3, 3]
+    net.order = [5, 3, 1, 0, 2, 4]
+    assert [backward_hits() for _ in range(3)] == [0, 3, 3]
+    for order in (list(range(6)), net.order):   # the gradients accumulated over the six passes
+        reference.order = order
+        for _ in range(3):
+            reference(x).pow(2).sum().backward()
+    for name, p in reference.named_parameters():
+        assert torch.equal(off.gradient(name), p.grad), name
     off.close()
 
 

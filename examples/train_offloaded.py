@@ -102,8 +102,8 @@ def main() -> None:
     directory = args.dir or tempfile.mkdtemp(prefix="deepnvme-train-")
     offload = deepnvme.offload_parameters(model, directory, max_in_memory_bytes=budget, source=init)
     opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=directory, lr=3e-3)
-    console.print(f"{param_bytes / 2**20:.1f} MiB of parameters (x4 with gradients and Adam "
-                  f"state) on {directory}; budget {budget / 2**20:.1f} MiB")
+    console.print(f"{param_bytes / 2**20:.2f} MiB of parameters (x4 with gradients and Adam "
+                  f"state) on {directory}; budget {budget / 2**20:.2f} MiB")
     gen = torch.Generator().manual_seed(1)
     columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                TextColumn("loss {task.fields[loss]:.3f}  {task.fields[rate]:.2f} s/step"),
@@ -127,7 +127,7 @@ def main() -> None:
         s = offload.stats()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         console.print(f"loss {first:.3f} -> {last:.3f}; parameters+gradients held at most "
-                      f"{s.peak_bytes / 2**20:.1f} MiB of {budget / 2**20:.1f} MiB; read "
+                      f"{s.peak_bytes / 2**20:.2f} MiB of {budget / 2**20:.2f} MiB; read "
                       f"{s.bytes_read / 2**20:.0f} MiB, wrote {s.bytes_written / 2**20:.0f} MiB; "
                       f"peak RSS {rss:.0f} MiB")
     finally:

@@ -39,6 +39,18 @@ def mapped_empty(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
 
 
+def mapped_at(nbytes: int, file_offset: int, alignment: int = mmap.PAGESIZE) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` whose address is congruent to ``file_offset`` modulo
+    ``alignment`` (so an O_DIRECT read of the bytes at ``file_offset`` lands in it without bounce
+    buffers), in its own mapping (one ``alignment`` larger) unmapped when freed, from
+    :data:`MAPPED_MIN`; below, a view of a heap allocation. Why a mapping: reads freed one by one
+    (e.g. a checkpoint read tensor by tensor) would otherwise stay in glibc's heap."""
+    raw = (mapped_empty(nbytes + alignment) if nbytes >= MAPPED_MIN
+           else torch.empty(nbytes + alignment, dtype=torch.uint8))
+    pad = (file_offset - raw.data_ptr()) % alignment
+    return raw[pad:pad + nbytes]
+
+
 def trim_heap() -> bool:
     """Give the heap's free memory back to the OS (glibc ``malloc_trim``); False where unsupported."""
     if _malloc_trim is None:

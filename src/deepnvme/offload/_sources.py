@@ -5,7 +5,9 @@ parameter (and meta buffer) in turn and writes it to its file before asking for 
 model never exists whole in memory. Sources: a safetensors checkpoint (one file, or a folder with
 ``model.safetensors`` or a sharded index), read tensor by tensor through an :class:`AioHandle`;
 or a function ``init(name, tensor)`` that fills an uninitialised tensor in place.
-Memory: one tensor (the largest) at a time, plus the handle's bounce buffers.
+Memory: one tensor (the largest) at a time, plus the handle's bounce buffers; tensors of
+``MAPPED_MIN`` or more are read into their own mappings, so each one's memory goes back to the
+system when it was written (from the heap, freed reads stayed: peak RSS as large as the model).
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ from ..errors import CheckpointMismatchError
 from ..formats.hf_index import find_checkpoint
 from ..formats.safetensors import StoredTensor, locate, read_header
 from ..handles.aio import AioHandle
-from ..memory.heap import mapped_empty
-from ..memory.views import aligned_empty
+from ..memory.heap import mapped_at, mapped_empty
 
 __all__ = ["Init", "Source", "make_source"]
 
@@ -68,10 +69,13 @@ class _CheckpointSource(Source):
             raise CheckpointMismatchError(
                 f"checkpoint {self.path!r}: tensor {stored.name!r} has shape {list(stored.shape)} "
                 f"in {os.path.basename(stored.file)!r} but the model's has {list(shape)}")
-        raw = aligned_empty(stored.nbytes, stored.offset)
+        raw = mapped_at(stored.nbytes, stored.offset)
         self._handle.submit_read(raw, stored.file, offset=stored.offset).result()
         value = raw.view(stored.dtype).view(stored.shape)
-        return value if stored.dtype == dtype else value.to(dtype)
+        if stored.dtype == dtype:
+            return value
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        return mapped_empty(nbytes).view(dtype).view(shape).copy_(value)
 
     def close(self) -> None:
         self._handle.close()

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from ..errors import OffloadMemoryError
 from ..memory.heap import trim_heap
 from ._store import Entry, TensorStore
 
@@ -35,6 +36,21 @@ class UpdateSide:
         """The parameter bytes an optimizer sub-group may have: its parameters and gradients,
         and those of the next sub-group read ahead, fit the budget."""
         return max(1, self._store.budget // 4)
+
+    def check_updatable(self, params: Iterable[torch.Tensor]) -> None:
+        """Raise :class:`OffloadMemoryError` now, naming the parameter, if one of ``params``
+        cannot be updated: its update holds it and its gradient in memory together, beside the
+        resident small parameters (found when the optimizer is built, not after a backward)."""
+        store = self._store
+        room = store.budget - store.resident_bytes
+        for p, d, _ in self._pairs(params):
+            need = d.nbytes * (2 if p.requires_grad else 1)
+            if not d.resident and need > room:
+                raise OffloadMemoryError(
+                    f"parameter {d.name} needs {need} bytes in memory for its optimizer update "
+                    f"(its {d.nbytes} bytes and its gradient's) but max_in_memory_bytes="
+                    f"{store.budget} leaves {room} beside the resident small parameters; raise "
+                    f"max_in_memory_bytes to at least {need + store.resident_bytes}")
 
     def prefetch_update(self, params: Iterable[torch.Tensor]) -> None:
         """Start reading ``params`` and their gradients for an optimizer update."""

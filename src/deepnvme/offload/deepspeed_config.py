@@ -11,6 +11,9 @@ swapped-in parameters); optimizer state goes to :class:`NVMeOptimizer` under
 with fewer elements whole on every rank) becomes ``min_offload_bytes``: such parameters stay in
 memory; without the key, deepnvme's own default applies.
 ``device: "cpu"`` or ``"none"`` keeps that part in memory (a CPU loop already has it there).
+``aio.overlap_events`` (every engine overlaps anyway) and a true ``aio.use_gds`` (accepted where
+a CUDA GPU exists; the offload's tensors are CPU tensors, which GDS does not move) are named in
+the warning.
 """
 
 from __future__ import annotations
@@ -195,6 +198,11 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike[str]
         raise ConfigError("aio.use_gds is true but this machine has no CUDA GPU (GPUDirect "
                           "Storage moves data between NVMe and GPU memory); set it to false")
     io = IOConfig.from_deepspeed(aio)
+    # accepted by IOConfig for DeepSpeed compatibility, but they change nothing here: every
+    # engine overlaps submissions and completions; the offload moves CPU tensors, which GDS
+    # (CUDA tensors only) does not
+    unused += [f"aio.{k}" for k in ("overlap_events", "use_gds")
+               if k in aio and (k != "use_gds" or aio[k] is True)]
     param = _param_settings(zero, unused)
     if param is None and _PERSISTENCE in zero:   # it acts on offloaded parameters only
         unused.append(f"zero_optimization.{_PERSISTENCE}")

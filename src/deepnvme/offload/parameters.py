@@ -374,8 +374,10 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     the tensors themselves (page-aligned, so the engine needs no bounce buffers). Activations
     and the optimizer's temporaries are the training loop's own, as in memory. Each module's
     own parameters, and each optimizer sub-group's parameters plus gradients, must fit the
-    budget; if a module needs more than is free while everything is pinned,
-    :class:`~deepnvme.OffloadMemoryError` is raised.
+    budget (checked when the offload and the optimizer are built: a parameter larger than the
+    budget, or than half of it for its update, is refused with
+    :class:`~deepnvme.OffloadMemoryError` naming it); if a module needs more than is free while
+    everything is pinned, that error is raised too.
     Parameters smaller than ``min_offload_bytes`` (default :data:`MIN_OFFLOAD_BYTES`, 64 KiB:
     biases, norm weights) stay in memory with their gradients, as DeepSpeed's
     ``stage3_param_persistence_threshold`` keeps small parameters: each would otherwise cost a

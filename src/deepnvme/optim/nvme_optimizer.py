@@ -107,6 +107,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
             setattr(self, name, OrderedDict())
         self._patch_step_function()
         self._offload = _find_offload(self._all_params())
+        if self._offload is not None:
+            self._offload.check_updatable(p for _, p in self._all_params())
         self.sub_group_bytes = int(sub_group_bytes)
         if self._offload is not None and self.sub_group_bytes > self._offload.update_bytes():
             self.sub_group_bytes = self._offload.update_bytes()

@@ -71,3 +71,19 @@ def test_meta_model_checkpoint_mismatches_are_named(tmp_path):
                            source=tmp_path / "missing.safetensors")
     with pytest.raises(ValueError, match="meta device: pass source="):
         offload_parameters(m, tmp_path / "s", max_in_memory_bytes=1 << 20)
+
+
+def test_meta_model_from_a_checkpoint_of_another_dtype_is_converted(tmp_path):
+    torch.manual_seed(0)
+    weight = torch.randn(600, 600).to(torch.bfloat16)      # converted into its own mapping
+    save_file({"lin.weight": weight, "lin.bias": torch.ones(600, dtype=torch.bfloat16)},
+              str(tmp_path / "bf16.safetensors"))
+    with torch.device("meta"):
+        m = nn.Sequential()
+        m.add_module("lin", nn.Linear(600, 600))
+    off = offload_parameters(m, tmp_path / "s", max_in_memory_bytes=4 << 20,
+                             source=tmp_path / "bf16.safetensors")
+    got = off.parameter("lin.weight")
+    assert got.dtype == torch.float32 and torch.equal(got, weight.float())
+    assert torch.equal(off.parameter("lin.bias"), torch.ones(600))
+    off.close()

@@ -1,6 +1,7 @@
 """examples/train_offloaded.py trains a tiny transformer end to end and cleans up after itself."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,4 +21,9 @@ def test_the_training_example_runs_and_the_loss_falls(tmp_path):
     assert "step 6/6" in out and "held at most" in out and "peak RSS" in out
     first, last = (float(v) for v in out.split("loss ")[-1].split(";")[0].split(" -> "))
     assert last < first
+    # the model is larger than the budget, and what was held stayed within it (+ one gradient)
+    params = float(re.search(r"([\d.]+) MiB of parameters", out).group(1))
+    held, budget = (float(v) for v in re.search(r"held at most ([\d.]+) MiB of ([\d.]+) MiB",
+                                                out).groups())
+    assert params > budget and 0 < held <= budget + 0.02, out
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("deepnvme-swap")]

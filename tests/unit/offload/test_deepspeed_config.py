@@ -37,6 +37,20 @@ def test_the_guide_example_asks_for_gds_which_needs_a_gpu():
         from_deepspeed_config(GUIDE)
 
 
+def test_the_guide_example_with_a_gpu_is_accepted_with_one_warning_naming_use_gds(monkeypatch):
+    """As on a machine with a CUDA GPU (the check is torch.cuda.is_available(), faked here;
+    tests/gpu/ runs it for real): accepted, and use_gds, which the CPU offload cannot use, is
+    named with the other unused keys in the one warning."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = from_deepspeed_config(GUIDE)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "aio.use_gds" in message and "aio.overlap_events" in message
+    assert s.param is not None and s.optimizer is not None and s.io.queue_depth == 32
+
+
 def test_the_guide_example_without_gds_is_read_with_one_warning_naming_unused_keys():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -45,9 +59,11 @@ def test_the_guide_example_without_gds_is_read_with_one_warning_naming_unused_ke
     message = str(caught[0].message)
     for key in ("train_micro_batch_size_per_gpu", "zero_optimization.stage",
                 "zero_optimization.offload_param.max_in_cpu", "zero_optimization.offload_param.pin_memory",
-                "zero_optimization.offload_optimizer.fast_init"):
+                "zero_optimization.offload_optimizer.fast_init", "aio.overlap_events"):
         assert key in message and key in s.unused_keys
-    assert "buffer_size" not in message and "nvme_path" not in message
+    for key in ("buffer_size", "nvme_path", "block_size", "queue_depth", "thread_count",
+                "single_submit", "use_gds"):   # used (use_gds false: nothing asked of GDS)
+        assert key not in message, key
     assert s.param == ParamOffloadSettings(nvme_path="/local_nvme", buffer_count=5,
                                            buffer_size=100_000_000, max_in_cpu=1_000_000_000,
                                            pin_memory=True)

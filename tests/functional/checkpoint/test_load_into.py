@@ -224,6 +224,23 @@ def test_strict_error_lists_everything_and_changes_nothing(tmp_path):
         assert _snapshot(target) == before
 
 
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="this torch has no float4_e2m1fn_x2")
+def test_dtype_copy_cannot_convert_is_refused_before_any_change(tmp_path):
+    packed = torch.randint(0, 256, (6, 4), dtype=torch.uint8)
+    sd = {"a": torch.arange(10.0), "q": packed.view(torch.float4_e2m1fn_x2)}
+    st.save_file(sd, str(tmp_path / "m.safetensors"))
+    target = {"a": torch.zeros(10), "q": torch.zeros(6, 4, dtype=torch.uint8)}   # a: direct, q: copy_ fails
+    with pytest.raises(RuntimeError):
+        target["q"].copy_(sd["q"])                                       # what a plain copy_ does
+    with pytest.raises(CheckpointMismatchError, match="cannot convert.*float4_e2m1fn_x2") as info:
+        deepnvme.load_into(target, tmp_path / "m.safetensors", strict=False)
+    assert info.value.unconvertible == [("q", "torch.float4_e2m1fn_x2", "torch.uint8")]
+    assert not target["a"].any() and not target["q"].any()             # nothing written, not even 'a'
+    same = {"a": torch.zeros(10), "q": torch.zeros(6, 4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}
+    deepnvme.load_into(same, tmp_path / "m.safetensors")                # same dtype: read as is
+    assert torch.equal(same["q"].view(torch.uint8), packed) and torch.equal(same["a"], sd["a"])
+
+
 def test_strict_false_returns_the_keys_like_torch(tmp_path):
     sd = _trained().state_dict()
     sd["extra.weight"] = torch.ones(3)

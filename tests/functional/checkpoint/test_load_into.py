@@ -207,8 +207,13 @@ def test_strict_error_lists_everything_and_changes_nothing(tmp_path):
     sd["extra.weight"] = torch.ones(3)
     sd["norm.weight"] = torch.ones(7)                                   # shape mismatch
     del sd["proj.bias"]
-    for file, save in (("m.safetensors", st.save_file), ("m.pt", torch.save)):
-        save(sd, str(tmp_path / file))
+    for kind in ("safetensors", "torch"):                                # sharded folders too
+        (tmp_path / kind).mkdir()
+        assert _shard(sd, str(tmp_path / kind), kind, 40_000) >= 3
+    for file, save in (("m.safetensors", st.save_file), ("m.pt", torch.save), ("safetensors", None),
+                       ("torch", None)):
+        if save is not None:
+            save(sd, str(tmp_path / file))
         target = _trained(seed=1)
         before = _snapshot(target)
         with pytest.raises(CheckpointMismatchError) as info:

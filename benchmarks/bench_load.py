@@ -2,7 +2,7 @@
 
 Usage:
   python benchmarks/bench_load.py --dir DIR [--layers 10] [--shards 4] [--reps 5]
-         [--cases st,pt,st_dir,pt_dir,into_st,into_pt] [--json OUT]
+         [--cases st,pt,st_dir,pt_dir,into_st,into_pt,into_st_dir,into_pt_dir] [--json OUT]
 
 A transformer-shaped bf16 state dict (``bench_checkpoint.make_state``: hidden 2048, MLP 5632,
 vocab 32000; 10 layers is 1.29 GB) is written once as one ``.safetensors`` file, one torch.save
@@ -15,8 +15,10 @@ imported before the clock starts (until 2026-11-25 evening, ``import deepnvme``,
 here, was inside deepnvme's timed region and the peers' imports inside theirs). Each result
 is materialised: every page of every tensor is touched inside the timed region (``torch.load(mmap=True)`` is
 otherwise lazy). ``into_*`` cases fill an existing, already-touched state dict of the model's
-shapes: deepnvme with ``load_into``, the peers with their load followed by ``copy_``; the worker
-reports its peak RSS growth over the target (``VmHWM``). GB = 1e9 bytes; medians.
+shapes: deepnvme with ``load_into``, the peers with their load followed by ``copy_``
+(``into_*_dir``: from the shard directories, deepnvme given the directory, the peers each
+shard in turn); the worker reports its peak RSS growth over the target (``VmHWM``).
+GB = 1e9 bytes; medians.
 
 Peers: ``safetensors.torch.load_file``, ``torch.load``, ``torch.load(mmap=True)``,
 fastsafetensors (``fastsafe_open``, ``nogds=True``) and runai-model-streamer
@@ -51,6 +53,8 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "pt_dir": (PT_DIR, ["deepnvme", "deepnvme_mmap", "torch_load", "torch_mmap"]),
     "into_st": (ST_FILE, ["deepnvme", "deepnvme_buffered", "safetensors", "fastsafetensors", "runai"]),
     "into_pt": (PT_FILE, ["deepnvme", "deepnvme_buffered", "torch_load", "torch_mmap"]),
+    "into_st_dir": (ST_DIR, ["deepnvme", "deepnvme_buffered", "safetensors", "fastsafetensors", "runai"]),
+    "into_pt_dir": (PT_DIR, ["deepnvme", "deepnvme_buffered", "torch_load", "torch_mmap"]),
 }
 
 
@@ -110,7 +114,7 @@ def _read_torch(path: str, reader: str) -> dict[str, torch.Tensor]:
 
 
 def _read(case: str, path: str, reader: str) -> dict[str, torch.Tensor]:
-    return (_read_safetensors if case in ("st", "st_dir", "into_st") else _read_torch)(path, reader)
+    return (_read_safetensors if case in ("st", "st_dir", "into_st", "into_st_dir") else _read_torch)(path, reader)
 
 
 def _model(layers: int) -> dict[str, torch.Tensor]:

@@ -129,15 +129,18 @@ class CheckpointLockedError(DeepNVMeError, RuntimeError):
 
 class CheckpointMismatchError(DeepNVMeError, ValueError):
     """A checkpoint's tensors do not fit the target: ``missing_keys`` and ``unexpected_keys``
-    (names), ``mismatched`` ((name, file shape, target shape) triples); all listed at once."""
+    (names), ``mismatched`` ((name, file shape, target shape) triples), ``unconvertible``
+    ((name, file dtype, target dtype) names that ``Tensor.copy_`` cannot convert); all listed at once."""
 
     def __init__(self, message: str, *, missing_keys: Sequence[str] = (),
                  unexpected_keys: Sequence[str] = (),
-                 mismatched: Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]] = ()) -> None:
+                 mismatched: Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]] = (),
+                 unconvertible: Sequence[tuple[str, str, str]] = ()) -> None:
         super().__init__(message)
         self.missing_keys = list(missing_keys)
         self.unexpected_keys = list(unexpected_keys)
         self.mismatched = list(mismatched)
+        self.unconvertible = list(unconvertible)
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return _rebuild_plain, (type(self), self.args, self.__dict__)

@@ -95,8 +95,11 @@ def test_bench_save_parts(tmp_path):
 @pytest.mark.skipif(not os.access("/proc/sys/vm/drop_caches", os.W_OK), reason="needs root (drop_caches)")
 def test_bench_load(tmp_path):
     out = run("bench_load.py", "--dir", str(tmp_path), "--tiny", "--layers", "1", "--reps", "1",
-              "--cases", "st,pt_dir,into_st", "--readers", "deepnvme,safetensors,torch_mmap", cwd=tmp_path)
+              "--cases", "st,pt_dir,into_st,into_st_dir,into_pt_dir", "--readers", "deepnvme,safetensors,torch_mmap",
+              cwd=tmp_path)
     assert "| st | deepnvme |" in out and "| pt_dir | torch_mmap |" in out and "| into_st | safetensors |" in out
+    assert "| into_st_dir | deepnvme |" in out and "| into_st_dir | safetensors |" in out
+    assert "| into_pt_dir | deepnvme |" in out and "| into_pt_dir | torch_mmap |" in out
 
 
 def test_bench_fresh_memory(tmp_path):

@@ -4,13 +4,17 @@ Targets that are the same view of the same memory (tied parameters) form one gro
 once, and a group member the file lacks is not missing when another member is present.
 Routes: ``direct`` (CPU, contiguous, same dtype: the engine reads into the tensor's memory),
 ``staged`` (a CUDA tensor, contiguous, same dtype: the handle's staging pipeline) and
-``bounce`` (anything else: chunks through a few CPU buffers, then ``Tensor.copy_``).
+``bounce`` (anything else: chunks through a few CPU buffers, then ``Tensor.copy_``). A dtype
+pair ``Tensor.copy_`` cannot convert (``float4_e2m1fn_x2`` to or from any other) is refused
+while planning, with the shape mismatches, rather than failing halfway through the copies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 from collections.abc import Hashable, Mapping
 from typing import Literal
 
@@ -20,7 +24,7 @@ from ..errors import CheckpointMismatchError
 from ._stored import StoredTensor
 
 __all__ = ["TargetSpec", "Fill", "FillPlan", "Chunk", "plan_fill", "route", "chunks",
-           "mismatch_error", "Route"]
+           "mismatch_error", "convertible", "Route"]
 
 Route = Literal["direct", "staged", "bounce"]
 
@@ -50,12 +54,14 @@ class Fill:
 
 @dataclasses.dataclass(frozen=True)
 class FillPlan:
-    """The transfers, and the names that do not match (as ``Module.load_state_dict`` reports)."""
+    """The transfers, and the names that do not match (as ``Module.load_state_dict`` reports);
+    ``unconvertible``: (name, file dtype, target dtype) that ``Tensor.copy_`` cannot convert."""
 
     fills: tuple[Fill, ...]
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
     mismatched: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
+    unconvertible: tuple[tuple[str, torch.dtype, torch.dtype], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +72,23 @@ class Chunk:
     offset: int
     nbytes: int
     rows: tuple[int, int] | None
+
+
+@functools.cache  # at most one entry per pair of torch dtypes
+def convertible(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether ``Tensor.copy_`` converts ``src`` to ``dst``: probed once per pair with one
+    element on the CPU (torch decides, not a hand-kept table; conversion warnings silenced)."""
+    if src == dst:
+        return True
+    one = torch.zeros(src.itemsize, dtype=torch.uint8).view(src)
+    out = torch.zeros(dst.itemsize, dtype=torch.uint8).view(dst)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # e.g. complex to real discards the imaginary part
+            out.copy_(one)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
 
 
 def route(spec: TargetSpec, src: StoredTensor) -> Route:
@@ -85,6 +108,7 @@ def plan_fill(targets: Mapping[str, TargetSpec], sources: Mapping[str, StoredTen
     fills: list[Fill] = []
     missing: list[str] = []
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    unconvertible: list[tuple[str, torch.dtype, torch.dtype]] = []
     for names in groups.values():
         present = [n for n in names if n in sources]
         if not present:
@@ -94,6 +118,8 @@ def plan_fill(targets: Mapping[str, TargetSpec], sources: Mapping[str, StoredTen
         for n in present:
             if sources[n].shape != targets[n].shape:
                 mismatched.append((n, sources[n].shape, targets[n].shape))
+            elif not convertible(sources[n].dtype, targets[n].dtype):
+                unconvertible.append((n, sources[n].dtype, targets[n].dtype))
             else:
                 good.append(n)
         if good:
@@ -103,15 +129,16 @@ def plan_fill(targets: Mapping[str, TargetSpec], sources: Mapping[str, StoredTen
     unexpected = tuple(n for n in sources if n not in targets)
     order = {n: i for i, n in enumerate(targets)}
     return FillPlan(tuple(fills), tuple(sorted(missing, key=order.__getitem__)), unexpected,
-                    tuple(mismatched))
+                    tuple(mismatched), tuple(unconvertible))
 
 
 def mismatch_error(plan: FillPlan, *, strict: bool) -> CheckpointMismatchError | None:
-    """The one error for ``plan`` (None if it may run): shape mismatches always, missing and
-    unexpected names with ``strict`` (``Module.load_state_dict``'s rules)."""
+    """The one error for ``plan`` (None if it may run): shape mismatches and dtypes ``copy_``
+    cannot convert always, missing and unexpected names with ``strict``
+    (``Module.load_state_dict``'s rules)."""
     missing = plan.missing if strict else ()
     unexpected = plan.unexpected if strict else ()
-    if not (missing or unexpected or plan.mismatched):
+    if not (missing or unexpected or plan.mismatched or plan.unconvertible):
         return None
     parts = []
     if missing:
@@ -121,10 +148,14 @@ def mismatch_error(plan: FillPlan, *, strict: bool) -> CheckpointMismatchError |
     for name, file_shape, target_shape in plan.mismatched:
         parts.append(f"size mismatch for {name!r}: the checkpoint has shape {list(file_shape)}, "
                      f"the target {list(target_shape)}")
+    for name, file_dtype, target_dtype in plan.unconvertible:
+        parts.append(f"dtype for {name!r}: Tensor.copy_ cannot convert the checkpoint's {file_dtype} "
+                     f"to the target's {target_dtype}")
     hint = "; pass strict=False to load the matching keys only" if missing or unexpected else ""
     return CheckpointMismatchError("the checkpoint does not fit the target (nothing was loaded): "
                                    + "; ".join(parts) + hint, missing_keys=plan.missing,
-                                   unexpected_keys=plan.unexpected, mismatched=plan.mismatched)
+                                   unexpected_keys=plan.unexpected, mismatched=plan.mismatched,
+                                   unconvertible=[(n, str(a), str(b)) for n, a, b in plan.unconvertible])
 
 
 def chunks(src: StoredTensor, chunk_bytes: int) -> list[Chunk]:

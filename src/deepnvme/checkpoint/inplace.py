@@ -52,9 +52,10 @@ def load_into(target: torch.nn.Module | MutableMapping[str, torch.Tensor],
     the index names are read). Targets may be on CPU or CUDA.
 
     Order of failures: a malformed file raises :class:`CheckpointFormatError`; then one
-    :class:`CheckpointMismatchError` lists every shape mismatch (always) and every missing and
-    unexpected name (with ``strict``). Both come before any destination byte changes. An I/O
-    error while reading can leave the target partly filled.
+    :class:`CheckpointMismatchError` lists every shape mismatch and every dtype pair
+    ``Tensor.copy_`` cannot convert (always) and every missing and unexpected name (with
+    ``strict``). Both come before any destination byte changes. An I/O error while reading can
+    leave the target partly filled.
 
     Tied tensors (the same view of the same memory) are filled once, and a tied name the file
     lacks (as ``safetensors.torch.save_model`` writes them) is not missing. Modules' custom

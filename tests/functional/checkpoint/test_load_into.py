@@ -16,6 +16,7 @@ import torch
 
 import deepnvme
 from deepnvme.checkpoint import inplace
+from deepnvme.checkpoint._fill_plan import plan_fill as inplace_plan_fill
 from deepnvme.errors import CheckpointFormatError, CheckpointMismatchError
 from deepnvme.io.posix import Posix, injected
 
@@ -150,6 +151,23 @@ def test_tied_weights_saved_by_save_model(tmp_path):
     assert len(info.value.missing_keys) == 1
 
 
+def test_tied_weights_saved_by_torch_save_are_filled_once(tmp_path, monkeypatch):
+    src = _trained()
+    src.head.weight = src.embed.weight
+    torch.save(src.state_dict(), tmp_path / "m.pt")                  # both names, one storage
+    plans = []
+    monkeypatch.setattr(inplace, "plan_fill", lambda *a: plans.append(inplace_plan_fill(*a)) or plans[-1])
+    target = _trained(seed=1)
+    target.head.weight = target.embed.weight
+    assert deepnvme.load_into(target, tmp_path / "m.pt") == ([], [])
+    assert _snapshot(target) == _snapshot(src)
+    tied = [f for f in plans[0].fills if {f.name, *f.tied} == {"embed.weight", "head.weight"}]
+    assert len(tied) == 1 and len(plans[0].fills) == len(target.state_dict()) - 1   # one transfer
+    untied = _trained(seed=1)                                          # both filled, separately
+    assert deepnvme.load_into(untied, tmp_path / "m.pt") == ([], [])
+    assert torch.equal(untied.head.weight, src.embed.weight) and torch.equal(untied.embed.weight, src.embed.weight)
+
+
 @pytest.mark.parametrize("kind", ["safetensors", "torch"])
 def test_sharded_folders_with_index(tmp_path, kind):
     src = _trained()
@@ -180,8 +198,7 @@ def test_transformers_save_pretrained_shards(tmp_path):
     torch.manual_seed(1)
     target = transformers.GPT2LMHeadModel(config)
     assert target.lm_head.weight.data_ptr() == target.transformer.wte.weight.data_ptr()
-    result = deepnvme.load_into(target, tmp_path, strict=False)
-    assert result.missing_keys == []
+    assert deepnvme.load_into(target, tmp_path) == ([], [])     # strict: the tied lm_head is not missing
     assert _snapshot(target) == _snapshot(src)
 
 
@@ -190,8 +207,13 @@ def test_strict_error_lists_everything_and_changes_nothing(tmp_path):
     sd["extra.weight"] = torch.ones(3)
     sd["norm.weight"] = torch.ones(7)                                   # shape mismatch
     del sd["proj.bias"]
-    for file, save in (("m.safetensors", st.save_file), ("m.pt", torch.save)):
-        save(sd, str(tmp_path / file))
+    for kind in ("safetensors", "torch"):                                # sharded folders too
+        (tmp_path / kind).mkdir()
+        assert _shard(sd, str(tmp_path / kind), kind, 40_000) >= 3
+    for file, save in (("m.safetensors", st.save_file), ("m.pt", torch.save), ("safetensors", None),
+                       ("torch", None)):
+        if save is not None:
+            save(sd, str(tmp_path / file))
         target = _trained(seed=1)
         before = _snapshot(target)
         with pytest.raises(CheckpointMismatchError) as info:
@@ -205,6 +227,23 @@ def test_strict_error_lists_everything_and_changes_nothing(tmp_path):
             deepnvme.load_into(target, str(tmp_path / file), strict=False)
         assert "norm.weight" in str(info.value) and "proj.bias" not in str(info.value)
         assert _snapshot(target) == before
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="this torch has no float4_e2m1fn_x2")
+def test_dtype_copy_cannot_convert_is_refused_before_any_change(tmp_path):
+    packed = torch.randint(0, 256, (6, 4), dtype=torch.uint8)
+    sd = {"a": torch.arange(10.0), "q": packed.view(torch.float4_e2m1fn_x2)}
+    st.save_file(sd, str(tmp_path / "m.safetensors"))
+    target = {"a": torch.zeros(10), "q": torch.zeros(6, 4, dtype=torch.uint8)}   # a: direct, q: copy_ fails
+    with pytest.raises(RuntimeError):
+        target["q"].copy_(sd["q"])                                       # what a plain copy_ does
+    with pytest.raises(CheckpointMismatchError, match="cannot convert.*float4_e2m1fn_x2") as info:
+        deepnvme.load_into(target, tmp_path / "m.safetensors", strict=False)
+    assert info.value.unconvertible == [("q", "torch.float4_e2m1fn_x2", "torch.uint8")]
+    assert not target["a"].any() and not target["q"].any()             # nothing written, not even 'a'
+    same = {"a": torch.zeros(10), "q": torch.zeros(6, 4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}
+    deepnvme.load_into(same, tmp_path / "m.safetensors")                # same dtype: read as is
+    assert torch.equal(same["q"].view(torch.uint8), packed) and torch.equal(same["a"], sd["a"])
 
 
 def test_strict_false_returns_the_keys_like_torch(tmp_path):
@@ -265,6 +304,10 @@ def test_malformed_files_raise_format_error_before_any_change(tmp_path):
             deepnvme.load_into(target, path, strict=False)
         assert words in str(info.value), (path, str(info.value))
         assert _snapshot(target) == before, path
+        unfit = {"proj.weight": torch.zeros(3), "not.in.file": torch.zeros(2)}   # would mismatch too
+        with pytest.raises(CheckpointFormatError):
+            deepnvme.load_into(unfit, path)                             # the file's fault comes first
+        assert not unfit["proj.weight"].any(), path
 
 
 def test_bad_targets_are_refused(tmp_path):

@@ -100,20 +100,47 @@ def test_metadata_and_many_dtypes_in_one_file(tmp_path):
     assert read_header(path).metadata == {"format": "pt"}
 
 
+def _file(header: bytes, data: bytes) -> bytes:
+    return struct.pack("<Q", len(header)) + header + data
+
+
+def _u8(name: str, begin: int, end: int) -> str:
+    return f'"{name}":{{"dtype":"U8","shape":[{end - begin}],"data_offsets":[{begin},{end}]}}'
+
+
+# Every loader that takes a file path reads its header through the one parser.
+LOADERS = {
+    "load_safetensors": deepnvme.load_safetensors,
+    "read_header": read_header,
+    "load_into": lambda p: deepnvme.load_into({"a": torch.zeros(4, dtype=torch.uint8)}, p, strict=False),
+    "inference index": lambda p: read_checkpoint_index(str(p.parent)),
+}
+
+
 @pytest.mark.parametrize("content, message", [
     pytest.param(b"", "too short", id="empty file"),
     pytest.param(b"\x10\0\0\0", "too short", id="shorter than 8 bytes"),
     pytest.param(struct.pack("<Q", 64) + b'{"a":', "past the end", id="shorter than the header"),
+    pytest.param(_file(b"{" + _u8("a", 0, 4).encode() + b"}", b"abc"), "'a'.*out of range",
+                 id="truncated data"),
+    pytest.param(_file(b"{" + _u8("a", 0, 4).encode() + b"," + _u8("b", 2, 6).encode() + b"}", b"x" * 6),
+                 "'b'.*overlaps", id="overlapping offsets"),
+    pytest.param(_file(b"{" + _u8("a", 0, 2).encode() + b"," + _u8("b", 3, 4).encode() + b"}", b"x" * 4),
+                 "'b'.*hole", id="data with a hole"),
     pytest.param(struct.pack("<Q", 2) + b"{}" + b"xy", "cover 0 of the 2", id="trailing data"),
+    pytest.param(_file(b"{" + _u8("a", 0, 1).encode() + b"," + _u8("a", 0, 1).encode() + b"}", b"x"),
+                 "'a' appears twice", id="duplicate key"),
     pytest.param(struct.pack("<Q", 4) + b"\xff\xfe{}", "UTF-8", id="not utf-8"),
 ])
-def test_malformed_files_raise(tmp_path, content, message):
+@pytest.mark.parametrize("loader", sorted(LOADERS))
+def test_malformed_files_raise(tmp_path, content, message, loader):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(content)
-    for load in (deepnvme.load_safetensors, read_header):
-        with pytest.raises(CheckpointFormatError, match=message) as info:
-            load(path)
-        assert "bad.safetensors" in str(info.value)
+    if loader == "inference index":
+        path = path.rename(tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointFormatError, match=message) as info:
+        LOADERS[loader](path)
+    assert path.name in str(info.value)
 
 
 def test_oversized_header_is_refused_before_reading(tmp_path):
@@ -121,8 +148,9 @@ def test_oversized_header_is_refused_before_reading(tmp_path):
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", MAX_HEADER + 1) + b"{")
         f.truncate(MAX_HEADER + 100)    # sparse: a reader that read the header would take a while
-    with pytest.raises(CheckpointFormatError, match="limit"):
-        deepnvme.load_safetensors(path)
+    for load in LOADERS.values():
+        with pytest.raises(CheckpointFormatError, match="limit"):
+            load(path)
 
 
 def test_data_cut_short_is_caught(tmp_path):

@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from deepnvme.checkpoint._fill_plan import Chunk, TargetSpec, chunks, mismatch_error, plan_fill, route
+from deepnvme.checkpoint._fill_plan import Chunk, TargetSpec, chunks, convertible, mismatch_error, plan_fill, route
 from deepnvme.checkpoint._stored import StoredTensor
 from deepnvme.errors import CheckpointMismatchError, DeepNVMeError
 
@@ -75,6 +75,32 @@ def test_strict_false_still_refuses_shape_mismatch_only():
     bad = plan_fill({"a": _tgt((3, 4)), "gone": _tgt()}, {"a": _src("a"), "extra": _src("extra")})
     err = mismatch_error(bad, strict=False)
     assert err is not None and "size mismatch for 'a'" in str(err) and "missing" not in str(err)
+
+
+def test_convertible_asks_torch():
+    assert convertible(torch.bfloat16, torch.float32) and convertible(torch.complex64, torch.float32)
+    assert convertible(torch.int64, torch.bool) and convertible(torch.float32, torch.float32)
+    if hasattr(torch, "float4_e2m1fn_x2"):
+        f4 = torch.float4_e2m1fn_x2
+        assert convertible(f4, f4)
+        assert not convertible(f4, torch.uint8) and not convertible(torch.float32, f4)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="this torch has no float4_e2m1fn_x2")
+def test_dtypes_copy_cannot_convert_are_refused_with_the_rest():
+    f4 = torch.float4_e2m1fn_x2
+    targets = {"q": _tgt((4, 3), dtype=torch.uint8), "ok": _tgt(dtype=torch.float16), "bad": _tgt((5,)),
+               "gone": _tgt()}
+    sources = {"q": _src("q", (4, 3), dtype=f4), "ok": _src("ok"), "bad": _src("bad", (6,))}
+    plan = plan_fill(targets, sources)
+    assert plan.unconvertible == (("q", f4, torch.uint8),) and [f.name for f in plan.fills] == ["ok"]
+    for strict in (True, False):
+        err = mismatch_error(plan, strict=strict)
+        assert isinstance(err, CheckpointMismatchError)
+        assert err.unconvertible == [("q", "torch.float4_e2m1fn_x2", "torch.uint8")]
+        assert "cannot convert the checkpoint's torch.float4_e2m1fn_x2 to the target's torch.uint8" in str(err)
+        assert "size mismatch for 'bad'" in str(err) and ("'gone'" in str(err)) == strict
+    assert pickle.loads(pickle.dumps(err)).unconvertible == err.unconvertible
 
 
 def test_mismatched_twin_does_not_block_the_good_one():

@@ -36,6 +36,14 @@ def test_pick_eviction_keeps_an_explicit_choice(monkeypatch) -> None:
     assert pick_eviction("auto") == "fadvise"
 
 
+def test_auto_drops_the_page_cache_only_where_allowed(monkeypatch) -> None:
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    monkeypatch.setattr("os.access", lambda path, mode: path == "/proc/sys/vm/drop_caches")
+    assert pick_eviction("auto") == "drop-caches"
+    monkeypatch.setattr("os.access", lambda path, mode: False)   # root in a container: read-only /proc/sys
+    assert pick_eviction("auto") == "fadvise"
+
+
 def _row(name: str, *seconds: float, cache: str = "cold") -> ReaderRow:
     runs = tuple(LoadRun(seconds=s, cache=cache, resident_bytes=0) for s in seconds)
     return ReaderRow(reader=name, call=name, tensors=1, runs=runs)

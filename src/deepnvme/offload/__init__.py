@@ -6,7 +6,13 @@ from .deepspeed_config import (
     ParamOffloadSettings,
     from_deepspeed_config,
 )
-from .parameters import OffloadStats, ParameterOffload, offload_parameters
+from .parameters import (
+    OffloadStats,
+    ParameterOffload,
+    offload_parameters,
+    register_external_parameter,
+)
 
 __all__ = ["DeepSpeedOffloadSettings", "OffloadStats", "OptimizerOffloadSettings",
-           "ParamOffloadSettings", "ParameterOffload", "from_deepspeed_config", "offload_parameters"]
+           "ParamOffloadSettings", "ParameterOffload", "from_deepspeed_config", "offload_parameters",
+           "register_external_parameter"]

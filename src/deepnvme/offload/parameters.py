@@ -37,7 +37,7 @@ from ._sources import Init, Source, make_source
 from ._store import Entry, TensorStore, placeholder
 from ._updates import UpdateSide
 
-__all__ = ["OffloadStats", "ParameterOffload", "offload_parameters"]
+__all__ = ["OffloadStats", "ParameterOffload", "offload_parameters", "register_external_parameter"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ class ParameterOffload(UpdateSide):
         self._backward = OrderTracker(prefetch)
         self._entries: dict[int, tuple[Entry, Entry]] = {}    # id(param) -> (data, grad)
         self._units: list[list[Entry]] = []                    # per module with parameters
+        self._unit_index: dict[int, int] = {}                  # id(module) -> its unit
+        self._root_hooked = False                              # _install_hooks has run
         self._unit_of: dict[int, int] = {}                     # entry key -> first unit
         self._pushed: list[tuple[int, saved_tensors_hooks]] = []
         self._backward_pending = False
@@ -132,11 +134,7 @@ class ParameterOffload(UpdateSide):
                     raise OffloadMemoryError(
                         f"module {mname or type(module).__name__!r} has {total} bytes of "
                         f"parameters, more than max_in_memory_bytes={self._store.budget}; raise it")
-                self._units.append(unit)
-                self._hooks.append(module.register_forward_pre_hook(
-                    self._pre_hook(len(self._units) - 1, mname), prepend=True))
-                self._hooks.append(module.register_forward_hook(
-                    self._post_hook(len(self._units) - 1), always_call=True))
+                self._add_unit(module, mname, unit)
         self._store.pack_resident()
         self._store.wait_writes()
 
@@ -198,9 +196,55 @@ class ParameterOffload(UpdateSide):
         if p.requires_grad:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+    def _add_unit(self, module: torch.nn.Module, name: str, unit: list[Entry]) -> None:
+        """Fetch ``unit`` before ``module``'s forward and release it after. A unit added to the
+        root module after the offload's own root hooks exist nests inside them: its pre-hook
+        runs after the root's, its forward hook before."""
+        index = len(self._units)
+        self._units.append(unit)
+        self._unit_index[id(module)] = index
+        root = module is self.model and self._root_hooked
+        self._hooks.append(module.register_forward_pre_hook(self._pre_hook(index, name),
+                                                            prepend=not root))
+        self._hooks.append(module.register_forward_hook(self._post_hook(index), prepend=root,
+                                                        always_call=True))
+
+    def register_external_parameter(self, module: torch.nn.Module,
+                                    parameter: torch.nn.Parameter) -> None:
+        """Fetch ``parameter`` for ``module``'s forward too (and keep it for its backward).
+
+        For a parameter that ``module``'s own forward uses although another module owns it, e.g.
+        ``F.linear(h, self.embed.weight)`` in the root module: each module's hooks fetch only the
+        parameters it owns, so outside them an offloaded parameter holds its placeholder (NaN).
+        DeepSpeed's ``deepspeed.zero.register_external_parameter`` does the same for ZeRO-3.
+        """
+        pair = self._entries.get(id(parameter))
+        if pair is None:
+            raise ValueError("register_external_parameter: the parameter (shape "
+                             f"{list(parameter.shape)}) is not one of the offloaded model's")
+        name = next((n for n, m in self.model.named_modules() if m is module), None)
+        if name is None:
+            raise ValueError(f"register_external_parameter: the module {type(module).__name__} "
+                             "is not part of the offloaded model")
+        data = pair[0]
+        index = self._unit_index.get(id(module))
+        unit = [] if index is None else self._units[index]
+        if data in unit:
+            return
+        total = sum(e.nbytes for e in unit) + data.nbytes
+        if total > self._store.budget:
+            raise OffloadMemoryError(
+                f"module {name or type(module).__name__!r} would need {total} bytes of parameters "
+                f"with {data.name}, more than max_in_memory_bytes={self._store.budget}; raise it")
+        if index is None:
+            self._add_unit(module, name, [data])
+        else:
+            unit.append(data)
+
     def _install_hooks(self) -> None:
         self._hooks.append(self.model.register_forward_pre_hook(self._root_pre, prepend=True))
         self._hooks.append(self.model.register_forward_hook(self._root_post, always_call=True))
+        self._root_hooked = True
 
     # --- forward ------------------------------------------------------------------------
 
@@ -389,3 +433,14 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     return ParameterOffload(model, directory, max_in_memory_bytes=max_in_memory_bytes,
                             prefetch=prefetch, dtype=dtype, config=config, source=source,
                             min_offload_bytes=min_offload_bytes)
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Make ``module``'s forward fetch ``parameter``, an offloaded parameter that another module
+    owns (see :meth:`ParameterOffload.register_external_parameter`); the name and use of
+    DeepSpeed's ``deepspeed.zero.register_external_parameter``."""
+    offload = getattr(parameter, STORE_ATTRIBUTE, None)
+    if not isinstance(offload, ParameterOffload):
+        raise ValueError("register_external_parameter: the parameter (shape "
+                         f"{list(parameter.shape)}) is not offloaded; call offload_parameters first")
+    offload.register_external_parameter(module, parameter)

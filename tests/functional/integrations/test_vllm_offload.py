@@ -149,3 +149,14 @@ def test_a_tensor_missing_from_the_checkpoint_is_an_error(loader_cls, tmp_path, 
     config = types.SimpleNamespace(model=str(tmp_path / "model"), quantization=None, dtype=torch.float32)
     with pytest.raises((ValueError, DeepNVMeError), match=error):
         loader.load_weights(_Stack(), config)
+
+
+def test_a_model_that_is_not_a_local_safetensors_folder_is_one_clear_error(loader_cls, tmp_path):
+    cls, load_config = loader_cls
+    loader = cls(load_config(load_format="deepnvme_offload",
+                             model_loader_extra_config={"offload_dir": str(tmp_path / "a")}))
+    with pytest.raises(DeepNVMeError, match="'deepnvme_offload' reads a local model folder.*meta-llama"):
+        loader.download_model(types.SimpleNamespace(model="meta-llama/Llama-3.1-8B"))
+    torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(DeepNVMeError, match="holds no checkpoint.*model.safetensors"):
+        loader.download_model(types.SimpleNamespace(model=str(tmp_path)))

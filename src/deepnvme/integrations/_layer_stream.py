@@ -164,8 +164,9 @@ class _Layers:
         missing = [g.name for g in self.groups[i] if not got & set(g.names)]
         if missing:
             raise DeepNVMeError(f"layer {self.names[i]}: the checkpoint tensors named "
-                                f"'{self.names[i]}.*' did not load {missing[:4]}; streaming needs "
-                                "checkpoint names that start with the layer's module name")
+                                f"'{self.names[i]}.*' did not load {missing[:4]}: the checkpoint "
+                                "lacks them, or names them otherwise (streaming needs checkpoint "
+                                "names that start with the layer's module name)")
         self.loaded |= got
 
     def tensor(self, i: int, g: ParamGroup) -> torch.Tensor:

@@ -126,12 +126,13 @@ def plan_ranges(tensors: Sequence[StoredTensor], window: int) -> list[ReadRange]
     return out
 
 
-def checkpoint_tensors(model_dir: str) -> list[StoredTensor]:
+def checkpoint_tensors(model_dir: str, *, load_format: str = "deepnvme") -> list[StoredTensor]:
     """Every tensor of the safetensors checkpoint in the local folder ``model_dir``, sorted by
     file and offset: ``model.safetensors``, or the shards ``model.safetensors.index.json`` names
-    (other files are ignored). Reads headers only."""
+    (other files are ignored). Reads headers only. ``load_format`` names the caller in the error
+    for a ``model_dir`` that is not a local folder."""
     if not os.path.isdir(model_dir):
-        raise DeepNVMeError(f"load_format 'deepnvme' reads a local model folder, and {model_dir!r} is "
+        raise DeepNVMeError(f"load_format {load_format!r} reads a local model folder, and {model_dir!r} is "
                             "not one: download the model first (e.g. `hf download REPO --local-dir "
                             "DIR`) and pass DIR as the model")
     files = find_checkpoint(model_dir, kinds=("safetensors",))

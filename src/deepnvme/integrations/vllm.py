@@ -103,7 +103,7 @@ class DeepNVMeOffloadLoader(BaseModelLoader):  # type: ignore[misc]
 
     def download_model(self, model_config: ModelConfig) -> None:
         """Nothing is downloaded: check the model is a local folder with a safetensors checkpoint."""
-        checkpoint_tensors(model_config.model)
+        checkpoint_tensors(model_config.model, load_format=OFFLOAD_FORMAT)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         if model_config.quantization is not None:

@@ -1,13 +1,21 @@
 """``load_format="deepnvme"`` inside vLLM, against vLLM's own ``safetensors`` loader.
 
-Needs the vLLM side environment (``scripts/test_vllm.sh`` builds it and runs this file); skipped
+Needs the vLLM side environment (``tools/test_vllm.sh`` builds it and runs this file); skipped
 where vLLM is not importable. The loader must come from the ``vllm.general_plugins`` entry point
 (deepnvme installed in that environment): nothing here imports deepnvme's vLLM module first.
 """
 
 import gc
 import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
 import types
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -120,3 +128,98 @@ def test_index_with_unnamed_files_ignored(loader_cls, tmp_path):
     cls(load_config(load_format="deepnvme")).load_weights(
         model, types.SimpleNamespace(model=str(tmp_path), quantization=None))
     assert torch.equal(model.b, torch.ones(3))
+
+
+def _vllm_env():
+    """This environment for a child process, with vLLM's own multiprocessing (engine core and
+    worker in processes of their own, which load plugins themselves) and deepnvme importable."""
+    import deepnvme
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    src = os.path.dirname(os.path.dirname(deepnvme.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def test_the_entry_point_registers_both_formats_in_a_fresh_process():
+    """Installing deepnvme is all it takes: a process that never imports deepnvme gets both
+    formats from vLLM's plugin loading (as each of vLLM's processes does)."""
+    code = textwrap.dedent("""
+        import sys
+        from vllm.config.load import LoadConfig
+        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.plugins import load_general_plugins
+        assert not any(m.startswith("deepnvme") for m in sys.modules)
+        load_general_plugins()
+        for fmt, extra in (("deepnvme", {}), ("deepnvme_offload", {"offload_dir": "/x"})):
+            loader = get_model_loader(LoadConfig(load_format=fmt, model_loader_extra_config=extra))
+            print(fmt, type(loader).__module__, type(loader).__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=_vllm_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [line for line in out.stdout.splitlines() if line.startswith("deepnvme")] == [
+        "deepnvme deepnvme.integrations.vllm DeepNVMeModelLoader",
+        "deepnvme_offload deepnvme.integrations.vllm DeepNVMeOffloadLoader"], out.stdout
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url, body):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def test_openai_server_with_load_format_deepnvme(tmp_path):
+    """``python -m vllm.entrypoints.openai.api_server --load-format deepnvme`` with the extra
+    config as JSON, engine core and worker in their own processes: completions (token ids and
+    logprobs) equal vLLM's in-process ``safetensors`` load."""
+    model_dir = tiny_llama(tmp_path / "llama", torch.float32, layers=2)
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w+")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+         "--load-format", "deepnvme",
+         "--model-loader-extra-config", json.dumps({"read_window": "128K", "engine": "threads"}),
+         "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--max-model-len", "128",
+         "--seed", "0", "--host", "127.0.0.1", "--port", str(port)],
+        env=_vllm_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, f"the server exited ({server.returncode}):\n" + \
+                (tmp_path / "server.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "the server did not start in 300 s"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        got = _post(f"http://127.0.0.1:{port}/v1/completions", {
+            "model": model_dir, "prompt": PROMPTS, "max_tokens": 6, "temperature": 0, "logprobs": 3,
+            "return_token_ids": True, "return_tokens_as_token_ids": True})
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+    text = (tmp_path / "server.log").read_text()
+    assert "Registered model loader `<class 'deepnvme.integrations.vllm.DeepNVMeModelLoader'>`" in text
+    choices = sorted(got["choices"], key=lambda c: c["index"])
+    tokens = [c["token_ids"] for c in choices]
+    logprobs = [[{int(k.removeprefix("token_id:")): v for k, v in step.items()}
+                 for step in c["logprobs"]["top_logprobs"]] for c in choices]
+    theirs = _run(model_dir, "safetensors", "float32")
+    assert tokens == theirs[0]
+    assert logprobs == theirs[1]

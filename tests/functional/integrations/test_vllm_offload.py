@@ -6,16 +6,19 @@ where vLLM is not importable.
 """
 
 import gc
+import types
 
 import pytest
 import torch
 
-from ...fakes import in_process_vllm, tiny_llama
+from ...fakes import copy_named_weights, in_process_vllm, tiny_llama
 
 vllm = in_process_vllm()
 transformers = pytest.importorskip("transformers")
 
-from deepnvme.errors import ConfigError  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from deepnvme.errors import ConfigError, DeepNVMeError  # noqa: E402
 from deepnvme.inference import stream_stats, streamer_of  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 17, 33], [200, 3, 3, 140, 7, 64, 2], [11, 12]]
@@ -35,11 +38,17 @@ def _run(model_dir, load_format, dtype, **extra):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         if load_format == "deepnvme_offload":
-            stats = llm.apply_model(stream_stats)[0]
+            stats = llm.apply_model(stream_stats)[0], llm.apply_model(_held_by_streamed_layers)[0]
     finally:
         del llm
         gc.collect()
     return tokens, stats
+
+
+def _held_by_streamed_layers(model):
+    """Per streamed layer: (bytes its parameters' storages hold, number of parameters)."""
+    return [(sum(p.untyped_storage().nbytes() for p, _ in b.bindings), len(b.bindings))
+            for b in streamer_of(model).blocks]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -51,11 +60,13 @@ def test_streamed_layers_give_the_in_memory_tokens(tmp_path, dtype, caplog):
     extra = {"offload_dir": str(tmp_path / "aligned"), "memory_budget": fixed + layer_bytes + 100,
              "prefetch": 1, "engine": "threads", "read_window": "64K"}
     with caplog.at_level("INFO", logger="deepnvme"):
-        first, stats = _run(model_dir, "deepnvme_offload", name, model_loader_extra_config=extra)
+        first, (stats, held) = _run(model_dir, "deepnvme_offload", name, model_loader_extra_config=extra)
     assert any("aligned copy written" in r.getMessage() and "3 layers" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
     steps = 8   # one forward per step (prefill + 7 decodes), 3 streamed layers each
     assert stats.blocks_loaded >= 3 * steps and stats.bytes_read >= 3 * steps * layer_bytes
+    # the budget held one layer: the 3 streamed ones keep no weights between forwards
+    assert len(held) == 3 and all(nbytes <= count * dtype.itemsize for nbytes, count in held), held
     theirs, _ = _run(model_dir, "safetensors", name)
     assert first == theirs
     caplog.clear()
@@ -105,3 +116,47 @@ def test_a_post_processing_that_repacks_streamed_weights_is_refused(tmp_path, mo
                  distributed_executor_backend="uni", enforce_eager=True, dtype="float32",
                  max_model_len=128, model_loader_extra_config={"offload_dir": str(tmp_path / "a")})
     gc.collect()
+
+
+class _Stack(torch.nn.Module):
+    """A stand-in for a vLLM model: embedding, three layers, head; ``load_weights`` copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 16, bias=False)
+
+    def load_weights(self, weights):
+        return copy_named_weights(self, weights)
+
+
+@pytest.mark.parametrize("missing, error", [
+    ("head.weight", r"not initialized from checkpoint.*'head.weight'"),   # vLLM's own check
+    ("layers.1.bias", r"layer layers.1: .* did not load \['layers.1.bias'\]: the checkpoint lacks"),
+])
+def test_a_tensor_missing_from_the_checkpoint_is_an_error(loader_cls, tmp_path, monkeypatch, missing, error):
+    import deepnvme.integrations.vllm as plugin
+    monkeypatch.setattr(plugin, "get_tensor_model_parallel_rank", lambda: 0)   # no engine here
+    monkeypatch.setattr(plugin, "get_tensor_model_parallel_world_size", lambda: 1)
+    cls, load_config = loader_cls
+    torch.manual_seed(0)
+    state = {k: v for k, v in _Stack().state_dict().items() if k != missing}
+    (tmp_path / "model").mkdir()
+    save_file(state, str(tmp_path / "model" / "model.safetensors"))
+    loader = cls(load_config(load_format="deepnvme_offload", model_loader_extra_config={
+        "offload_dir": str(tmp_path / "aligned"), "engine": "threads"}))
+    config = types.SimpleNamespace(model=str(tmp_path / "model"), quantization=None, dtype=torch.float32)
+    with pytest.raises((ValueError, DeepNVMeError), match=error):
+        loader.load_weights(_Stack(), config)
+
+
+def test_a_model_that_is_not_a_local_safetensors_folder_is_one_clear_error(loader_cls, tmp_path):
+    cls, load_config = loader_cls
+    loader = cls(load_config(load_format="deepnvme_offload",
+                             model_loader_extra_config={"offload_dir": str(tmp_path / "a")}))
+    with pytest.raises(DeepNVMeError, match="'deepnvme_offload' reads a local model folder.*meta-llama"):
+        loader.download_model(types.SimpleNamespace(model="meta-llama/Llama-3.1-8B"))
+    torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(DeepNVMeError, match="holds no checkpoint.*model.safetensors"):
+        loader.download_model(types.SimpleNamespace(model=str(tmp_path)))

@@ -65,8 +65,9 @@ def test_single_file_and_default_engine(tmp_path):
     assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
 
 
-def test_at_most_two_ranges_are_read_ahead(folder, monkeypatch):
-    """When the consumer gets range k's tensors, buffers exist for ranges <= k + 1 only."""
+def test_the_next_range_and_no_more_is_read_ahead(folder, monkeypatch):
+    """When the consumer gets range k's tensors, range k + 1 is already being read (the read
+    overlaps the consumer's copies) and no range after it is: at most two ranges are held."""
     allocated = []
     real = _weights._Windows.take
 
@@ -76,12 +77,15 @@ def test_at_most_two_ranges_are_read_ahead(folder, monkeypatch):
 
     monkeypatch.setattr(_weights._Windows, "take", counting)
     options = loader_options({"read_window": 4096, "engine": "threads"})
-    ranges = _weights.plan_ranges(_weights.checkpoint_tensors(str(folder)), 4096)
+    tensors = _weights.checkpoint_tensors(str(folder))
+    ranges = _weights.plan_ranges(tensors, 4096)
     assert len(ranges) >= 4
     range_of = {t.name: i for i, r in enumerate(ranges) for t in r.tensors}
     for name, _ in stream_weights(str(folder), options):
-        assert len(allocated) <= range_of[name] + 2
+        assert len(allocated) == min(range_of[name] + 2, len(ranges)), name
     assert len(allocated) == len(ranges)
+    # each read is at most one window, or one tensor larger than it: never a whole shard
+    assert max(allocated) == max(4096, max(t.nbytes for t in tensors))
 
 
 def test_not_a_local_folder():

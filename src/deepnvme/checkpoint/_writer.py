@@ -31,7 +31,7 @@ from ._policy import retention_victims
 from ._store import FILE, FORMAT, MANIFEST, delete_step, list_steps, step_dir
 from .saver import StorageLayout
 
-__all__ = ["Job", "Writer"]
+__all__ = ["Job", "Writer", "explain_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Writer:
                 self._write(job)
             except BaseException as exc:  # delivered by wait() / the next save()
                 shutil.rmtree(job.building, ignore_errors=True)
-                job.future.set_exception(_explain(exc, job.step, self.directory))
+                job.future.set_exception(explain_failure(exc, job.step, self.directory))
             else:
                 job.future.set_result(None)
 
@@ -137,7 +137,7 @@ class Writer:
             out.set_exception(exc)
 
 
-def _explain(exc: BaseException, step: int, directory: str) -> BaseException:
+def explain_failure(exc: BaseException, step: int, directory: str) -> BaseException:
     """The error a failed save reports: I/O errors become a :class:`DeepNVMeIOError` with the same
     errno that names the step (the original is its ``__cause__``); others are logged with the step."""
     if isinstance(exc, OSError):

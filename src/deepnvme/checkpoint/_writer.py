@@ -111,8 +111,18 @@ class Writer:
         with open(os.path.join(job.building, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
         durable.publish_dir(job.building, step_dir(self.directory, job.step))
+        self._retire()
+
+    def _retire(self) -> None:
+        """Delete the oldest committed steps beyond ``keep``. The new step is committed by now,
+        so a failure here is logged, not reported as a failed save; the next save tries again."""
         for old in retention_victims(list_steps(self.directory), self._keep):
-            delete_step(self.directory, old)
+            try:
+                delete_step(self.directory, old)
+            except OSError as exc:
+                log.error("deepnvme.CheckpointManager: could not remove step %d from %r (keep=%s): %s; "
+                          "the next save tries again", old, self.directory, self._keep, exc)
+                return
             log.debug("deepnvme.CheckpointManager: removed step %d (keep=%s)", old, self._keep)
 
     def _write_items(self, job: Job, file: str) -> dict[str, int]:

@@ -377,3 +377,26 @@ def test_directory_is_created_and_a_reopened_manager_knows_the_newest_step(tmp_p
         state = {"w": torch.zeros(10), "n": None}
         assert mgr.restore(state, step=5) == 5  # a given step, not the newest
         assert torch.equal(state["w"], torch.full((10,), 5.0)) and state["n"] == 5
+
+
+def test_a_failed_removal_by_retention_is_logged_and_retried_not_a_failed_save(tmp_path, monkeypatch, caplog):
+    from deepnvme.checkpoint import _writer
+    real, calls = _writer.delete_step, []
+
+    def refuse_once(directory, step):
+        calls.append(step)
+        if len(calls) == 1:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), directory)
+        real(directory, step)
+
+    monkeypatch.setattr(_writer, "delete_step", refuse_once)
+    with deepnvme.CheckpointManager(tmp_path, keep=1) as mgr:
+        mgr.save(1, {"w": torch.ones(10)})
+        with caplog.at_level(logging.ERROR, logger="deepnvme"):
+            mgr.save(2, {"w": torch.ones(10)})
+            mgr.wait()  # step 2 was committed: nothing to raise
+        assert "could not remove step 1" in caplog.text
+        assert mgr.steps() == [1, 2]
+        mgr.save(3, {"w": torch.ones(10)})
+        mgr.wait()
+        assert mgr.steps() == [3] and calls == [1, 1, 2]

@@ -87,8 +87,11 @@ def test_checksums_catch_a_flipped_byte(tmp_path, algorithm, capsys):
     assert main(["verify", str(tmp_path)]) == 0
     assert "checksums match" in capsys.readouterr().out
     _corrupt(tmp_path, 2, "v")
-    with pytest.raises(deepnvme.CheckpointCorruptError, match=r"step 2: tensor 'v' fails its"):
+    with pytest.raises(deepnvme.CheckpointCorruptError, match=r"step 2: tensor 'v' fails its") as info:
         mgr.load()
+    assert isinstance(info.value, deepnvme.DeepNVMeError)
+    with pytest.raises(deepnvme.CheckpointCorruptError, match="step 2: tensor 'v'"):
+        deepnvme.CheckpointManager(tmp_path).load()  # a reader opened without checksums= checks them too
     with pytest.raises(deepnvme.CheckpointCorruptError, match="'v'"):
         mgr.restore({"w": torch.empty(50_000), "v": torch.empty(30_000)})
     assert mgr.load(1)["w"].numel() == 50_000  # the other step is fine
@@ -128,6 +131,12 @@ def test_plan_json_and_measure(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["save_seconds"] == pytest.approx(10.0) and plan["interval_steps"] == 657
     assert plan["overlap_min_interval_steps"] == 5 and 0 < plan["overhead_fraction"] < 0.1
+    assert plan["interval_hours"] == pytest.approx(657 * 2 / 3600)
+    assert main(["plan", "--checkpoint-gb", "100", "--write-gbps", "10", "--step-seconds", "2",
+                 "--mtbf-hours", "24"]) == 0
+    text = capsys.readouterr().out  # sqrt(2 x 10 s x 86400 s) = 1315 s = 657 steps of 2 s
+    assert "one save takes 10.00 s" in text and "657 steps = 0.365 h (1315 s before rounding)" in text
+    assert f"{plan['overhead_fraction']:.2%} of wall time" in text and "intervals >= 5 step(s)" in text
     assert main(["plan", "--checkpoint-gb", "0.01", "--measure", str(tmp_path), "--step-seconds", "1",
                  "--mtbf-hours", "1"]) == 0
     assert "one save takes" in capsys.readouterr().out

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import DeepNVMeIOError
+from ..errors import CheckpointFormatError, DeepNVMeIOError
 from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.file import reserve
@@ -29,9 +29,10 @@ from ._checksums import checksum, hasher
 from ._fence import FencedWrite, write_fenced
 from ._policy import retention_victims
 from ._store import FILE, FORMAT, MANIFEST, delete_step, list_steps, step_dir
+from ._stored import torch_skeleton
 from .saver import StorageLayout
 
-__all__ = ["Job", "Writer", "explain_failure"]
+__all__ = ["Job", "Writer", "explain_failure", "check_restorable"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Writer:
         file = os.path.join(job.building, FILE)
         start = time.perf_counter()
         try:
+            check_restorable(file, job.step)
             reserve(file, os.path.getsize(file))
             if job.fenced is not None:
                 fn = None if self._algorithm is None else hasher(self._algorithm)
@@ -145,6 +147,21 @@ class Writer:
                             for key, src in zip(job.layout.items, sources)})
         except BaseException as exc:
             out.set_exception(exc)
+
+
+def check_restorable(file: str, step: int) -> None:
+    """Refuse to commit a checkpoint that restore could not read back: the unpickler that reads it
+    (PyTorch's ``weights_only`` one, as ``torch.load`` uses by default) refuses classes it does not
+    know, e.g. a NumPy scalar or a user's dataclass among the plain data. Checked on the saved
+    skeleton (no tensor bytes), so the error comes at the next ``save()``/``wait()``, not at a
+    restore after a crash."""
+    try:
+        torch_skeleton(file)
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(
+            f"checkpoint step {step} was not saved: restore could not read it back ({exc}). Keep plain "
+            "data to builtins, containers and tensors (e.g. float() of a NumPy scalar), or register "
+            "its classes with torch.serialization.add_safe_globals before saving and restoring") from exc
 
 
 def explain_failure(exc: BaseException, step: int, directory: str) -> BaseException:

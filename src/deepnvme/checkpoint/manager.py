@@ -78,6 +78,10 @@ class SaveStats:
 class CheckpointManager:
     """Saves ``state`` dicts of a training loop into ``directory`` and restores them.
 
+    ``state`` holds modules, optimizers, LR schedulers (anything with ``state_dict()``), tensors
+    and plain data that ``torch.load(weights_only=True)`` reads back (builtins, containers;
+    other classes once registered with ``torch.serialization.add_safe_globals``; a save holding
+    anything else fails, see :func:`._writer.check_restorable`).
     ``keep``: newest committed checkpoints kept (None: all). ``every_steps``/``every_seconds``:
     when ``save()`` writes (neither: every call). ``mode``: ``"snapshot"`` or ``"fenced"`` (module
     docstring). ``checksums``: False, True (``"crc32c"``), ``"crc32c"`` or ``"xxh64"``. ``rng``:

@@ -3,6 +3,7 @@ retention, the lock, leftovers, ENOSPC and RNG states (the fence: test_manager_f
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -400,3 +401,27 @@ def test_a_failed_removal_by_retention_is_logged_and_retried_not_a_failed_save(t
         mgr.save(3, {"w": torch.ones(10)})
         mgr.wait()
         assert mgr.steps() == [3] and calls == [1, 1, 2]
+
+
+@dataclasses.dataclass
+class _Config:
+    lr: float = 0.1
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "fenced"])
+def test_plain_data_that_restore_cannot_read_fails_the_save_not_the_restore(tmp_path, mode):
+    np = pytest.importorskip("numpy")
+    w = torch.ones(1 << 17)
+    with deepnvme.CheckpointManager(tmp_path, mode=mode, keep=None) as mgr:
+        mgr.save(1, {"w": w, "best": 0.5})
+        for step, value in ((2, np.float64(0.25)), (3, _Config())):  # torch.load(weights_only) refuses both
+            mgr.save(step, {"w": w, "best": value})
+            with pytest.raises(deepnvme.CheckpointFormatError,
+                               match=f"step {step} was not saved: restore could not.*add_safe_globals"):
+                mgr.wait()
+        assert mgr.steps() == [1] and not [n for n in os.listdir(tmp_path) if n.startswith(".step-")]
+        with torch.serialization.safe_globals([_Config]):  # registered: saved and restored
+            mgr.save(4, {"w": w, "best": _Config(0.2)})
+            mgr.wait()
+            state = {"w": torch.zeros(1 << 17), "best": None}
+            assert mgr.restore(state) == 4 and state["best"] == _Config(0.2)

@@ -425,3 +425,38 @@ def test_plain_data_that_restore_cannot_read_fails_the_save_not_the_restore(tmp_
             mgr.wait()
             state = {"w": torch.zeros(1 << 17), "best": None}
             assert mgr.restore(state) == 4 and state["best"] == _Config(0.2)
+
+
+def test_rng_false_neither_saves_nor_restores_generator_states(tmp_path):
+    with deepnvme.CheckpointManager(tmp_path, rng=False) as mgr:
+        mgr.save(1, {"x": 1})
+    assert "_deepnvme_rng" not in mgr.load()
+    with deepnvme.CheckpointManager(tmp_path / "with", rng=True) as mgr:
+        mgr.save(1, {"x": 1})
+    torch.manual_seed(5)
+    random.seed(5)
+    want = (torch.rand(3), random.random())
+    torch.manual_seed(5)
+    random.seed(5)
+    deepnvme.CheckpointManager(tmp_path / "with", rng=False).restore({"x": 0})  # saved, not restored
+    assert torch.equal(torch.rand(3), want[0]) and random.random() == want[1]
+
+
+def test_a_live_writer_in_another_process_locks_the_directory(tmp_path):
+    code = ("import sys, deepnvme; m = deepnvme.CheckpointManager(sys.argv[1]); m.save(1, {'a': 1}); "
+            "m.wait(); print('locked', flush=True); sys.stdin.readline(); m.close()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(deepnvme.__file__))})
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        mgr = deepnvme.CheckpointManager(tmp_path)  # opening and reading need no lock
+        assert mgr.steps() == [1] and mgr.load()["a"] == 1
+        with pytest.raises(deepnvme.CheckpointLockedError, match=f"pid {proc.pid}"):
+            mgr.save(2, {"a": 2})
+    finally:
+        proc.communicate("\n", timeout=60)
+    assert proc.returncode == 0
+    assert mgr.save(2, {"a": 2})  # the writer closed: the directory is free
+    mgr.close()
+    assert mgr.steps() == [1, 2]

@@ -462,3 +462,17 @@ def test_a_live_writer_in_another_process_locks_the_directory(tmp_path):
     assert mgr.save(2, {"a": 2})  # the writer closed: the directory is free
     mgr.close()
     assert mgr.steps() == [1, 2]
+
+
+def test_config_reaches_the_writes_and_the_reads(tmp_path):
+    cfg = {"block_size": 1 << 16, "o_direct": False, "engine": "threads"}
+    with deepnvme.CheckpointManager(tmp_path, config=cfg) as mgr:
+        mgr.save(1, {"w": torch.arange(1 << 18, dtype=torch.float32)})
+        mgr.wait()
+        got = mgr._handle.config  # the writer's handle
+        assert (got.block_size, got.o_direct, got.engine) == (1 << 16, False, "threads")
+    with pytest.raises(deepnvme.ConfigError, match="block_size"):
+        deepnvme.CheckpointManager(tmp_path, config={"block_size": -1})
+    reader = deepnvme.CheckpointManager(tmp_path, config=cfg)
+    assert reader._config.block_size == 1 << 16
+    assert torch.equal(reader.load()["w"], torch.arange(1 << 18, dtype=torch.float32))

@@ -1,20 +1,29 @@
 """The one-writer lock of a checkpoint directory: ``fcntl.flock`` on ``<dir>/.deepnvme-writer.lock``.
 
 The kernel drops a flock when its holder's descriptor closes, so a killed writer never leaves
-the directory locked. The file holds the holder's pid and host for the error message only.
+the directory locked. The file holds the holder's pid and host for the error message, and
+marks a holder that only removes leftovers (a manager opening the directory, possibly a reader):
+a writer waits for such a holder instead of failing, so readers may open the directory at any
+time, even while the writer takes the lock at its first save.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
+import time
 
 from ..errors import CheckpointLockedError
 
 __all__ = ["LOCK_NAME", "DirectoryLock", "try_lock"]
 
+log = logging.getLogger(__name__)
+
 LOCK_NAME = ".deepnvme-writer.lock"
+TIDYING = "(removing leftovers)"  # ends the holder text of a lock taken only to remove leftovers
+_GRACE = 0.5  # seconds a writer retries any holder: one that just took the lock has not named itself yet
 
 
 class DirectoryLock:
@@ -31,24 +40,40 @@ class DirectoryLock:
             os.close(fd)  # closing the only descriptor drops the flock
 
 
-def try_lock(directory: str) -> DirectoryLock:
-    """Lock ``directory`` for writing; :class:`CheckpointLockedError` naming the holder if
-    another live process (or another manager in this one) holds it."""
+def try_lock(directory: str, *, tidying: bool = False, tidy_wait: float = 600.0) -> DirectoryLock:
+    """Lock ``directory``; :class:`CheckpointLockedError` naming the holder if another live
+    process (or another manager in this one) holds it.
+
+    ``tidying``: the lock is wanted only to remove leftovers; one attempt. Otherwise (a writer),
+    a holder that is tidying is waited for (up to ``tidy_wait`` seconds; removing a large
+    leftover can take seconds), and any holder for :data:`_GRACE` seconds.
+    """
     path = os.path.join(directory, LOCK_NAME)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    start = time.monotonic()
+    logged = False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "an unknown process"
-        os.close(fd)
-        raise CheckpointLockedError(
-            f"checkpoint directory {directory!r} is locked by another writer ({holder}); one "
-            f"CheckpointManager may save into a directory at a time (readers need no lock). "
-            f"Close the other manager or use another directory") from None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "an unknown process"
+                waited = time.monotonic() - start
+                if tidying or not (waited < _GRACE or (holder.endswith(TIDYING) and waited < tidy_wait)):
+                    raise CheckpointLockedError(
+                        f"checkpoint directory {directory!r} is locked by another writer ({holder}); one "
+                        f"CheckpointManager may save into a directory at a time (readers need no lock). "
+                        f"Close the other manager or use another directory") from None
+                if holder.endswith(TIDYING) and not logged:
+                    log.info("deepnvme.CheckpointManager: waiting for %s to finish removing leftovers "
+                             "in %s", holder, directory)
+                    logged = True
+                time.sleep(0.01)
     except BaseException:
         os.close(fd)
         raise
-    text = f"pid {os.getpid()} on {socket.gethostname()}\n".encode()
+    text = f"pid {os.getpid()} on {socket.gethostname()}{' ' + TIDYING if tidying else ''}\n".encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, text, 0)
     return DirectoryLock(fd, path)

@@ -27,7 +27,7 @@ from typing import Any
 from ..errors import CheckpointCorruptError
 from ..io import durable
 
-__all__ = ["FILE", "MANIFEST", "FORMAT", "step_dir", "list_steps", "new_building", "delete_step",
+__all__ = ["FILE", "MANIFEST", "FORMAT", "step_dir", "find_step_dirs", "list_steps", "new_building", "delete_step",
            "remove_leftovers", "find_leftovers", "read_manifest"]
 
 log = logging.getLogger(__name__)
@@ -44,18 +44,27 @@ def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:012d}")
 
 
-def list_steps(directory: str) -> list[int]:
-    """The committed steps in ``directory`` (a ``step-N`` directory holding a manifest), ascending."""
+def find_step_dirs(directory: str) -> list[tuple[int, str]]:
+    """Every ``step-N`` directory in ``directory``, complete or not: ``(N, path)``, ascending.
+
+    The manager never leaves an incomplete one (it publishes in one rename); ``deepnvme verify``
+    reports those that lost files some other way."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    steps = []
+    found = []
     for name in names:
         m = _STEP_RE.match(name)
-        if m is not None and os.path.isfile(os.path.join(directory, name, MANIFEST)):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+        path = os.path.join(directory, name)
+        if m is not None and os.path.isdir(path):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def list_steps(directory: str) -> list[int]:
+    """The committed steps in ``directory`` (a ``step-N`` directory holding a manifest), ascending."""
+    return [step for step, path in find_step_dirs(directory) if os.path.isfile(os.path.join(path, MANIFEST))]
 
 
 def _hidden(directory: str, step: int, kind: str) -> str:

@@ -13,7 +13,7 @@ import torch
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError, CheckpointFormatError
 from ._checksums import checksum, hasher, named_storages
-from ._store import FILE, MANIFEST, list_steps, read_manifest, step_dir
+from ._store import FILE, MANIFEST, find_step_dirs, read_manifest
 from .loader import load as load_file
 
 __all__ = ["load_checked", "open_checked", "check_tensors", "check_structure", "check_sums",
@@ -98,11 +98,12 @@ class CheckResult:
 
 
 def find_targets(path: str) -> list[tuple[str, int | None]]:
-    """The checkpoints at ``path``: itself if it is one checkpoint directory, else every committed
-    step of the manager directory ``path`` (step None: read from the manifest). Empty: none."""
+    """The checkpoints at ``path``: itself if it is one checkpoint directory, else every ``step-N``
+    directory of the manager directory ``path``, committed or not, so that one missing its
+    manifest is reported as incomplete (step None: read from the manifest). Empty: none."""
     if os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, FILE)):
         return [(path, None)]
-    return [(step_dir(path, s), s) for s in list_steps(path)]
+    return [(where, s) for s, where in find_step_dirs(path)]
 
 
 def check_one(path: str, step: int | None, *,

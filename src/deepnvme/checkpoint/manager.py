@@ -51,7 +51,7 @@ from ._restore import check_fit, open_skeleton, read_into
 from ._rng import capture_rng, restore_rng
 from ._store import FILE, list_steps, new_building, remove_leftovers, step_dir
 from ._verify import load_checked
-from ._writer import Job, Writer
+from ._writer import Job, Writer, explain_failure
 from .async_saver import ensure_arena
 from .saver import StorageLayout, write_skeleton
 
@@ -78,6 +78,10 @@ class SaveStats:
 class CheckpointManager:
     """Saves ``state`` dicts of a training loop into ``directory`` and restores them.
 
+    ``state`` holds modules, optimizers, LR schedulers (anything with ``state_dict()``), tensors
+    and plain data that ``torch.load(weights_only=True)`` reads back (builtins, containers;
+    other classes once registered with ``torch.serialization.add_safe_globals``; a save holding
+    anything else fails, see :func:`._writer.check_restorable`).
     ``keep``: newest committed checkpoints kept (None: all). ``every_steps``/``every_seconds``:
     when ``save()`` writes (neither: every call). ``mode``: ``"snapshot"`` or ``"fenced"`` (module
     docstring). ``checksums``: False, True (``"crc32c"``), ``"crc32c"`` or ``"xxh64"``. ``rng``:
@@ -130,7 +134,7 @@ class CheckpointManager:
     def _tidy(self) -> None:
         """Remove leftovers of killed runs now if no writer holds the directory."""
         try:
-            lock = try_lock(self.directory)
+            lock = try_lock(self.directory, tidying=True)
         except CheckpointLockedError:
             return  # a live writer owns the directory and its hidden directories
         try:
@@ -144,10 +148,13 @@ class CheckpointManager:
         """Start saving ``state`` as ``step`` if it is due (or ``force``); False if not due.
 
         Returns once the loop may go on (snapshot: after the copy; fenced: at once). Raises
-        ``ValueError`` for a step not greater than the newest saved or started one, and the
-        error of an earlier failed save not yet reported.
+        ``ValueError`` for a step not greater than the newest saved or started one, the error of
+        an earlier failed save not yet reported, and a :class:`DeepNVMeIOError` naming the step
+        when writing the file's skeleton fails here (a full disk); a save that fails here is not
+        counted (its step may be saved again; ``every_seconds`` still counts from the last save
+        that started writing, timed from the start of its ``save()`` call).
         """
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.monotonic()
         self._check_open()
         self._raise_failures()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -158,29 +165,34 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager.save: step {step} is not greater than the newest saved "
                              f"step {newest} in {self.directory!r}")
         due = is_due(step, first=newest is None, every_steps=self.every_steps,
-                     every_seconds=self.every_seconds, seconds_since_last=time.monotonic() - self._last_start)
+                     every_seconds=self.every_seconds, seconds_since_last=started - self._last_start)
         if not (due or force):
             return False
         saved = self._collect(state)
         writer = self._start_writer()
-        self._last_start, self._last_step = time.monotonic(), step
-        building = new_building(self.directory, step)
-        file = os.path.join(building, FILE)
+        building: str | None = None
         items: list[tuple[torch.Tensor, int]] | None = None
         fenced: FencedWrite | None = None
         release: Callable[[], None] | None = None
         try:
+            building = new_building(self.directory, step)
+            file = os.path.join(building, FILE)
             if self.mode == "snapshot":
                 layout, items, release = self._snapshot(saved, file)
             else:
                 layout = write_skeleton(saved, file)
                 fenced, release = self._fence(state, layout, file)
             names, order = record_names(saved, layout)
-        except BaseException:
+        except BaseException as exc:
             if release is not None:
                 release()
-            shutil.rmtree(building, ignore_errors=True)
+            if building is not None:
+                shutil.rmtree(building, ignore_errors=True)
+            if isinstance(exc, OSError):  # e.g. ENOSPC while writing the skeleton: name the step
+                raise explain_failure(exc, step, self.directory) from exc
             raise
+        # only a save that got this far counts: a failed one neither blocks its step nor the clock
+        self._last_start, self._last_step = started, step
         job = Job(step=step, building=building, layout=layout, names=names, order=order,
                   items=items, release=release, fenced=fenced)
         self._pending.append(job)

@@ -2,8 +2,9 @@
 
 Each checkpoint is read whole and compared with its manifest: file size, tensor names and
 sizes, and the per-tensor checksums when it has them (without them: structure and sizes only,
-and the output says so). Exit status: 0 all intact, 1 any corrupt or incomplete (named),
-2 no checkpoint at DIR (or a usage error).
+and the output says so). A ``step-N`` directory without its manifest (which the manager never
+lists) is reported as incomplete. Exit status: 0 all intact, 1 any corrupt or incomplete
+(named), 2 no checkpoint at DIR (or a usage error).
 """
 
 from __future__ import annotations

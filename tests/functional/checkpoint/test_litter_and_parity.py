@@ -164,6 +164,28 @@ def test_save_writes_through_a_symlink(tmp_path, kind):
     assert _temps(tmp_path) == [] and _temps(real_dir) == []
 
 
+def test_a_save_through_a_symlink_removes_what_a_killed_save_left_by_the_target(tmp_path):
+    real_dir = tmp_path / "real"
+    real_dir.mkdir()
+    link = tmp_path / "latest.pt"
+    link.symlink_to(real_dir / "ck.pt")
+    script = textwrap.dedent("""
+        import os, sys, torch, deepnvme
+        from deepnvme.handles.aio import AioHandle
+        def stop(*args, **kwargs):
+            os.kill(os.getpid(), 9)  # dies mid-save, like kill -9
+        AioHandle.write_many = stop
+        deepnvme.save({"w": torch.ones(1000)}, sys.argv[1])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, str(link)], env={**os.environ, "PYTHONPATH": SRC},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert len(_temps(real_dir)) == 1 and _temps(tmp_path) == []  # the temporary file sits by the target
+    deepnvme.save(_state(4.0), link)  # this process's first save there
+    assert _temps(real_dir) == [] and link.is_symlink()
+    assert torch.equal(torch.load(link, weights_only=True)["w"], _state(4.0)["w"])
+
+
 def test_save_to_a_dangling_symlink_creates_its_target(tmp_path):
     link = tmp_path / "latest.pt"
     link.symlink_to(tmp_path / "new.pt")

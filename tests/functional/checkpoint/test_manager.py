@@ -3,6 +3,7 @@ retention, the lock, leftovers, ENOSPC and RNG states (the fence: test_manager_f
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -281,3 +282,197 @@ def test_snapshot_second_arena_saves_without_waiting_for_the_previous_write(tmp_
         assert torch.equal(t, torch.arange(100_000, dtype=torch.float32) + step)
     with pytest.raises(ValueError, match="snapshot_arenas"):
         deepnvme.CheckpointManager(tmp_path, snapshot_arenas=0)
+
+
+class _SlowState:
+    """An object whose ``state_dict()`` takes ``delay`` seconds (a large model's, say)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.value = delay, 0
+
+    def state_dict(self):
+        time.sleep(self.delay)
+        return {"v": self.value}
+
+    def load_state_dict(self, sd) -> None:
+        self.value = sd["v"]
+
+
+def test_every_seconds_counts_from_the_start_of_the_last_save(tmp_path, monkeypatch):
+    from deepnvme.checkpoint import _writer
+    real = _writer.Writer._write_items
+
+    def slow(self, job, file):
+        time.sleep(0.6)
+        return real(self, job, file)
+
+    monkeypatch.setattr(_writer.Writer, "_write_items", slow)
+    with deepnvme.CheckpointManager(tmp_path, every_seconds=0.4, keep=None, snapshot_arenas=2) as mgr:
+        assert mgr.save(1, {"s": _SlowState(0.5)})  # first: due; its state_dict() takes 0.5 s
+        # 0.5 s since save 1 started, though it returned just now: due
+        assert mgr.save(2, {"s": _SlowState(0.0)})
+        assert not mgr.save(3, {"s": _SlowState(0.0)})  # save 2 started a moment ago
+        mgr.wait()  # save 2 commits about 1.2 s after it started
+        assert mgr.save(4, {"s": _SlowState(0.0)})  # counted from save 2's start, not its commit
+        mgr.wait()
+        assert mgr.steps() == [1, 2, 4]
+    with deepnvme.CheckpointManager(tmp_path, every_steps=5, every_seconds=0.3) as mgr:
+        assert mgr.save(5, {"s": 5})  # by steps, just opened
+        assert not mgr.save(6, {"s": 6})  # neither
+        time.sleep(0.35)
+        assert mgr.save(7, {"s": 7})  # by time
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "fenced"])
+def test_a_full_disk_at_save_names_the_step_and_the_step_can_be_saved_again(tmp_path, monkeypatch, mode):
+    from deepnvme.checkpoint import manager as manager_mod
+    real = manager_mod.write_skeleton
+
+    def full(obj, file):  # the disk fills while the training thread writes the skeleton
+        real(obj, file)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file)
+
+    with deepnvme.CheckpointManager(tmp_path, mode=mode, keep=1) as mgr:
+        assert mgr.save(1, {"w": torch.ones(1 << 16)})
+        mgr.wait()
+        monkeypatch.setattr(manager_mod, "write_skeleton", full)
+        with pytest.raises(deepnvme.DeepNVMeIOError) as info:
+            mgr.save(2, {"w": torch.zeros(1 << 16)})
+        assert info.value.errno == errno.ENOSPC and isinstance(info.value.__cause__, OSError)
+        assert "step 2 was not saved" in str(info.value) and "earlier checkpoints are intact" in str(info.value)
+        assert sorted(os.listdir(tmp_path)) == [".deepnvme-writer.lock", "step-000000000001"]
+        assert torch.equal(mgr.load()["w"], torch.ones(1 << 16))
+        monkeypatch.setattr(manager_mod, "write_skeleton", real)
+        assert mgr.save(2, {"w": torch.zeros(1 << 16)})  # not "not greater than the newest step 2"
+    assert mgr.steps() == [2]
+
+
+def test_a_writer_waits_for_a_manager_that_is_removing_leftovers(tmp_path):
+    from deepnvme.checkpoint._lock import try_lock
+    tidy = try_lock(str(tmp_path), tidying=True)  # what opening a manager (a reader's too) holds briefly
+    with deepnvme.CheckpointManager(tmp_path) as mgr:
+        timer = threading.Timer(1.0, tidy.release)
+        timer.start()
+        start = time.monotonic()
+        assert mgr.save(1, {"a": 1})  # waits for the tidying holder instead of failing
+        assert time.monotonic() - start >= 0.9
+        timer.join()
+    assert mgr.steps() == [1]
+    with deepnvme.CheckpointManager(tmp_path) as writer:
+        writer.save(2, {"a": 2})
+        with pytest.raises(deepnvme.CheckpointLockedError):
+            try_lock(str(tmp_path), tidying=True)  # tidying never waits for a writer
+
+
+def test_directory_is_created_and_a_reopened_manager_knows_the_newest_step(tmp_path):
+    where = tmp_path / "a" / "b"
+    with deepnvme.CheckpointManager(where, keep=None, rng=False) as mgr:
+        for step in (5, 6):
+            mgr.save(step, {"w": torch.full((10,), float(step)), "n": step})
+    assert where.is_dir()
+    with deepnvme.CheckpointManager(where, keep=None) as mgr:
+        with pytest.raises(ValueError, match="not greater than the newest saved step 6"):
+            mgr.save(6, {"w": torch.zeros(10), "n": 0})
+        with pytest.raises(ValueError, match="not greater"):
+            mgr.save(3, {"w": torch.zeros(10), "n": 0}, force=True)
+        state = {"w": torch.zeros(10), "n": None}
+        assert mgr.restore(state, step=5) == 5  # a given step, not the newest
+        assert torch.equal(state["w"], torch.full((10,), 5.0)) and state["n"] == 5
+
+
+def test_a_failed_removal_by_retention_is_logged_and_retried_not_a_failed_save(tmp_path, monkeypatch, caplog):
+    from deepnvme.checkpoint import _writer
+    real, calls = _writer.delete_step, []
+
+    def refuse_once(directory, step):
+        calls.append(step)
+        if len(calls) == 1:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), directory)
+        real(directory, step)
+
+    monkeypatch.setattr(_writer, "delete_step", refuse_once)
+    with deepnvme.CheckpointManager(tmp_path, keep=1) as mgr:
+        mgr.save(1, {"w": torch.ones(10)})
+        with caplog.at_level(logging.ERROR, logger="deepnvme"):
+            mgr.save(2, {"w": torch.ones(10)})
+            mgr.wait()  # step 2 was committed: nothing to raise
+        assert "could not remove step 1" in caplog.text
+        assert mgr.steps() == [1, 2]
+        mgr.save(3, {"w": torch.ones(10)})
+        mgr.wait()
+        assert mgr.steps() == [3] and calls == [1, 1, 2]
+
+
+@dataclasses.dataclass
+class _Config:
+    lr: float = 0.1
+
+
+@pytest.mark.parametrize("mode, scan", [("snapshot", True), ("fenced", True), ("snapshot", False)])
+def test_plain_data_that_restore_cannot_read_fails_the_save_not_the_restore(tmp_path, monkeypatch, mode, scan):
+    np = pytest.importorskip("numpy")
+    if not scan:  # a torch without the globals scan: the check unpickles the skeleton instead
+        monkeypatch.delattr(torch.serialization, "get_unsafe_globals_in_checkpoint", raising=False)
+    w = torch.ones(1 << 17)
+    with deepnvme.CheckpointManager(tmp_path, mode=mode, keep=None) as mgr:
+        mgr.save(1, {"w": w, "best": 0.5})
+        for step, value in ((2, np.float64(0.25)), (3, _Config())):  # torch.load(weights_only) refuses both
+            mgr.save(step, {"w": w, "best": value})
+            with pytest.raises(deepnvme.CheckpointFormatError,
+                               match=f"step {step} was not saved: restore could not.*add_safe_globals"):
+                mgr.wait()
+        assert mgr.steps() == [1] and not [n for n in os.listdir(tmp_path) if n.startswith(".step-")]
+        with torch.serialization.safe_globals([_Config]):  # registered: saved and restored
+            mgr.save(4, {"w": w, "best": _Config(0.2)})
+            mgr.wait()
+            state = {"w": torch.zeros(1 << 17), "best": None}
+            assert mgr.restore(state) == 4 and state["best"] == _Config(0.2)
+
+
+def test_rng_false_neither_saves_nor_restores_generator_states(tmp_path):
+    with deepnvme.CheckpointManager(tmp_path, rng=False) as mgr:
+        mgr.save(1, {"x": 1})
+    assert "_deepnvme_rng" not in mgr.load()
+    with deepnvme.CheckpointManager(tmp_path / "with", rng=True) as mgr:
+        mgr.save(1, {"x": 1})
+    torch.manual_seed(5)
+    random.seed(5)
+    want = (torch.rand(3), random.random())
+    torch.manual_seed(5)
+    random.seed(5)
+    deepnvme.CheckpointManager(tmp_path / "with", rng=False).restore({"x": 0})  # saved, not restored
+    assert torch.equal(torch.rand(3), want[0]) and random.random() == want[1]
+
+
+def test_a_live_writer_in_another_process_locks_the_directory(tmp_path):
+    code = ("import sys, deepnvme; m = deepnvme.CheckpointManager(sys.argv[1]); m.save(1, {'a': 1}); "
+            "m.wait(); print('locked', flush=True); sys.stdin.readline(); m.close()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(deepnvme.__file__))})
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        mgr = deepnvme.CheckpointManager(tmp_path)  # opening and reading need no lock
+        assert mgr.steps() == [1] and mgr.load()["a"] == 1
+        with pytest.raises(deepnvme.CheckpointLockedError, match=f"pid {proc.pid}"):
+            mgr.save(2, {"a": 2})
+    finally:
+        proc.communicate("\n", timeout=60)
+    assert proc.returncode == 0
+    assert mgr.save(2, {"a": 2})  # the writer closed: the directory is free
+    mgr.close()
+    assert mgr.steps() == [1, 2]
+
+
+def test_config_reaches_the_writes_and_the_reads(tmp_path):
+    cfg = {"block_size": 1 << 16, "o_direct": False, "engine": "threads"}
+    with deepnvme.CheckpointManager(tmp_path, config=cfg) as mgr:
+        mgr.save(1, {"w": torch.arange(1 << 18, dtype=torch.float32)})
+        mgr.wait()
+        got = mgr._handle.config  # the writer's handle
+        assert (got.block_size, got.o_direct, got.engine) == (1 << 16, False, "threads")
+    with pytest.raises(deepnvme.ConfigError, match="block_size"):
+        deepnvme.CheckpointManager(tmp_path, config={"block_size": -1})
+    reader = deepnvme.CheckpointManager(tmp_path, config=cfg)
+    assert reader._config.block_size == 1 << 16
+    assert torch.equal(reader.load()["w"], torch.arange(1 << 18, dtype=torch.float32))

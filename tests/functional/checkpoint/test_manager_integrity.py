@@ -87,8 +87,11 @@ def test_checksums_catch_a_flipped_byte(tmp_path, algorithm, capsys):
     assert main(["verify", str(tmp_path)]) == 0
     assert "checksums match" in capsys.readouterr().out
     _corrupt(tmp_path, 2, "v")
-    with pytest.raises(deepnvme.CheckpointCorruptError, match=r"step 2: tensor 'v' fails its"):
+    with pytest.raises(deepnvme.CheckpointCorruptError, match=r"step 2: tensor 'v' fails its") as info:
         mgr.load()
+    assert isinstance(info.value, deepnvme.DeepNVMeError)
+    with pytest.raises(deepnvme.CheckpointCorruptError, match="step 2: tensor 'v'"):
+        deepnvme.CheckpointManager(tmp_path).load()  # a reader opened without checksums= checks them too
     with pytest.raises(deepnvme.CheckpointCorruptError, match="'v'"):
         mgr.restore({"w": torch.empty(50_000), "v": torch.empty(30_000)})
     assert mgr.load(1)["w"].numel() == 50_000  # the other step is fine
@@ -128,8 +131,75 @@ def test_plan_json_and_measure(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["save_seconds"] == pytest.approx(10.0) and plan["interval_steps"] == 657
     assert plan["overlap_min_interval_steps"] == 5 and 0 < plan["overhead_fraction"] < 0.1
+    assert plan["interval_hours"] == pytest.approx(657 * 2 / 3600)
+    assert main(["plan", "--checkpoint-gb", "100", "--write-gbps", "10", "--step-seconds", "2",
+                 "--mtbf-hours", "24"]) == 0
+    text = capsys.readouterr().out  # sqrt(2 x 10 s x 86400 s) = 1315 s = 657 steps of 2 s
+    assert "one save takes 10.00 s" in text and "657 steps = 0.365 h (1315 s before rounding)" in text
+    assert f"{plan['overhead_fraction']:.2%} of wall time" in text and "intervals >= 5 step(s)" in text
     assert main(["plan", "--checkpoint-gb", "0.01", "--measure", str(tmp_path), "--step-seconds", "1",
                  "--mtbf-hours", "1"]) == 0
     assert "one save takes" in capsys.readouterr().out
     assert os.listdir(tmp_path) == []  # the measurement file is gone
     assert main(["plan", "--checkpoint-gb", "1", "--step-seconds", "1", "--mtbf-hours", "1"]) == 2
+
+
+_KILL_AT = textwrap.dedent("""
+    import os, sys, types, torch, deepnvme
+    from deepnvme.checkpoint import _store, _writer, manager
+    directory, mode, point = sys.argv[1:4]
+
+    def die(*args, **kwargs):
+        print("dying", flush=True)
+        os.kill(os.getpid(), 9)
+
+    mgr = deepnvme.CheckpointManager(directory, keep=1, mode=mode, checksums=True)
+    w = torch.nn.Parameter(torch.full((1 << 18,), 1.0))
+    opt = torch.optim.SGD([w], lr=1.0)
+    mgr.save(1, {"w": w, "opt": opt, "step": 1})
+    mgr.wait()
+    if point == "skeleton":  # on the training thread: skeleton written, no tensor bytes yet
+        real = manager.write_skeleton
+        manager.write_skeleton = lambda obj, file: (real(obj, file), die())
+    elif point == "publish":  # every byte and the manifest written, not yet renamed into place
+        _writer.durable = types.SimpleNamespace(publish_dir=die)
+    else:  # "retire": step 2 committed, step 1 renamed away and being deleted
+        _store.shutil = types.SimpleNamespace(rmtree=die)
+    with torch.no_grad():
+        w.fill_(2.0)
+    mgr.save(2, {"w": w, "opt": opt, "step": 2})
+    mgr.wait()
+    print("survived", flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "fenced"])
+@pytest.mark.parametrize("point, newest, leftover", [("skeleton", 1, "building"), ("publish", 1, "building"),
+                                                    ("retire", 2, "deleting")])
+def test_sigkill_at_each_stage_of_a_save(tmp_path, caplog, mode, point, newest, leftover):
+    proc = subprocess.run([sys.executable, "-c", _KILL_AT, str(tmp_path), mode, point], env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL and proc.stdout == "dying\n", proc.stderr
+    hidden = [n for n in os.listdir(tmp_path) if n.startswith(".step-")]
+    assert len(hidden) == 1 and f".deepnvme-{leftover}-" in hidden[0]  # the kill left one behind
+    assert main(["verify", str(tmp_path)]) == 0  # the committed step is whole; the leftover is no step
+    with caplog.at_level("WARNING", logger="deepnvme"):
+        reader = deepnvme.CheckpointManager(tmp_path)
+    assert f"removed {tmp_path / hidden[0]}" in caplog.text and not (tmp_path / hidden[0]).exists()
+    assert reader.steps() == [newest]
+    w = torch.nn.Parameter(torch.zeros(1 << 18))
+    state = {"w": w, "opt": torch.optim.SGD([w], lr=1.0), "step": None}
+    assert reader.restore(state) == newest and state["step"] == newest
+    assert torch.equal(w.detach(), torch.full((1 << 18,), float(newest)))
+
+
+def test_verify_names_a_step_directory_that_lost_its_manifest(tmp_path, capsys):
+    with deepnvme.CheckpointManager(tmp_path, keep=None) as mgr:
+        mgr.save(1, {"w": torch.randn(1000)})
+        mgr.save(2, {"w": torch.randn(1000)})
+    os.unlink(os.path.join(step_dir(str(tmp_path), 1), "manifest.json"))
+    assert mgr.steps() == [2]  # not a committed checkpoint any more
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "step 1: checkpoint step 1 is incomplete" in out and "manifest.json' is missing" in out
+    assert "ok       step 2" in out and "1 of 2 checkpoints intact" in out

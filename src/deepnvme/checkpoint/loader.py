@@ -21,6 +21,7 @@ import torch
 
 from ..config import IOConfig, checkpoint_config
 from ..errors import CheckpointFormatError, DeepNVMeIOError
+from ..formats.safetensors import ZIP_MAGIC, looks_like_safetensors
 from ..formats.torchzip import (
     RecordSpan,
     batch_small_records,
@@ -132,9 +133,13 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
-            if magic != b"PK\x03\x04":
+            if magic != ZIP_MAGIC:
                 if not magic:
                     raise CheckpointFormatError(f"{path!r} is empty: not a checkpoint")
+                if looks_like_safetensors(path):
+                    raise CheckpointFormatError(
+                        f"{path!r} is a safetensors file, not a torch.save file: read it with "
+                        "deepnvme.load_safetensors (or fill a model with deepnvme.load_into)")
                 return torch.load(path, map_location=map_location, weights_only=weights_only)
             spans = storage_spans(read_record_spans(f, path=path, file_size=os.fstat(f.fileno()).st_size))
     except FileNotFoundError as exc:

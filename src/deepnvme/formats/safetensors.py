@@ -23,7 +23,8 @@ import torch
 
 from ..errors import CheckpointFormatError
 
-__all__ = ["ALIGNMENT", "MAX_HEADER", "DTYPES", "TensorEntry", "SafetensorsHeader", "dtype_name",
+__all__ = ["ALIGNMENT", "MAX_HEADER", "ZIP_MAGIC", "looks_like_safetensors",
+           "DTYPES", "TensorEntry", "SafetensorsHeader", "dtype_name",
            "build_header", "header_length", "parse_header", "read_header", "StoredTensor", "locate"]
 
 ALIGNMENT = 4096
@@ -124,19 +125,39 @@ def build_header(tensors: Iterable[tuple[str, torch.dtype, Sequence[int]]],
     return _LENGTH.pack(len(raw)) + raw, SafetensorsHeader(layout, dict(metadata or {}), 8 + len(raw), pos)
 
 
+ZIP_MAGIC = b"PK\x03\x04"   # the first bytes of a torch.save (zip) file
+
+
 def header_length(prefix: bytes, *, file: str, file_size: int) -> int:
     """The JSON length N from the file's first 8 bytes, checked against the cap and ``file_size``."""
     if len(prefix) < 8 or file_size < 8:
         raise CheckpointFormatError(f"{file!r}: too short for a safetensors file ({file_size} bytes; "
                                     "the header length alone takes 8)")
     (n,) = _LENGTH.unpack_from(prefix)
+    hint = ("; it is a zip file, as torch.save writes: read it with deepnvme.load"
+            if prefix.startswith(ZIP_MAGIC) else "")
     if n > MAX_HEADER:
         raise CheckpointFormatError(f"{file!r}: header length {n} exceeds the safetensors limit of "
-                                    f"{MAX_HEADER} bytes (corrupted or not a safetensors file)")
+                                    f"{MAX_HEADER} bytes (corrupted or not a safetensors file){hint}")
     if 8 + n > file_size:
         raise CheckpointFormatError(f"{file!r}: header length {n} runs past the end of the file "
-                                    f"({file_size} bytes; truncated or not a safetensors file)")
+                                    f"({file_size} bytes; truncated or not a safetensors file){hint}")
     return int(n)
+
+
+def looks_like_safetensors(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` starts as a safetensors file does (a header length that fits the file,
+    then ``{``): for telling the formats apart by content, whatever the file's name."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 9:
+        return False
+    (n,) = _LENGTH.unpack_from(head)
+    return bool(2 <= n <= MAX_HEADER and 8 + n <= size and head[8:9] == b"{")
 
 
 def _no_duplicates(file: str) -> Any:

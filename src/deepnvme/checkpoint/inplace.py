@@ -49,7 +49,8 @@ def load_into(target: torch.nn.Module | MutableMapping[str, torch.Tensor],
     ``path`` is a ``.safetensors`` file, a ``torch.save`` file of a state dict, or a Hugging Face
     folder: ``model.safetensors``, ``model.safetensors.index.json`` and its shards,
     ``pytorch_model.bin``, or ``pytorch_model.bin.index.json`` and its shards (only the files
-    the index names are read). Targets may be on CPU or CUDA.
+    the index names are read); a file's format is told by its bytes, not its name. Targets may be
+    on CPU or CUDA.
 
     Order of failures: a malformed file raises :class:`CheckpointFormatError`; then one
     :class:`CheckpointMismatchError` lists every shape mismatch and every dtype pair

@@ -106,14 +106,9 @@ class NVMeOptimizer(torch.optim.Optimizer):
         for name in _HOOK_DICTS:
             setattr(self, name, OrderedDict())
         self._patch_step_function()
-        self._offload = _find_offload(self._all_params())
-        if self._offload is not None:
-            self._offload.check_updatable(p for _, p in self._all_params())
         self.sub_group_bytes = int(sub_group_bytes)
-        if self._offload is not None and self.sub_group_bytes > self._offload.update_bytes():
-            self.sub_group_bytes = self._offload.update_bytes()
-            log.info("NVMeOptimizer: sub_group_bytes lowered to %d to fit the parameter "
-                     "offload's budget", self.sub_group_bytes)
+        self._offload: Any = None
+        self._join_offload(self._all_params())
         self._probes: dict[tuple[int, torch.dtype, tuple[int, ...]], list[tuple[float, int]]] = {}
         self._groups: list[list[tuple[int, torch.Tensor]]] = []   # (group index, param)
         self._layouts: list[StateLayout | None] = []              # None: state is in memory
@@ -156,14 +151,30 @@ class NVMeOptimizer(torch.optim.Optimizer):
         if self._offload is not None:
             self._offload.zero_grad()
 
+    def _join_offload(self, params: list[tuple[int, torch.Tensor]]) -> None:
+        """Find the parameter offload holding any of ``params`` (one per optimizer), check that
+        each of them can be updated within its budget, and fit the sub-groups to that budget."""
+        found = _find_offload(self._all_params())
+        if found is None:
+            return
+        found.check_updatable(p for _, p in params)
+        self._offload = found
+        if self.sub_group_bytes > found.update_bytes():
+            self.sub_group_bytes = found.update_bytes()
+            log.info("NVMeOptimizer: sub_group_bytes lowered to %d to fit the parameter "
+                     "offload's budget", self.sub_group_bytes)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer; its parameters form new sub-groups."""
+        """Add a group to the wrapped optimizer; its parameters form new sub-groups (offloaded
+        parameters among them are updated through their offload, as at construction)."""
         known = {id(p) for sub in self._groups for _, p in sub}
         n_groups, n_subs = len(self.optimizer.param_groups), len(self._groups)
+        offload, sub_group_bytes = self._offload, self.sub_group_bytes
         self.optimizer.add_param_group(param_group)
         try:
             fresh = [(gi, p) for gi, p in self._all_params() if id(p) not in known]
             _check_cpu(fresh)
+            self._join_offload(fresh)
             bounds = self._add_sub_groups(fresh)
             swapper = getattr(self, "_swapper", None)
             if swapper is not None and max(bounds + [0]) > swapper.buffer_bytes:
@@ -171,6 +182,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
                                  f"the swap buffers hold {swapper.buffer_bytes}; create the "
                                  "NVMeOptimizer with all groups, or with a larger parameter first")
         except BaseException:  # leave the optimizer as it was: the group is not added
+            self._offload, self.sub_group_bytes = offload, sub_group_bytes
             del self.optimizer.param_groups[n_groups:]
             del self._groups[n_subs:], self._layouts[n_subs:]
             for key in [k for k in self._probes if k[0] >= n_groups]:

@@ -50,19 +50,21 @@ def _verify(args: argparse.Namespace) -> int:
     results = run_verify(args.directory, progress=not args.json)
     bad = [r for r in results if r.problem is not None]
     status = 2 if not results else 1 if bad else 0
+    leftovers = find_leftovers(args.directory) if os.path.isdir(args.directory) else []
     if args.json:
         print_json({"path": os.path.abspath(args.directory), "status": status,
-                    "checkpoints": [dataclasses.asdict(r) for r in results]})
-        return status
-    if not results:
-        print(f"no checkpoint in {os.path.abspath(args.directory)}")
+                    "checkpoints": [dataclasses.asdict(r) for r in results],
+                    "leftovers": leftovers})
         return status
     for result in results:
         print(_line(result))
-    for leftover in find_leftovers(args.directory):
+    for leftover in leftovers:
         print(f"note     {leftover}: left by an interrupted save or removal, not a checkpoint "
               "(the next CheckpointManager that writes here removes it)")
-    print(f"{len(results) - len(bad)} of {len(results)} checkpoints intact")
+    if not results:
+        print(f"no checkpoint in {os.path.abspath(args.directory)}")
+    else:
+        print(f"{len(results) - len(bad)} of {len(results)} checkpoints intact")
     return status
 
 

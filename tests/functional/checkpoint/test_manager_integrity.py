@@ -125,6 +125,16 @@ def test_verify_no_checkpoint_is_exit_2(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "missing")]) == 2
 
 
+def test_verify_of_only_leftovers_is_exit_2_and_names_them(tmp_path, capsys):
+    leftover = tmp_path / ".step-3.deepnvme-building-123-abc"   # a save killed before its commit
+    leftover.mkdir()
+    assert main(["verify", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert f"note     {leftover}: left by an interrupted save" in out and "no checkpoint" in out
+    assert main(["verify", str(tmp_path), "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["leftovers"] == [str(leftover)]
+
+
 def test_plan_json_and_measure(tmp_path, capsys):
     assert main(["plan", "--checkpoint-gb", "100", "--write-gbps", "10", "--step-seconds", "2",
                  "--mtbf-hours", "24", "--json"]) == 0

@@ -89,9 +89,12 @@ def _read_index(path: str) -> bytes:
     return raw
 
 
-def find_checkpoint(path: str, kinds: Sequence[Kind] = ("safetensors", "torch")) -> CheckpointFiles:
+def find_checkpoint(path: str, kinds: Sequence[Kind] = ("safetensors", "torch"), *,
+                    any_safetensors: bool = False) -> CheckpointFiles:
     """The checkpoint at ``path``: a file (its kind from its name), or a folder searched in
-    :data:`LAYOUTS` order for the given ``kinds`` (a single file before an index)."""
+    :data:`LAYOUTS` order for the given ``kinds`` (a single file before an index).
+    ``any_safetensors``: a folder with neither then gives every ``*.safetensors`` file in it, as
+    vLLM's default loader takes them (``consolidated.safetensors``, shards without an index)."""
     if not os.path.isdir(path):
         if not os.path.exists(path):
             raise FileNotFoundError(2, "no such checkpoint file or folder", path)
@@ -112,7 +115,14 @@ def find_checkpoint(path: str, kinds: Sequence[Kind] = ("safetensors", "torch"))
                     raise CheckpointFormatError(f"{index!r} names shard {os.path.basename(shard)!r}, "
                                                 "which is not in the folder")
             return CheckpointFiles(kind, files, weight_map, index)
+    if any_safetensors and "safetensors" in kinds:
+        loose = sorted(os.path.join(path, n) for n in os.listdir(path)
+                       if n.endswith(".safetensors") and os.path.isfile(os.path.join(path, n)))
+        if loose:
+            return CheckpointFiles("safetensors", tuple(loose))
     wanted = [name for kind, single, index in LAYOUTS if kind in kinds for name in (index, single)]
+    if any_safetensors and "safetensors" in kinds:
+        wanted.append("any *.safetensors file")
     raise CheckpointFormatError(f"{path!r} holds no checkpoint: it holds none of {', '.join(wanted)}")
 
 

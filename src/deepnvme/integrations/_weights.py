@@ -135,7 +135,7 @@ def checkpoint_tensors(model_dir: str, *, load_format: str = "deepnvme") -> list
         raise DeepNVMeError(f"load_format {load_format!r} reads a local model folder, and {model_dir!r} is "
                             "not one: download the model first (e.g. `hf download REPO --local-dir "
                             "DIR`) and pass DIR as the model")
-    files = find_checkpoint(model_dir, kinds=("safetensors",))
+    files = find_checkpoint(model_dir, kinds=("safetensors",), any_safetensors=True)
     found: dict[str, str] = {}
     out: list[StoredTensor] = []
     for path in files.files:

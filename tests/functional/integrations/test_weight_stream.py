@@ -95,8 +95,21 @@ def test_not_a_local_folder():
 
 def test_folder_without_safetensors(tmp_path):
     torch.save({"a": torch.ones(2)}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(CheckpointFormatError, match="model.safetensors"):
+    with pytest.raises(CheckpointFormatError, match=r"model.safetensors.*any \*.safetensors file"):
         next(stream_weights(str(tmp_path), loader_options({})))
+
+
+def test_without_an_index_every_safetensors_file_is_read_as_vllm_does(folder):
+    """No ``model.safetensors`` and no index (``consolidated.safetensors``, loose shards): every
+    ``*.safetensors`` file of the folder, as vLLM's default loader takes them."""
+    os.remove(folder / "model.safetensors.index.json")
+    os.remove(folder / "stray.safetensors")
+    expected = {}
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        expected.update(safetensors_torch.load_file(str(folder / name)))
+    got = dict(stream_weights(str(folder), loader_options({})))
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
 
 
 def test_index_naming_a_missing_shard(folder):

@@ -94,7 +94,8 @@ def run_mode(args: argparse.Namespace) -> dict:
             model = make_model(args.layers, args.dim)
         offload = deepnvme.offload_parameters(model, args.dir, max_in_memory_bytes=budget,
                                               prefetch=args.prefetch, config=config, source=init,
-                                              min_offload_bytes=args.min_offload_bytes)
+                                              min_offload_bytes=args.min_offload_bytes,
+                                              offload_gradients=not args.keep_gradients)
         opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=args.dir,
                                      config=config, buffer_count=args.buffers, lr=1e-4,
                                      update_threads=("auto" if args.update_threads is None
@@ -127,7 +128,7 @@ def spawn(args: argparse.Namespace, mode: str) -> dict:
     python = args.ds_python if mode == "deepspeed" else sys.executable
     cmd = [python, __file__, "--child", mode, "--dir", args.dir]
     for k in ("layers", "dim", "batch", "budget_mib", "steps", "buffers", "prefetch", "block_size",
-              "io_threads", "threads", "min_offload_bytes", "update_threads"):
+              "io_threads", "threads", "min_offload_bytes", "update_threads", "keep_gradients"):
         if getattr(args, k) is not None:
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -162,6 +163,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--update-threads", type=int, default=None,
                     help="NVMeOptimizer's update_threads (torch threads for AdamW's update while "
                          "the I/O runs; default: the library's \"auto\")")
+    ap.add_argument("--keep-gradients", type=int, choices=[0, 1], default=0,
+                    help="1: offload_parameters(offload_gradients=False), gradients kept in memory "
+                         "as DeepSpeed's ZeRO-3 keeps them")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--report", help="only print the table of a --json file written earlier")
     ap.add_argument("--ds-python", default=None,

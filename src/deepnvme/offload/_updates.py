@@ -43,8 +43,8 @@ class UpdateSide:
         resident small parameters (found when the optimizer is built, not after a backward)."""
         store = self._store
         room = store.budget - store.resident_bytes
-        for p, d, _ in self._pairs(params):
-            need = d.nbytes * (2 if p.requires_grad else 1)
+        for p, d, g in self._pairs(params):
+            need = d.nbytes * (2 if p.requires_grad and not g.resident else 1)
             if not d.resident and need > room:
                 raise OffloadMemoryError(
                     f"parameter {d.name} needs {need} bytes in memory for its optimizer update "

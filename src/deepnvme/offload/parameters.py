@@ -31,6 +31,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
+from ..memory.heap import mapped_empty
 from ._gradients import accept_gradient
 from ._order import OrderTracker
 from ._sources import Init, Source, make_source
@@ -41,6 +42,7 @@ __all__ = ["OffloadStats", "ParameterOffload", "offload_parameters", "register_e
 
 log = logging.getLogger(__name__)
 
+_GRAD_ALIGN = 64   # bytes between gradients kept in memory (offload_gradients=False)
 STORE_ATTRIBUTE = "_deepnvme_offload"   # set on each offloaded Parameter: its ParameterOffload
 #: parameters smaller than this (bytes) stay in memory with their gradients, by default
 MIN_OFFLOAD_BYTES = 64 << 10
@@ -77,13 +79,15 @@ class ParameterOffload(UpdateSide):
                  max_in_memory_bytes: int, prefetch: int = 2, dtype: torch.dtype | None = None,
                  config: IOConfig | None = None,
                  source: str | os.PathLike[str] | Init | None = None,
-                 min_offload_bytes: int | None = None) -> None:
+                 min_offload_bytes: int | None = None, offload_gradients: bool = True) -> None:
         if max_in_memory_bytes < 1:
             raise OffloadMemoryError(f"max_in_memory_bytes must be >= 1, got {max_in_memory_bytes}")
         if min_offload_bytes is not None and min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes must be >= 0, got {min_offload_bytes}")
         self.model = model
         self._min_offload = MIN_OFFLOAD_BYTES if min_offload_bytes is None else min_offload_bytes
+        self.offload_gradients = bool(offload_gradients)
+        self._gradients: torch.Tensor | None = None   # with offload_gradients=False: their memory
         self._store = TensorStore(directory, budget=max_in_memory_bytes, config=config)
         self._forward = OrderTracker(prefetch)
         self._backward = OrderTracker(prefetch)
@@ -136,7 +140,25 @@ class ParameterOffload(UpdateSide):
                         f"parameters, more than max_in_memory_bytes={self._store.budget}; raise it")
                 self._add_unit(module, mname, unit)
         self._store.pack_resident()
+        if not self.offload_gradients:
+            self._keep_gradients()
         self._store.wait_writes()
+
+    def _keep_gradients(self) -> None:
+        """``offload_gradients=False``: give every offloaded parameter's gradient a place in one
+        anonymous mapping (pages become resident when a backward first writes them), outside
+        the budget, as DeepSpeed's ZeRO-3 keeps its gradient partitions in memory: no gradient
+        is written after the backward and read back for the update."""
+        grads = [g for d, g in self._entries.values() if not g.resident and d.param.requires_grad]
+        sizes = [-(-g.nbytes // _GRAD_ALIGN) * _GRAD_ALIGN for g in grads]
+        if not grads:
+            return
+        self._gradients = arena = mapped_empty(sum(sizes))
+        at = 0
+        for g, size in zip(grads, sizes):
+            g.tensor = arena[at:at + g.nbytes].view(g.dtype).view(g.shape)
+            g.resident = True   # kept in memory, never written; valid from the first backward
+            at += size
 
     def _materialize(self, prefix: str, module: torch.nn.Module, aliases: dict[int, list[str]],
                      filler: Source | None, dtype: torch.dtype | None) -> None:
@@ -382,6 +404,12 @@ class ParameterOffload(UpdateSide):
             h.remove()
         self._hooks.clear()
         self._store.close()
+        if self._gradients is not None:   # the kept gradients' mapping goes back to the system
+            for _, g in self._entries.values():
+                if g.tensor is not None and g.tensor.untyped_storage().data_ptr() == \
+                        self._gradients.untyped_storage().data_ptr():
+                    g.tensor, g.valid = None, False
+            self._gradients = None
 
     def __enter__(self) -> ParameterOffload:
         return self
@@ -395,7 +423,8 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
                        dtype: torch.dtype | None = None,
                        config: IOConfig | None = None,
                        source: str | os.PathLike[str] | Init | None = None,
-                       min_offload_bytes: int | None = None) -> ParameterOffload:
+                       min_offload_bytes: int | None = None,
+                       offload_gradients: bool = True) -> ParameterOffload:
     """Move ``model``'s parameters (and, in training, their gradients) to files under ``directory``.
 
     Each submodule's own parameters are read in before its forward and again when the backward
@@ -428,11 +457,16 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     file request per use for a few KiB. They count in ``max_in_memory_bytes`` for good (3 x
     their size: value, gradient, a copy for a failed update), at most an eighth of it (further
     small ones are offloaded); 0 offloads every parameter.
+    ``offload_gradients=False`` keeps every gradient in memory instead (one mapping of the
+    parameters' size, outside ``max_in_memory_bytes``), as DeepSpeed's ZeRO-3 keeps its gradient
+    partitions: each step then moves two fewer passes over the parameters' bytes (no gradient
+    written after the backward and read back for the update), for memory the size of the model.
     Train with :class:`~deepnvme.NVMeOptimizer`, which reads and writes the offloaded tensors.
     """
     return ParameterOffload(model, directory, max_in_memory_bytes=max_in_memory_bytes,
                             prefetch=prefetch, dtype=dtype, config=config, source=source,
-                            min_offload_bytes=min_offload_bytes)
+                            min_offload_bytes=min_offload_bytes,
+                            offload_gradients=offload_gradients)
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

@@ -320,3 +320,36 @@ def test_io_failures_surface_as_swap_errors_naming_the_file(tmp_path):
         loss_of(b, x, y)
     assert info.value.path.startswith(off.directory)
     off.close()
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+@pytest.mark.parametrize("opt_cls,kwargs", [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+                                            (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})])
+def test_gradients_kept_in_memory_train_bitwise_and_move_fewer_bytes(tmp_path, accum, opt_cls, kwargs):
+    """offload_gradients=False: gradients stay in one mapping outside the budget (DeepSpeed's
+    ZeRO-3 layout); training is the same bitwise, and no gradient is written or read back."""
+    a, b = make_pair()
+    c = copy.deepcopy(b)
+    ref = opt_cls(a.parameters(), **kwargs)
+    expected = train(a, ref, 3, accum)
+    moved = {}
+    for model, offload_grads in ((b, False), (c, True)):
+        off = offload_parameters(model, tmp_path / f"p{offload_grads}", max_in_memory_bytes=24_000,
+                                 min_offload_bytes=0, offload_gradients=offload_grads)
+        opt = deepnvme.NVMeOptimizer(model.parameters(), opt_cls, swap_dir=tmp_path / f"s{offload_grads}",
+                                     sub_group_bytes=8_000, **kwargs)
+        got = train(model, opt, 3, accum)
+        assert all(torch.equal(e, g) for e, g in zip(expected, got))
+        assert_same(a, off)
+        for name, p in a.named_parameters():
+            assert torch.equal(off.gradient(name), p.grad), name
+        stats = off.stats()
+        moved[offload_grads] = stats.bytes_written + stats.bytes_read
+        if not offload_grads:
+            assert stats.peak_bytes <= stats.budget_bytes   # the kept gradients are outside it
+            assert off._gradients is not None
+        off.close()
+        opt.close()
+    params = sum(p.numel() * p.element_size() for p in a.parameters())
+    # each step writes and reads back every gradient once when they are offloaded
+    assert moved[True] - moved[False] >= 2 * 3 * params

@@ -12,15 +12,15 @@ import math
 import os
 import pickle
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointFormatError, DeepNVMeIOError
-from ..formats.hf_index import CheckpointFiles, check_weight_map
-from ..formats.safetensors import ZIP_MAGIC, StoredTensor, locate, looks_like_safetensors, read_header
-from ..formats.torchzip import RecordSpan, read_record_spans, storage_spans
+from ..formats.hf_index import CheckpointFiles, check_weight_map, sniff_file
+from ..formats.safetensors import StoredTensor, locate, read_header
+from ..formats.torchzip import ZIP_MAGIC, RecordSpan, read_record_spans, storage_spans
 
 __all__ = ["StoredTensor", "read_stored", "safetensors_layout", "torch_layout", "torch_skeleton"]
 
@@ -131,27 +131,14 @@ def _stored(path: str, name: str, t: torch.Tensor, span: RecordSpan) -> StoredTe
                         None if contiguous else stride)
 
 
-def _layout_of(path: str, kind: str) -> Callable[[str], dict[str, StoredTensor]]:
-    """The layout reader for ``path``, by its content (a safetensors file named ``.bin`` is
-    read as safetensors; a zip named ``.safetensors`` as torch.save), else by ``kind``."""
-    try:
-        with open(path, "rb") as f:
-            zipped = f.read(4) == ZIP_MAGIC
-    except OSError:
-        zipped = False   # the reader for the kind reports the file
-    if zipped:
-        return torch_layout
-    if kind == "safetensors" or looks_like_safetensors(path):
-        return safetensors_layout
-    return torch_layout
-
-
 def read_stored(files: CheckpointFiles) -> dict[str, StoredTensor]:
     """Every tensor of the checkpoint's files; a tensor in two files, or a shard that does not
     hold what the index says, is a :class:`CheckpointFormatError`."""
     out: dict[str, StoredTensor] = {}
     for path in files.files:
-        for name, st in _layout_of(path, files.kind)(path).items():
+        kind = sniff_file(path) or files.kind   # a shard's bytes, not its name, tell its format
+        layout = safetensors_layout if kind == "safetensors" else torch_layout
+        for name, st in layout(path).items():
             if name in out:
                 raise CheckpointFormatError(f"tensor {name!r} is in both {out[name].file!r} and {path!r}")
             out[name] = st

@@ -21,8 +21,9 @@ import torch
 
 from ..config import IOConfig, checkpoint_config
 from ..errors import CheckpointFormatError, DeepNVMeIOError
-from ..formats.safetensors import ZIP_MAGIC, looks_like_safetensors
+from ..formats.hf_index import sniff_file
 from ..formats.torchzip import (
+    ZIP_MAGIC,
     RecordSpan,
     batch_small_records,
     read_record_spans,
@@ -136,7 +137,7 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
             if magic != ZIP_MAGIC:
                 if not magic:
                     raise CheckpointFormatError(f"{path!r} is empty: not a checkpoint")
-                if looks_like_safetensors(path):
+                if sniff_file(path) == "safetensors":
                     raise CheckpointFormatError(
                         f"{path!r} is a safetensors file, not a torch.save file: read it with "
                         "deepnvme.load_safetensors (or fill a model with deepnvme.load_into)")

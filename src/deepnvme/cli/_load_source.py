@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import struct
 
 from ..errors import CheckpointFormatError, UsageError
 from ..formats import hf_index
-from ..formats.safetensors import MAX_HEADER
+from ..formats.hf_index import sniff
 
-__all__ = ["SAFETENSORS", "TORCH", "Checkpoint", "sniff", "find_checkpoint"]
+__all__ = ["SAFETENSORS", "TORCH", "Checkpoint", "find_checkpoint"]
 
 SAFETENSORS = "safetensors"
 TORCH = "torch"  # a torch.save zip archive
-_ZIP_MAGIC = b"PK\x03\x04"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,20 +29,6 @@ class Checkpoint:
     @property
     def is_dir(self) -> bool:
         return os.path.isdir(self.path)
-
-
-def sniff(head: bytes, size: int) -> str | None:
-    """The format of a file from its first 9 (or more) bytes and its size, or None.
-
-    safetensors: an 8-byte little-endian header length that fits the file, then ``{``;
-    torch.save: a zip archive (``PK\\x03\\x04``)."""
-    if head.startswith(_ZIP_MAGIC):
-        return TORCH
-    if len(head) >= 9 and head[8:9] == b"{":
-        (n,) = struct.unpack("<Q", head[:8])
-        if 2 <= n <= min(MAX_HEADER, size - 8):
-            return SAFETENSORS
-    return None
 
 
 def _format_of(path: str) -> str:

@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from ..errors import CheckpointFormatError
+from .safetensors import MAX_HEADER
+from .torchzip import ZIP_MAGIC
 
-__all__ = ["Kind", "LAYOUTS", "CheckpointFiles", "file_kind", "parse_index", "find_checkpoint",
+__all__ = ["Kind", "LAYOUTS", "CheckpointFiles", "file_kind", "sniff", "sniff_file", "parse_index", "find_checkpoint",
            "check_weight_map", "MAX_INDEX"]
 
 Kind = Literal["safetensors", "torch"]
@@ -41,6 +44,29 @@ class CheckpointFiles:
     files: tuple[str, ...]
     weight_map: Mapping[str, str] | None = None
     index: str | None = None
+
+
+def sniff(head: bytes, size: int) -> Kind | None:
+    """A file's format from its first 9 (or more) bytes and its size, or None.
+
+    safetensors: an 8-byte little-endian header length that fits the file, then ``{``;
+    torch.save: a zip archive (``PK\\x03\\x04``)."""
+    if head.startswith(ZIP_MAGIC):
+        return "torch"
+    if len(head) >= 9 and head[8:9] == b"{":
+        (n,) = struct.unpack("<Q", head[:8])
+        if 2 <= n <= min(MAX_HEADER, size - 8):
+            return "safetensors"
+    return None
+
+
+def sniff_file(path: str | os.PathLike[str]) -> Kind | None:
+    """:func:`sniff` on the file at ``path``; None if it is neither format or cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return sniff(f.read(9), os.fstat(f.fileno()).st_size)
+    except OSError:
+        return None
 
 
 def file_kind(path: str) -> Kind:

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointFormatError
+from .torchzip import ZIP_MAGIC
 
-__all__ = ["ALIGNMENT", "MAX_HEADER", "ZIP_MAGIC", "looks_like_safetensors",
-           "DTYPES", "TensorEntry", "SafetensorsHeader", "dtype_name",
+__all__ = ["ALIGNMENT", "MAX_HEADER", "DTYPES", "TensorEntry", "SafetensorsHeader", "dtype_name",
            "build_header", "header_length", "parse_header", "read_header", "StoredTensor", "locate"]
 
 ALIGNMENT = 4096
@@ -125,9 +125,6 @@ def build_header(tensors: Iterable[tuple[str, torch.dtype, Sequence[int]]],
     return _LENGTH.pack(len(raw)) + raw, SafetensorsHeader(layout, dict(metadata or {}), 8 + len(raw), pos)
 
 
-ZIP_MAGIC = b"PK\x03\x04"   # the first bytes of a torch.save (zip) file
-
-
 def header_length(prefix: bytes, *, file: str, file_size: int) -> int:
     """The JSON length N from the file's first 8 bytes, checked against the cap and ``file_size``."""
     if len(prefix) < 8 or file_size < 8:
@@ -143,21 +140,6 @@ def header_length(prefix: bytes, *, file: str, file_size: int) -> int:
         raise CheckpointFormatError(f"{file!r}: header length {n} runs past the end of the file "
                                     f"({file_size} bytes; truncated or not a safetensors file){hint}")
     return int(n)
-
-
-def looks_like_safetensors(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` starts as a safetensors file does (a header length that fits the file,
-    then ``{``): for telling the formats apart by content, whatever the file's name."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-            size = os.fstat(f.fileno()).st_size
-    except OSError:
-        return False
-    if len(head) < 9:
-        return False
-    (n,) = _LENGTH.unpack_from(head)
-    return bool(2 <= n <= MAX_HEADER and 8 + n <= size and head[8:9] == b"{")
 
 
 def _no_duplicates(file: str) -> Any:

@@ -17,9 +17,11 @@ from typing import IO
 
 from ..errors import CheckpointFormatError
 
-__all__ = ["RecordSpan", "Piece", "read_record_spans", "storage_spans",
+__all__ = ["ZIP_MAGIC", "RecordSpan", "Piece", "read_record_spans", "storage_spans",
            "split_by_bytes", "split_byte_ranges", "check_sizes", "batch_small_records",
            "STORAGE_ALIGNMENT", "SMALL_RECORD", "MAX_BATCH"]
+
+ZIP_MAGIC = b"PK\x03\x04"   # the first bytes of a torch.save file (a zip archive)
 
 STORAGE_ALIGNMENT = 4096
 """Alignment (bytes) of every storage record's data in files deepnvme writes (O_DIRECT-ready)."""

@@ -34,6 +34,7 @@ import torch
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
+from ..io.plan import align_up
 from ..memory.heap import MAPPED_MIN, mapped_empty
 from ..swap import TensorSwapper
 
@@ -122,6 +123,7 @@ class TensorStore:
         self.reused = 0       # allocations served by a free buffer
         self.resident_bytes = 0   # counted for resident entries (see make_resident)
         self._resident: list[tuple[Entry, Entry]] = []
+        self.kept_gradients: list[Entry] = []   # see keep_gradients
         self.backups: dict[int, torch.Tensor] = {}   # resident key -> room for its old value
 
     # --- accounting ----------------------------------------------------------------------
@@ -262,7 +264,7 @@ class TensorStore:
         live for good, allocated one by one among the megabyte tensors that come and go,
         keep the heap from giving those back (measured: +230 MiB in a first backward)."""
         with self.lock:
-            sizes = [-(-d.nbytes // _ALIGN) * _ALIGN for d, _ in self._resident]
+            sizes = [align_up(d.nbytes, _ALIGN) for d, _ in self._resident]
             arena = torch.empty(3 * sum(sizes), dtype=torch.uint8)
             at = 0
             for (d, g), size in zip(self._resident, sizes):
@@ -275,6 +277,21 @@ class TensorStore:
                 d.param.data = views[0]
                 g.tensor = views[1]     # no gradient yet: ``valid`` stays False
                 self.backups[d.key] = views[2]
+
+    def keep_gradients(self, grads: list[Entry]) -> None:
+        """Keep ``grads`` (gradient entries) in memory for good, in one anonymous mapping outside
+        the budget (pages become resident when a backward first writes them): no file I/O, as
+        resident entries; valid from the first backward. For ``offload_gradients=False``."""
+        if not grads:
+            return
+        sizes = [align_up(g.nbytes, _ALIGN) for g in grads]
+        arena = mapped_empty(sum(sizes))
+        at = 0
+        for g, size in zip(grads, sizes):
+            g.tensor = arena[at:at + g.nbytes].view(g.dtype).view(g.shape)
+            g.resident = True
+            at += size
+        self.kept_gradients = list(grads)
 
     # --- moving entries ----------------------------------------------------------------
 
@@ -396,3 +413,6 @@ class TensorStore:
     def close(self) -> None:
         with self.lock:
             self.swapper.close()
+            for g in self.kept_gradients:   # their mapping goes back to the system
+                g.tensor, g.valid = None, False
+            self.kept_gradients = []

@@ -31,7 +31,6 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
-from ..memory.heap import mapped_empty
 from ._gradients import accept_gradient
 from ._order import OrderTracker
 from ._sources import Init, Source, make_source
@@ -42,7 +41,6 @@ __all__ = ["OffloadStats", "ParameterOffload", "offload_parameters", "register_e
 
 log = logging.getLogger(__name__)
 
-_GRAD_ALIGN = 64   # bytes between gradients kept in memory (offload_gradients=False)
 STORE_ATTRIBUTE = "_deepnvme_offload"   # set on each offloaded Parameter: its ParameterOffload
 #: parameters smaller than this (bytes) stay in memory with their gradients, by default
 MIN_OFFLOAD_BYTES = 64 << 10
@@ -87,7 +85,6 @@ class ParameterOffload(UpdateSide):
         self.model = model
         self._min_offload = MIN_OFFLOAD_BYTES if min_offload_bytes is None else min_offload_bytes
         self.offload_gradients = bool(offload_gradients)
-        self._gradients: torch.Tensor | None = None   # with offload_gradients=False: their memory
         self._store = TensorStore(directory, budget=max_in_memory_bytes, config=config)
         self._forward = OrderTracker(prefetch)
         self._backward = OrderTracker(prefetch)
@@ -140,25 +137,10 @@ class ParameterOffload(UpdateSide):
                         f"parameters, more than max_in_memory_bytes={self._store.budget}; raise it")
                 self._add_unit(module, mname, unit)
         self._store.pack_resident()
-        if not self.offload_gradients:
-            self._keep_gradients()
+        if not self.offload_gradients:   # as DeepSpeed's ZeRO-3 keeps its gradient partitions
+            self._store.keep_gradients([g for d, g in self._entries.values()
+                                        if not g.resident and d.param.requires_grad])
         self._store.wait_writes()
-
-    def _keep_gradients(self) -> None:
-        """``offload_gradients=False``: give every offloaded parameter's gradient a place in one
-        anonymous mapping (pages become resident when a backward first writes them), outside
-        the budget, as DeepSpeed's ZeRO-3 keeps its gradient partitions in memory: no gradient
-        is written after the backward and read back for the update."""
-        grads = [g for d, g in self._entries.values() if not g.resident and d.param.requires_grad]
-        sizes = [-(-g.nbytes // _GRAD_ALIGN) * _GRAD_ALIGN for g in grads]
-        if not grads:
-            return
-        self._gradients = arena = mapped_empty(sum(sizes))
-        at = 0
-        for g, size in zip(grads, sizes):
-            g.tensor = arena[at:at + g.nbytes].view(g.dtype).view(g.shape)
-            g.resident = True   # kept in memory, never written; valid from the first backward
-            at += size
 
     def _materialize(self, prefix: str, module: torch.nn.Module, aliases: dict[int, list[str]],
                      filler: Source | None, dtype: torch.dtype | None) -> None:
@@ -404,12 +386,6 @@ class ParameterOffload(UpdateSide):
             h.remove()
         self._hooks.clear()
         self._store.close()
-        if self._gradients is not None:   # the kept gradients' mapping goes back to the system
-            for _, g in self._entries.values():
-                if g.tensor is not None and g.tensor.untyped_storage().data_ptr() == \
-                        self._gradients.untyped_storage().data_ptr():
-                    g.tensor, g.valid = None, False
-            self._gradients = None
 
     def __enter__(self) -> ParameterOffload:
         return self

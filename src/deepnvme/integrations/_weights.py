@@ -129,7 +129,8 @@ def plan_ranges(tensors: Sequence[StoredTensor], window: int) -> list[ReadRange]
 def checkpoint_tensors(model_dir: str, *, load_format: str = "deepnvme") -> list[StoredTensor]:
     """Every tensor of the safetensors checkpoint in the local folder ``model_dir``, sorted by
     file and offset: ``model.safetensors``, or the shards ``model.safetensors.index.json`` names
-    (other files are ignored). Reads headers only. ``load_format`` names the caller in the error
+    (other files are ignored), or without either every ``*.safetensors`` file, as vLLM's default
+    loader takes them. Reads headers only. ``load_format`` names the caller in the error
     for a ``model_dir`` that is not a local folder."""
     if not os.path.isdir(model_dir):
         raise DeepNVMeError(f"load_format {load_format!r} reads a local model folder, and {model_dir!r} is "

@@ -197,8 +197,8 @@ def load_medians(data: Any, case: str) -> dict[str, tuple[float, float]]:
 def load_rows(runs: Sequence[Run], cases: Sequence[str], second: str, rss: bool) -> Rows:
     """One row per (device, input): deepnvme, its ``second`` reader, then each peer as
     'GB/s (deepnvme / peer)', in the order the run measured them."""
-    cols = ["device", "input", "deepnvme GB/s", "`mmap=True` GB/s" if second == "deepnvme_mmap"
-            else "`o_direct=False` GB/s", "peers, GB/s (deepnvme / peer)"]
+    cols = ["device", "input", "deepnvme GB/s", "deepnvme `mmap=True` GB/s" if second == "deepnvme_mmap"
+            else "deepnvme `o_direct=False` GB/s", "peers, GB/s (deepnvme / peer)"]
     out = header(*cols, *(["peak RSS growth MiB: deepnvme / peers"] if rss else []))
     sizes = []
     for src, data in runs:
@@ -273,7 +273,7 @@ def offload(runs: Sequence[Run]) -> Rows:
 def vllm_load(runs: Sequence[Run]) -> Rows:
     out = header("device", "deepnvme `load_weights` s", "safetensors s (deepnvme / it)",
                  "runai_streamer s (deepnvme / it)", "`LLM()` s: deepnvme / safetensors",
-                 "peak RSS: deepnvme / safetensors")
+                 "peak RSS: deepnvme / safetensors", left=1)
     for src, data in runs:
         m = data["median"]
         ours = m["deepnvme"]["load_weights_s"]

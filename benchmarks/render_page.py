@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+"""Print BENCHMARKS.md from benchmarks/page_template.md and the runs in benchmarks/results/*.json.
+
+The template holds the prose. Each line of it that reads ``{{name}}`` is replaced by the table
+that ``TABLES[name]`` computes from the result files it lists (the run chosen for that section),
+followed by links to those files. Every figure in a table therefore comes from a JSON file, and
+tests/functional/test_benchmark_page.py fails when BENCHMARKS.md is not what this script prints.
+To show a newer run, point its entry in ``TABLES`` at the new file and rewrite the page.
+
+Ratios are deepnvme's advantage everywhere: above 1 means deepnvme is better (its rate over the
+peer's, or the peer's time over its time). Standard library only, so it runs without torch.
+
+    python benchmarks/render_page.py            # print the page
+    python benchmarks/render_page.py --write    # rewrite BENCHMARKS.md
+    python benchmarks/render_page.py --check    # exit 1 when BENCHMARKS.md is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+TEMPLATE = HERE / "page_template.md"
+PAGE = HERE.parent / "BENCHMARKS.md"
+LINK_PREFIX = "benchmarks/results/"  # result links as seen from BENCHMARKS.md at the repository root
+PLACEHOLDER = re.compile(r"^\{\{([a-z_]+)\}\}$")
+DISK, RAM = "development disk", "RAM device"
+PASSIVE, THP = "OMP_WAIT_POLICY=PASSIVE", "THP_MEM_ALLOC_ENABLE="  # environment of a run
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Source:
+    """One result file of a table: the device it ran on, and what distinguishes it (if anything)."""
+
+    device: str
+    file: str
+    variant: str = ""
+
+
+Run = tuple[Source, Any]  # a source and its parsed JSON
+Rows = tuple[list[str], str]  # the table's lines, and a note printed before the links ("" for none)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table of the page: the function that prints its rows, and the runs it reads."""
+
+    rows: Callable[[Sequence[Run]], Rows]
+    sources: tuple[Source, ...]
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def ratio(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def header(*cols: str, left: int = 2) -> list[str]:
+    """A markdown table head: the first ``left`` columns (labels) left-aligned, the figures right-aligned."""
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * left + "---:|" * (len(cols) - left)]
+
+
+def row(*cells: object) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def env(src: Source) -> str:
+    """The variant of a run as a table cell: an environment setting in code style."""
+    return f"`{src.variant}`" if "=" in src.variant else src.variant
+
+
+def med(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB"
+
+
+def when(runs: Sequence[Run]) -> str:
+    """'Runs of' each source's date (the JSON's ``date``, to the minute, UTC)."""
+    return "runs of " + ", ".join(f"{s.device} {str(d['date'])[:16]}" for s, d in runs) + " UTC"
+
+
+# ----------------------------------------------------------------------------- tensor I/O
+
+# (operation, intra_op_parallelism): DeepSpeed's default of 1 thread; 0 marks the random reads (one worker)
+ENGINE_MEASURES = (("write", 1), ("read", 1), ("randread", 0))
+
+
+def engines(runs: Sequence[Run]) -> Rows:
+    out = header("device", "measure", "deepnvme io_uring", "deepnvme aio", "DeepSpeed aio_handle", "fio libaio",
+                 "io_uring / DeepSpeed", "aio / DeepSpeed", "io_uring / fio", "aio / fio")
+    for src, data in runs:
+        medians = data["medians"]
+        for op, p in ENGINE_MEASURES:
+            if op == "randread":
+                names = ("deepnvme io_uring", "deepnvme aio", "DeepSpeed aio", "fio libaio")
+                label, scale, fmt = "random 4 KiB reads, k IOPS", 1e-3, "{:.1f}"
+            else:
+                names = (f"deepnvme io_uring p{p}", f"deepnvme aio p{p}", f"DeepSpeed aio p{p}", "fio libaio 1 job")
+                label, scale, fmt = f"{op} GB/s, {p} thread{'s' if p > 1 else ''}", 1.0, "{:.2f}"
+            uring, aio, ds, fio = (medians[n][op]["median"] * scale for n in names)
+            out.append(row(src.device, label, *(fmt.format(v) for v in (uring, aio, ds, fio)),
+                           ratio(uring / ds), ratio(aio / ds), ratio(uring / fio), ratio(aio / fio)))
+    return out, ""
+
+
+# ----------------------------------------------------------------------------- CheckpointManager
+
+MANAGER_SAVERS = {  # configuration in bench_manager.py -> label; in this order, those a run has
+    "fenced": "CheckpointManager, fenced",
+    "fenced_pre": "fenced, `fence_precopy=True`",
+    "snapshot": "CheckpointManager, snapshot",
+}
+MANAGER_PEERS = {"dcp_async": "DCP `async_save`", "torch_thread": "`torch.save` on a thread"}
+
+
+def manager(runs: Sequence[Run]) -> Rows:
+    peers = ("DCP", "torch.save thread")
+    out = header("device", "saver", "step s", "added s per step", "blocked s per save",
+                 *(f"{what}: {peer} / this" for peer in peers for what in ("added", "blocked")))
+    notes = []
+    for src, data in runs:
+        configs = data["configs"]
+        for name, label in {**MANAGER_SAVERS, **MANAGER_PEERS}.items():
+            if name not in configs:
+                continue
+            c = configs[name]
+            cells = []
+            for peer in MANAGER_PEERS if name in MANAGER_SAVERS else ():
+                p = configs[peer]  # an added time at or below 0 (noise) has no ratio
+                cells += [ratio(p["added_s"] / c["added_s"]) if c["added_s"] > 0 else "-",
+                          ratio(p["blocked_s"] / c["blocked_s"])]
+            out.append(row(src.device, label, f"{c['step_s']:.3f}", f"{c['added_s']:.3f}", f"{c['blocked_s']:.4f}",
+                           *(cells or [""] * 4)))
+        notes.append(f"{src.device}: baseline step {data['baseline_step_s']:.3f} s, one durable write "
+                     f"{data['write_s']:.2f} s, plain memory copy {data['plain_copy_s']:.2f} s, batch {data['batch']}")
+    return out, f"State {gb(runs[0][1]['state_bytes'])}; " + "; ".join(notes) + f"; {when(runs)}."
+
+
+def manager_latest(runs: Sequence[Run]) -> Rows:
+    out = header("device", "environment", "one write s", "baseline step s", "fenced: added / blocked s",
+                 "`fence_precopy`: added / blocked s", "snapshot: added / blocked s", "plain copy s")
+    for src, data in runs:
+        c = data["configs"]
+        pair = [f"{c[n]['added_s']:.3f} / {c[n]['blocked_s']:.4f}" for n in ("fenced", "fenced_pre", "snapshot")]
+        out.append(row(src.device, env(src), f"{data['write_s']:.3f}", f"{data['baseline_step_s']:.3f}", *pair,
+                       f"{data['plain_copy_s']:.3f}"))
+    return out, f"State {gb(runs[0][1]['state_bytes'])}; {when(runs)}."
+
+
+def restore(runs: Sequence[Run]) -> Rows:
+    out = header("device", "environment", "deepnvme `restore` s", "`torch.load` s",
+                 "`torch.load(mmap=True)` s", "vs torch.load", "vs torch.load(mmap=True)")
+    for src, data in runs:
+        m = data["restore_median_s"]
+        ours = m["deepnvme_restore"]
+        out.append(row(src.device, env(src), f"{ours:.3f}", f"{m['torch_load']:.3f}", f"{m['torch_load_mmap']:.3f}",
+                       ratio(m["torch_load"] / ours), ratio(m["torch_load_mmap"] / ours)))
+    return out, f"State {gb(runs[0][1]['state_bytes'])}; {when(runs)}."
+
+
+# ----------------------------------------------------------------------------- loading
+
+LOAD_INPUTS = {  # bench_load.py case -> label
+    "st": "safetensors file", "pt": "torch.save file",
+    "st_dir": "safetensors folder, 4 shards", "pt_dir": "torch.save folder, 4 shards",
+    "into_st": "safetensors file", "into_pt": "torch.save file",
+    "into_st_dir": "safetensors folder, 4 shards", "into_pt_dir": "torch.save folder, 4 shards",
+}
+LOAD_PEERS = {"safetensors": "safetensors", "fastsafetensors": "fastsafetensors", "runai": "runai streamer",
+              "torch_load": "torch.load", "torch_mmap": "torch.load(mmap=True)"}
+
+
+def load_medians(data: Any, case: str) -> dict[str, tuple[float, float]]:
+    """Reader -> (median seconds, median peak RSS growth in bytes) for one case of bench_load.py."""
+    out = {}
+    for key, samples in data["results"].items():
+        c, reader = key.split("/", 1)
+        if c == case and samples:
+            out[reader] = (med(s["seconds"] for s in samples), med(s["peak_rss_growth"] for s in samples))
+    return out
+
+
+def load_rows(runs: Sequence[Run], cases: Sequence[str], second: str, rss: bool) -> Rows:
+    """One row per (device, input): deepnvme, its ``second`` reader, then each peer as
+    'GB/s (deepnvme / peer)', in the order the run measured them."""
+    cols = ["device", "input", "deepnvme GB/s", "deepnvme `mmap=True` GB/s" if second == "deepnvme_mmap"
+            else "deepnvme `o_direct=False` GB/s", "peers, GB/s (deepnvme / peer)"]
+    out = header(*cols, *(["peak RSS growth MiB: deepnvme / peers"] if rss else []))
+    sizes = []
+    for src, data in runs:
+        nbytes = data["bytes"]
+        sizes.append(f"{src.device} {gb(nbytes)}, {data['reps']} repetitions")
+        for case in cases:
+            m = load_medians(data, case)
+            if not m:
+                continue
+            ours = m["deepnvme"][0]
+            peers = [(LOAD_PEERS[r], s, g) for r, (s, g) in m.items() if not r.startswith("deepnvme")]
+            cells = [src.device, LOAD_INPUTS[case], f"{nbytes / ours / 1e9:.2f}",
+                     f"{nbytes / m[second][0] / 1e9:.2f}" if second in m else "-",
+                     ", ".join(f"{name} {nbytes / s / 1e9:.2f} ({ratio(s / ours)})" for name, s, _ in peers)]
+            if rss:
+                cells.append(f"{m['deepnvme'][1] / MiB:.0f} / " + ", ".join(f"{g / MiB:.0f}" for _, _, g in peers))
+            out.append(row(*cells))
+    return out, "Model size and repetitions: " + "; ".join(sizes) + "."
+
+
+def load(runs: Sequence[Run]) -> Rows:
+    return load_rows(runs, ("st", "pt", "st_dir", "pt_dir"), "deepnvme_mmap", rss=False)
+
+
+def load_into(runs: Sequence[Run]) -> Rows:
+    return load_rows(runs, ("into_st", "into_pt", "into_st_dir", "into_pt_dir"), "deepnvme_buffered", rss=True)
+
+
+# ----------------------------------------------------------------------------- DCP
+
+DCP_CASES = {"large": "large: 1 GiB, 32 float32 tensors", "small": "small: 20,000 tensors of 1-64 KiB",
+             "reshard": "reshard: half of each large tensor loaded"}
+
+
+def dcp(runs: Sequence[Run]) -> Rows:
+    out = header("device", "case", "stock save GB/s", "deepnvme save GB/s", "save ratio", "stock load GB/s",
+                 "deepnvme load GB/s", "load ratio")
+    for src, data in runs:
+        for case, label in DCP_CASES.items():
+            r = data["results"][case]
+            cells = []
+            for op in ("save", "load"):
+                stock, ours = med(r["stock"][op]), med(r["deepnvme"][op])
+                cells += [f"{stock:.2f}", f"{ours:.2f}", ratio(ours / stock)]
+            out.append(row(src.device, label, *cells))
+    return out, ""
+
+
+# ----------------------------------------------------------------------------- training beyond memory
+
+
+def offload(runs: Sequence[Run]) -> Rows:
+    out = header("device", "gradients", "read + written per step", "deepnvme s per step", "DeepSpeed s per step",
+                 "DeepSpeed / deepnvme", "deepnvme / roofline", "peak RSS MiB: deepnvme / DeepSpeed",
+                 "CPU s per step: deepnvme / DeepSpeed")
+    for src, data in runs:
+        r = data["runs"]
+        off, ds = med(t for s in r["offload"] for t in s["step_s"]), med(t for s in r["deepspeed"] for t in s["step_s"])
+        first = r["offload"][0]
+        moved = f"{first['read_per_step'] / 1e9:.2f} + {first['written_per_step'] / 1e9:.2f} GB"
+        rss = max(s["rss"] for s in r["offload"]) / MiB, max(s["rss"] for s in r["deepspeed"]) / MiB
+        cpu = med(t for s in r["offload"] for t in s["cpu_s"]), med(t for s in r["deepspeed"] for t in s["cpu_s"])
+        out.append(row(src.device, src.variant, moved, f"{off:.2f}", f"{ds:.2f}", ratio(ds / off),
+                       f"{off / data['roofline_s']:.2f}", f"{rss[0]:.0f} / {rss[1]:.0f}",
+                       f"{cpu[0]:.2f} / {cpu[1]:.2f}"))
+    return out, ""
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+def vllm_load(runs: Sequence[Run]) -> Rows:
+    out = header("device", "deepnvme `load_weights` s", "safetensors s (deepnvme / it)",
+                 "runai_streamer s (deepnvme / it)", "`LLM()` s: deepnvme / safetensors",
+                 "peak RSS: deepnvme / safetensors", left=1)
+    for src, data in runs:
+        m = data["median"]
+        ours = m["deepnvme"]["load_weights_s"]
+        peers = [f"{m[p]['load_weights_s']:.2f} ({ratio(m[p]['load_weights_s'] / ours)})"
+                 for p in ("safetensors", "runai_streamer")]
+        out.append(row(src.device, f"{ours:.2f}", *peers,
+                       f"{m['deepnvme']['construct_s']:.2f} / {m['safetensors']['construct_s']:.2f}",
+                       f"{m['deepnvme']['peak_rss'] / m['safetensors']['peak_rss']:.3f}"))
+    first = runs[0][1]
+    return out, f"Model {gb(first['model_bytes'])} in {first['shards']} shards; {when(runs)}."
+
+
+def vllm_stream(runs: Sequence[Run]) -> Rows:
+    out = header("device", "environment", "streamed decode tok/s", "in memory tok/s", "I/O roofline tok/s",
+                 "streamed / min(roofline, in memory)", "peak RSS MiB: streamed / in memory", "weights / budget")
+    for src, data in runs:
+        m, r = data["median"], data["ratios"]
+        out.append(row(src.device, env(src), f"{m['deepnvme_offload']['decode_tok_s']:.1f}",
+                       f"{m['memory']['decode_tok_s']:.1f}", f"{r['io_roofline_tok_s']:.1f}",
+                       ratio(r["decode_vs_bound"]),
+                       f"{m['deepnvme_offload']['peak_rss'] / MiB:.0f} / {m['memory']['peak_rss'] / MiB:.0f}",
+                       ratio(r["weights_over_budget"])))
+    first = runs[0][1]
+    return out, f"Model {gb(first['model_bytes'])}, memory budget {gb(first['budget'])}; {when(runs)}."
+
+
+# ----------------------------------------------------------------------------- token data
+
+DATA_PEERS = ("megatron-core", "np.memmap")
+
+
+def data_table(runs: Sequence[Run]) -> Rows:
+    out = header("device", "order", "deepnvme samples/s", *(f"{p} samples/s (deepnvme / it)" for p in DATA_PEERS))
+    dates = []
+    for src, data in runs:
+        rows = {(r["order"], r["reader"]): r["samples_per_s"]["median"] for r in data["rows"]}
+        for order in ("shuffled", "sequential"):
+            ours = rows[(order, "deepnvme")]
+            out.append(row(src.device, order, f"{ours:,.0f}",
+                           *(f"{rows[(order, p)]:,.0f} ({ratio(ours / rows[(order, p)])})" for p in DATA_PEERS)))
+        dates.append(f"{src.device} {gb(data['corpus_bytes'])}")
+    return out, "Corpus: " + ", ".join(dates) + f"; {when(runs)}."
+
+
+# ----------------------------------------------------------------------------- the page
+
+TABLES: dict[str, Table] = {
+    "engines": Table(engines, (Source(DISK, "2026-11-23-engines-disk.json"),
+                               Source(RAM, "2026-11-23-engines-ramdev.json"))),
+    # the latest runs with DCP's async_save and the torch.save thread beside deepnvme's savers
+    "manager": Table(manager, (Source(DISK, "2026-11-25-manager-fence-work.json"),
+                               Source(RAM, "2026-11-25-manager-fence-ramdev.json"))),
+    # the latest runs of deepnvme's savers (no peers), with OpenMP's default and passive wait policy
+    "manager_latest": Table(manager_latest, (
+        Source(DISK, "2026-11-26-manager-omp-tmpbench-default.json", "OpenMP default"),
+        Source(DISK, "2026-11-26-manager-omp-tmpbench-passive.json", PASSIVE),
+        Source(RAM, "2026-11-26-manager-omp-ramdev-default.json", "OpenMP default"),
+        Source(RAM, "2026-11-26-manager-omp-ramdev-passive.json", PASSIVE))),
+    "restore": Table(restore, (
+        Source(DISK, "2026-11-25-manager-restore-thp1-work.json", THP + "1"),
+        Source(DISK, "2026-11-25-manager-restore-thp0-work.json", THP + "0"),
+        Source(RAM, "2026-11-26-manager-restore-thp1-ramdev.json", THP + "1"),
+        Source(RAM, "2026-11-26-manager-restore-thp0-ramdev.json", THP + "0"))),
+    "load": Table(load, (Source(DISK, "2026-11-26-load-fresh-disk.json"),
+                         Source(RAM, "2026-11-26-load-fresh-ramdev.json"))),
+    # files and folders in the same repetitions on each device
+    "load_into": Table(load_into, (Source(DISK, "2026-11-26-load-into-dirs-side-disk.json"),
+                                   Source(RAM, "2026-11-26-load-into-dirs-ramdev.json"))),
+    "dcp": Table(dcp, (Source(DISK, "2026-11-25-dcp3-disk.json"), Source(RAM, "2026-11-25-dcp3-ramdev.json"))),
+    "offload": Table(offload, (
+        Source(DISK, "2026-11-26-offload6-disk-kg0-1205.json", "on NVMe (default)"),
+        Source(DISK, "2026-11-26-offload6-disk-kg1-1206.json", "in memory"),
+        Source(RAM, "2026-11-26-offload6-ramdev-kg0.json", "on NVMe (default)"),
+        Source(RAM, "2026-11-26-offload6-ramdev-kg1.json", "in memory"))),
+    "vllm_load": Table(vllm_load, (Source(DISK, "2026-11-26-vllm-load-disk-reuse.json"),
+                                   Source(RAM, "2026-11-26-vllm-load-ramdev-reuse.json"))),
+    "vllm_stream": Table(vllm_stream, (
+        Source(DISK, "2026-11-25-vllm-offload-disk.json", "OpenMP default"),
+        Source(RAM, "2026-11-26-vllm-offload-ramdev-trim2.json", "OpenMP default"),
+        Source(RAM, "2026-11-26-vllm-offload-ramdev-passive.json", PASSIVE))),
+    "data": Table(data_table, (Source(DISK, "2026-11-25-data-disk.json"), Source(RAM, "2026-11-25-data-ramdev.json"))),
+}
+
+
+def read_run(results: Path, src: Source) -> Run:
+    path = results / src.file
+    try:
+        with open(path) as f:
+            return src, json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"render_page: {path} (listed in TABLES) does not exist") from None
+
+
+def table(name: str, results: Path = RESULTS) -> list[str]:
+    """The rows of table ``name`` and the links to its JSON files."""
+    spec = TABLES[name]
+    runs = [read_run(results, s) for s in spec.sources]
+    try:
+        lines, note = spec.rows(runs)
+    except KeyError as e:
+        files = ", ".join(s.file for s in spec.sources)
+        raise KeyError(f"render_page: table {name!r} needs the key {e} missing in one of {files}") from None
+    links = ", ".join(f"[{s.file}]({LINK_PREFIX}{s.file})" for s in spec.sources)
+    return [*lines, "", f"{note} JSON: {links}.".lstrip()]
+
+
+def render(template: Path = TEMPLATE, results: Path = RESULTS) -> str:
+    """The page: the template with every ``{{name}}`` line replaced by its table."""
+    out: list[str] = []
+    for n, line in enumerate(template.read_text().splitlines(), 1):
+        m = PLACEHOLDER.match(line.strip())
+        if not m:
+            out.append(line)
+        elif m.group(1) in TABLES:
+            out += table(m.group(1), results)
+        else:
+            raise KeyError(f"render_page: {template}:{n} names {{{{{m.group(1)}}}}}, which TABLES does not have")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=f"Print {PAGE.name} from {TEMPLATE.name} and {RESULTS.name}/*.json.")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help=f"rewrite {PAGE.name}")
+    mode.add_argument("--check", action="store_true", help=f"exit 1 if {PAGE.name} differs from the output")
+    args = ap.parse_args(argv)
+    page = render()
+    if args.write:
+        PAGE.write_text(page)
+    elif args.check:
+        if not PAGE.exists() or PAGE.read_text() != page:
+            print(f"{PAGE} is out of date: run python benchmarks/render_page.py --write", file=sys.stderr)
+            return 1
+    else:
+        sys.stdout.write(page)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,13 +1,14 @@
 """README.md and docs/*.md are a newcomer's path with no traps: every example in them runs.
 
 The same rules hold for README.md and every page of docs/. Every fenced block has a language.
-```python blocks run in order, each in a scratch directory. Shell examples (```bash/```console blocks, and ```text transcripts whose lines start with
-``$ ``) run each ``deepnvme ...``/``python -m deepnvme ...`` command with this checkout's
-``src`` first on PYTHONPATH, in a scratch directory, and must exit 0. An HTML comment on the
-line right before a fence changes that, visibly: ``<!-- not run: REASON -->`` skips the block
-(the reason is required), ``<!-- exit status N: REASON -->`` (or ``N or M``) expects that status.
-Relative links between the pages, and their ``#anchors``, must resolve; every docs/ page is
-linked from README.md, and README.md stays a front page (at most 250 lines).
+```python blocks run in order, each in a scratch directory. Shell examples (```bash/```console
+blocks, and ```text transcripts whose lines start with ``$ ``) run each ``deepnvme ...``/
+``python -m deepnvme ...`` command with this checkout's ``src`` first on PYTHONPATH, in a
+scratch directory, and must exit 0. An HTML comment on the line right before a fence changes
+that, visibly: ``<!-- not run: REASON -->`` skips the block (the reason is required),
+``<!-- exit status N: REASON -->`` (or ``N or M``) expects that status. Relative links between
+the pages, and their ``#anchors``, must resolve; every docs/ page is linked from README.md, and
+README.md stays a front page (at most 250 lines). Failures name the page and line.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``deepnvme generate`` at its boundary: the README's copy of ``--help`` and one-line errors
+"""``deepnvme generate`` at its boundary: the docs' copy of ``--help`` and one-line errors
 (exit 2, no traceback) before any model is loaded."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+COMMAND_LINE_DOC = Path(__file__).resolve().parents[3] / "docs" / "command-line.md"
 
 
-def test_readme_shows_the_current_generate_help(run_cli, monkeypatch) -> None:
+def test_docs_show_the_current_generate_help(run_cli, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal's width
     code, out, _ = run_cli("generate", "--help")
     assert code == 0 and out.startswith("usage: deepnvme generate ")
-    blocks = re.findall(r"```text\n\$ deepnvme generate --help\n(.*?)```", README.read_text(),
+    blocks = re.findall(r"```text\n\$ deepnvme generate --help\n(.*?)```", COMMAND_LINE_DOC.read_text(),
                         flags=re.S)
-    assert blocks == [out], ("README's 'deepnvme generate --help' block is stale: paste "
+    assert blocks == [out], ("docs/command-line.md's 'deepnvme generate --help' block is stale: paste "
                              "`COLUMNS=100 deepnvme generate --help` into it")
 
 

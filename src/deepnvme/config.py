@@ -279,7 +279,7 @@ def _note_no_effect(name: str) -> None:
 
 
 def settings_markdown() -> str:
-    """The settings table as Markdown (the README embeds it; a test keeps the two equal)."""
+    """The settings table as Markdown (docs/settings.md embeds it; a test keeps the two equal)."""
     rows = ["| setting | environment variable | default | meaning |", "|---|---|---|---|"]
     for s in SETTINGS:
         rows.append(f"| `{s.name}` | `{s.env}` | `{s.default}` | {s.doc} |")

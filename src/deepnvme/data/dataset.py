@@ -2,8 +2,9 @@
 
 Samples are windows of ``seq_len + 1`` tokens over the concatenation of every document in
 file order, ``seq_len`` apart (consecutive samples share one token, as Megatron's GPT dataset
-does for one unshuffled epoch); the last incomplete window is dropped. Reads go through an
-:class:`~deepnvme.AioHandle` (aligned O_DIRECT reads, many in flight), not ``mmap``.
+does for one unshuffled epoch); the last incomplete window is dropped. Reads go through the
+sample reader (:mod:`deepnvme.data._reader`: an :class:`~deepnvme.AioHandle`, aligned O_DIRECT
+reads, many in flight), not ``mmap``.
 """
 
 from __future__ import annotations
@@ -40,17 +41,31 @@ def _batch_device(device: str | torch.device | None) -> torch.device | None:
 
 
 class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
-    """Samples of ``seq_len + 1`` tokens from ``prefix.bin`` / ``prefix.idx`` (Megatron's format).
+    """Fixed-length samples of a Megatron indexed dataset (``prefix.bin`` + ``prefix.idx``).
 
     ``len(ds) == (total_tokens - 1) // seq_len``; ``ds[i]`` is tokens ``[i x seq_len, i x seq_len
-    + seq_len + 1)`` of the concatenation as a 1-D int64 tensor (the file's dtype with
-    ``keep_dtype=True``); :meth:`document` returns one document; :meth:`batches` reads many
-    samples ahead. ``config`` sets the I/O handle (None: deepnvme's defaults and environment).
+    + seq_len + 1)`` of the concatenation of every document, as a fresh 1-D tensor;
+    :meth:`document` returns one document; :meth:`batches` reads many samples ahead.
+
+    Args:
+        prefix: the two files' path without suffix (``"corpus"`` for ``corpus.bin`` and
+            ``corpus.idx``), as :func:`~deepnvme.data.write_token_dataset` writes them.
+        seq_len: tokens a sample advances by; each sample holds ``seq_len + 1`` tokens (the
+            inputs and the labels shifted by one). A positive int.
+        keep_dtype: hand out tokens in the file's dtype (e.g. uint16) instead of int64.
+        config: the settings of the I/O handle that reads the .bin; None: the ``DEEPNVME_*``
+            environment, then deepnvme's defaults.
+
+    Raises:
+        FileNotFoundError: a file is missing (the message names it).
+        DatasetFormatError: the .idx is not Megatron's format or does not match the .bin.
+        ValueError: ``seq_len`` is not a positive int.
 
     Works with ``torch.utils.data.DataLoader`` worker processes: each process opens its own
     handle on first use (a changed pid is detected) and pickling drops the handle. The index
     arrays stay in memory: ``20 x sequences + 8 x documents`` bytes. Reads of one dataset
-    from several threads are safe (the handle is thread-safe).
+    from several threads are safe (the handle is thread-safe). :meth:`close` (or leaving a
+    ``with`` block) stops this process's I/O threads.
     """
 
     def __init__(self, prefix: str | os.PathLike[str], *, seq_len: int, keep_dtype: bool = False,
@@ -121,17 +136,26 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
                 device: str | torch.device | None = None) -> Iterator[torch.Tensor]:
         """Yield ``[batch, seq_len + 1]`` tensors of the samples of ``order`` in that order.
 
-        Reads run up to ``prefetch`` batches ahead of the consumer (in groups of
-        ``max(1, prefetch // 4)`` batches per ``read_many`` call), samples widened to the
-        O_DIRECT alignment and coalesced with their neighbours; no worker processes. Memory:
-        ``prefetch x batch_size x (align_up(sample_bytes, A) + 2 A)`` bytes of pooled
-        page-locked read buffers (A = :attr:`alignment`, sample_bytes = ``(seq_len + 1) x
-        itemsize``; ``prefetch`` rounded down to a multiple of the group), freed when the
-        iterator ends, plus the yielded batches, which the caller owns (``pin_memory``:
-        allocated page-locked). The last short batch is dropped with
-        ``drop_last``. Out-of-range indices raise IndexError before their batch is read.
-        ``device`` (e.g. ``"cuda"``): batches are yielded there, each copied through one reused
-        page-locked staging batch, the copy done when the batch is yielded.
+        Args:
+            order: sample indices (any order, repeats allowed, negative ones from the end), an
+                iterable or a 1-D tensor.
+            batch_size: samples per batch; a positive int.
+            prefetch: batches read ahead of the consumer (read in groups of
+                ``max(1, prefetch // 4)`` batches per ``read_many`` call).
+            pin_memory: allocate the yielded batches page-locked.
+            drop_last: drop the last batch when it is short.
+            device: yield batches there (e.g. ``"cuda"``), each copied through one reused
+                page-locked staging batch, the copy done when the batch is yielded; None: CPU.
+
+        Raises:
+            ValueError: a bad ``batch_size``, ``prefetch`` or ``device`` (at the call).
+            IndexError: an index out of range (before its batch is read).
+
+        Samples are widened to the O_DIRECT alignment and coalesced with their neighbours; no
+        worker processes. Memory: ``prefetch x batch_size x (align_up(sample_bytes, A) + 2 A)``
+        bytes of pooled page-locked read buffers (A = :attr:`alignment`, sample_bytes =
+        ``(seq_len + 1) x itemsize``; ``prefetch`` rounded down to a multiple of the group),
+        freed when the iterator ends, plus the yielded batches, which the caller owns.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")

@@ -1,4 +1,5 @@
-"""The exception hierarchy: every I/O failure is an ``OSError`` that names the file, offset and size."""
+"""The exception hierarchy: every I/O failure is an ``OSError`` that names the file, and the
+offset and size of the failing transfer where there is one."""
 
 from __future__ import annotations
 
@@ -36,13 +37,16 @@ class DeepNVMeError(Exception):
 class DeepNVMeIOError(DeepNVMeError, OSError):
     """An I/O request failed; carries ``path``, ``offset`` and ``size`` of the failing transfer.
 
-    ``errno`` is the operating system's code when there was one (``ENOSPC``, ``EIO`` ...),
-    so ``except OSError`` and ``e.errno == errno.ENOSPC`` work as for any file error.
+    Each is None where it does not apply (an open, a directory); the message names only those
+    that are known. ``errno`` is the operating system's code when there was one (``ENOSPC``,
+    ``EIO`` ...), so ``except OSError`` and ``e.errno == errno.ENOSPC`` work as for any file
+    error. ENOENT is raised as :class:`FileNotFoundIOError`, EACCES/EPERM as
+    :class:`PermissionIOError` (also ``FileNotFoundError`` and ``PermissionError``).
     """
 
     def __init__(self, message: str, *, path: str | None, offset: int | None, size: int | None,
                  errno: int | None = None) -> None:
-        detail = f"{message} (file {path!r}, offset {offset}, size {size})"
+        detail = _with_location(message, path, offset, size)
         if errno is not None:
             super().__init__(errno, detail)
         else:
@@ -64,9 +68,17 @@ class DeepNVMeIOError(DeepNVMeError, OSError):
         ``PermissionError``, so the usual ``except`` clauses keep working.
         """
         reason = exc.strerror or os.strerror(exc.errno or 0) or str(exc)
-        target = {_errno.ENOENT: FileNotFoundIOError, _errno.EACCES: PermissionIOError,
-                  _errno.EPERM: PermissionIOError}.get(exc.errno or 0, cls) if cls is DeepNVMeIOError else cls
+        target = _BY_ERRNO.get(exc.errno or 0, cls) if cls is DeepNVMeIOError else cls
         return target(f"{op} failed: {reason}", path=path, offset=offset, size=size, errno=exc.errno)
+
+
+def _with_location(message: str, path: str | None, offset: int | None, size: int | None) -> str:
+    """``message (file 'p', offset o, size s)`` naming only what is known."""
+    known = [f"file {path!r}" if path is not None else "",
+             f"offset {offset}" if offset is not None else "",
+             f"size {size}" if size is not None else ""]
+    where = ", ".join(part for part in known if part)
+    return f"{message} ({where})" if where else message
 
 
 def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
@@ -82,6 +94,11 @@ class FileNotFoundIOError(DeepNVMeIOError, FileNotFoundError):
 
 class PermissionIOError(DeepNVMeIOError, PermissionError):
     """The file or directory may not be opened as asked (EACCES, EPERM)."""
+
+
+_BY_ERRNO: dict[int, type[DeepNVMeIOError]] = {
+    _errno.ENOENT: FileNotFoundIOError, _errno.EACCES: PermissionIOError,
+    _errno.EPERM: PermissionIOError}
 
 
 class ShortTransferError(DeepNVMeIOError):

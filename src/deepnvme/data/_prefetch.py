@@ -23,7 +23,7 @@ from ..memory.pinned import BufferPool, new_cpu_locked_tensor
 from ._plan import BatchPlan
 
 if TYPE_CHECKING:
-    from .dataset import TokenDataset
+    from ._reader import SampleReader
 
 __all__ = ["iterate_batches"]
 
@@ -32,18 +32,18 @@ log = logging.getLogger(__name__)
 _InFlight = tuple[BatchPlan, torch.Tensor, "Future[int]"]
 
 
-def iterate_batches(ds: TokenDataset, order: Iterable[int], batch_size: int, *, prefetch: int,
+def iterate_batches(reader: SampleReader, order: Iterable[int], batch_size: int, *, prefetch: int,
                     pin_memory: bool, drop_last: bool,
                     device: torch.device | None = None) -> Generator[torch.Tensor, None, None]:
     """Yield the batches of ``order``; see :meth:`TokenDataset.batches` for the contract.
     Leaving early (``close()``, an error) waits for the reads in flight and frees the buffers."""
     if device is not None and device.type != "cpu":
-        yield from _to_device(iterate_batches(ds, order, batch_size, prefetch=prefetch, pin_memory=False,
-                                              drop_last=drop_last), device, batch_size, ds)
+        yield from _to_device(iterate_batches(reader, order, batch_size, prefetch=prefetch, pin_memory=False,
+                                              drop_last=drop_last), device, batch_size, reader)
         return
     group = group_size(prefetch)
     slots = prefetch // group
-    pool = BufferPool(ds.buffer_bytes(batch_size * group), slots)
+    pool = BufferPool(reader.buffer_bytes(batch_size * group), slots)
     pending: collections.deque[_InFlight] = collections.deque()
     samples = iter(order)
     try:
@@ -53,30 +53,30 @@ def iterate_batches(ds: TokenDataset, order: Iterable[int], batch_size: int, *, 
                 del chunk[len(chunk) - len(chunk) % batch_size:]
             if not chunk:
                 break
-            plan = ds.plan(chunk)  # IndexError here, before anything of this group is read
+            plan = reader.plan(chunk)  # IndexError here, before anything of this group is read
             if len(pending) == slots:
-                yield from _finish(ds, pending.popleft(), pool, batch_size, pin_memory)
+                yield from _finish(reader, pending.popleft(), pool, batch_size, pin_memory)
             buffer = pool.acquire()
             try:
-                pending.append((plan, buffer, ds.submit_plan(plan, buffer)))
+                pending.append((plan, buffer, reader.submit(plan, buffer)))
             except BaseException:
                 pool.release(buffer)
                 raise
         while pending:
-            yield from _finish(ds, pending.popleft(), pool, batch_size, pin_memory)
+            yield from _finish(reader, pending.popleft(), pool, batch_size, pin_memory)
     finally:
         _abandon(pending, pool)
 
 
 def _to_device(batches: Generator[torch.Tensor, None, None], device: torch.device, batch_size: int,
-               ds: TokenDataset) -> Iterator[torch.Tensor]:
+               reader: SampleReader) -> Iterator[torch.Tensor]:
     """Each batch copied to ``device`` through one reused page-locked staging batch; the copy
     is complete when the batch is yielded (``Tensor.to`` from page-locked memory, blocking)."""
     staging: torch.Tensor | None = None
     try:
         for batch in batches:
             if staging is None:
-                staging = new_cpu_locked_tensor(batch_size * ds.geometry.tokens, batch.dtype)
+                staging = new_cpu_locked_tensor(batch_size * reader.geometry.tokens, batch.dtype)
             stage = staging[:batch.numel()].view(batch.shape)
             stage.copy_(batch)
             yield stage.to(device)
@@ -90,21 +90,21 @@ def group_size(prefetch: int) -> int:
     return max(1, prefetch // 4)
 
 
-def _finish(ds: TokenDataset, item: _InFlight, pool: BufferPool, batch_size: int,
+def _finish(reader: SampleReader, item: _InFlight, pool: BufferPool, batch_size: int,
             pin_memory: bool) -> Iterator[torch.Tensor]:
     """Wait for one group's reads and yield its batches; then its buffer returns to the pool."""
     plan, buffer, future = item
     try:
-        ds.check_count(plan, future.result())
-        tokens = ds.geometry.tokens
-        dtype = ds.dtype if ds.keep_dtype else torch.int64
+        reader.check(plan, future.result())
+        tokens = reader.geometry.tokens
+        dtype = reader.out_dtype
         for first in range(0, len(plan.sample_at), batch_size):
             rows = plan.sample_at[first:first + batch_size]
             if pin_memory:
                 out = new_cpu_locked_tensor(len(rows) * tokens, dtype).view(len(rows), tokens)
             else:
                 out = torch.empty((len(rows), tokens), dtype=dtype)
-            ds.gather(rows, buffer, out)
+            reader.gather(rows, buffer, out)
             yield out
     finally:
         pool.release(buffer)

@@ -2,33 +2,28 @@
 
 Samples are windows of ``seq_len + 1`` tokens over the concatenation of every document in
 file order, ``seq_len`` apart (consecutive samples share one token, as Megatron's GPT dataset
-does for one unshuffled epoch); the last incomplete window is dropped. Reads go through an
-:class:`~deepnvme.AioHandle` (aligned O_DIRECT reads, many in flight), not ``mmap``.
+does for one unshuffled epoch); the last incomplete window is dropped. Reads go through the
+sample reader (:mod:`deepnvme.data._reader`: an :class:`~deepnvme.AioHandle`, aligned O_DIRECT
+reads, many in flight), not ``mmap``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.utils.data
 
 from ..config import IOConfig
-from ..errors import DeepNVMeIOError
 from ..formats.megatron_index import TokenIndex, parse_index
-from ..handles.aio import AioHandle
 from ..io.file import read_buffered
-from ..io.plan import PAGE_SIZE
-from ..memory.views import aligned_empty, byte_view
-from ._plan import BatchPlan, SampleGeometry, batch_buffer_bytes, plan_batch
+from ..memory.views import byte_view
+from ._plan import SampleGeometry
 from ._prefetch import iterate_batches
+from ._reader import SampleReader
 
 __all__ = ["TokenDataset"]
-
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _batch_device(device: str | torch.device | None) -> torch.device | None:
@@ -46,17 +41,31 @@ def _batch_device(device: str | torch.device | None) -> torch.device | None:
 
 
 class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
-    """Samples of ``seq_len + 1`` tokens from ``prefix.bin`` / ``prefix.idx`` (Megatron's format).
+    """Fixed-length samples of a Megatron indexed dataset (``prefix.bin`` + ``prefix.idx``).
 
     ``len(ds) == (total_tokens - 1) // seq_len``; ``ds[i]`` is tokens ``[i x seq_len, i x seq_len
-    + seq_len + 1)`` of the concatenation as a 1-D int64 tensor (the file's dtype with
-    ``keep_dtype=True``); :meth:`document` returns one document; :meth:`batches` reads many
-    samples ahead. ``config`` sets the I/O handle (None: deepnvme's defaults and environment).
+    + seq_len + 1)`` of the concatenation of every document, as a fresh 1-D tensor;
+    :meth:`document` returns one document; :meth:`batches` reads many samples ahead.
+
+    Args:
+        prefix: the two files' path without suffix (``"corpus"`` for ``corpus.bin`` and
+            ``corpus.idx``), as :func:`~deepnvme.data.write_token_dataset` writes them.
+        seq_len: tokens a sample advances by; each sample holds ``seq_len + 1`` tokens (the
+            inputs and the labels shifted by one). A positive int.
+        keep_dtype: hand out tokens in the file's dtype (e.g. uint16) instead of int64.
+        config: the settings of the I/O handle that reads the .bin; None: the ``DEEPNVME_*``
+            environment, then deepnvme's defaults.
+
+    Raises:
+        FileNotFoundError: a file is missing (the message names it).
+        DatasetFormatError: the .idx is not Megatron's format or does not match the .bin.
+        ValueError: ``seq_len`` is not a positive int.
 
     Works with ``torch.utils.data.DataLoader`` worker processes: each process opens its own
     handle on first use (a changed pid is detected) and pickling drops the handle. The index
     arrays stay in memory: ``20 x sequences + 8 x documents`` bytes. Reads of one dataset
-    from several threads are safe (the handle is thread-safe).
+    from several threads are safe (the handle is thread-safe). :meth:`close` (or leaving a
+    ``with`` block) stops this process's I/O threads.
     """
 
     def __init__(self, prefix: str | os.PathLike[str], *, seq_len: int, keep_dtype: bool = False,
@@ -67,9 +76,6 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
         self.idx_path, self.bin_path = f"{prefix}.idx", f"{prefix}.bin"
         self.seq_len = seq_len
         self.keep_dtype = keep_dtype
-        self._config = config
-        self._handle: AioHandle | None = None
-        self._pid = -1
         self.bin_size = os.stat(self.bin_path).st_size
         idx = torch.empty(os.stat(self.idx_path).st_size, dtype=torch.uint8)
         read_buffered(self.idx_path, idx, 0)
@@ -80,6 +86,9 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
         self.geometry = SampleGeometry(base=self.index.base, itemsize=self.index.dtype.itemsize,
                                        stride=seq_len, tokens=seq_len + 1, count=count,
                                        file_size=self.bin_size)
+        self._reader = SampleReader(self.bin_path, self.geometry, dtype=self.dtype,
+                                    out_dtype=self.dtype if keep_dtype else torch.int64,
+                                    config=config)
 
     # --- what the dataset holds --------------------------------------------------------------
 
@@ -109,88 +118,44 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
     @property
     def alignment(self) -> int:
         """The O_DIRECT alignment reads are planned with (bytes)."""
-        return max(self._io_config().alignment, PAGE_SIZE)
-
-    def _io_config(self) -> IOConfig:
-        return self._io().config
-
-    def _io(self) -> AioHandle:
-        """This process's handle: made on first use and again in a forked child (DataLoader
-        workers), whose copy of the parent's handle has no worker threads."""
-        pid = os.getpid()
-        if self._handle is None or self._pid != pid:
-            self._handle = AioHandle(config=self._config)
-            self._pid = pid
-        return self._handle
-
-    def plan(self, samples: Iterable[int], *, gap: int | None = None) -> BatchPlan:
-        """The reads that fetch ``samples`` (see :mod:`deepnvme.data._plan`); ``gap`` None: one
-        alignment unit (a hole that small is cheaper to read than a second request)."""
-        cfg = self._io_config()
-        align = max(cfg.alignment, PAGE_SIZE)
-        return plan_batch(list(samples), self.geometry, alignment=align, max_read=cfg.block_size,
-                          gap=align if gap is None else gap)
+        return self._reader.alignment
 
     def buffer_bytes(self, batch_size: int) -> int:
         """Bytes of the read buffer one batch of ``batch_size`` samples needs at most."""
-        align = self.alignment
-        return batch_buffer_bytes(batch_size, self.geometry, alignment=align, gap=align)
-
-    def read_plan(self, plan: BatchPlan, buffer: torch.Tensor) -> None:
-        """Execute ``plan`` into ``buffer`` (uint8, at least ``plan.buffer_bytes``); blocks."""
-        got = self.submit_plan(plan, buffer).result()
-        self.check_count(plan, got)
-
-    def submit_plan(self, plan: BatchPlan, buffer: torch.Tensor) -> Any:
-        """Start ``plan``'s reads into ``buffer``; a future of the byte count."""
-        items = [(buffer[at:at + n], off) for at, off, n in plan.reads]
-        return self._io().read_many(self.bin_path, items)
-
-    def check_count(self, plan: BatchPlan, got: int) -> None:
-        want = sum(n for _, _, n in plan.reads)
-        if got != want:
-            raise DeepNVMeIOError(f"read {got} of the {want} bytes planned", path=self.bin_path,
-                                  offset=plan.reads[0][1] if plan.reads else 0, size=want)
-
-    def _out_dtype(self) -> torch.dtype:
-        return self.dtype if self.keep_dtype else torch.int64
+        return self._reader.buffer_bytes(batch_size)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        plan = self.plan([i])
-        buffer = aligned_empty(plan.buffer_bytes, alignment=self.alignment, min_bytes=0)
-        self.read_plan(plan, buffer)
-        at = plan.sample_at[0]
-        tokens = buffer[at:at + self.geometry.sample_bytes].view(self.dtype)
-        return tokens.to(self._out_dtype(), copy=True)
+        return self._reader.sample(i)
 
     def document(self, j: int) -> torch.Tensor:
         """Document ``j``'s tokens (all its sequences), 1-D, int64 or the file's dtype."""
-        start, nbytes = self.index.document_bytes(j)
-        align = self.alignment
-        lo = start - start % align
-        hi = min(-(-(start + nbytes) // align) * align, self.bin_size)
-        plan = BatchPlan(reads=((0, lo, hi - lo),), sample_at=(start - lo,), buffer_bytes=hi - lo)
-        buffer = aligned_empty(hi - lo, alignment=align, min_bytes=0)
-        if nbytes:
-            self.read_plan(plan, buffer)
-        return buffer[start - lo:start - lo + nbytes].view(self.dtype).to(self._out_dtype(), copy=True)
+        return self._reader.span(*self.index.document_bytes(j))
 
     def batches(self, order: Iterable[int] | torch.Tensor, batch_size: int, *, prefetch: int = 8,
                 pin_memory: bool = False, drop_last: bool = False,
                 device: str | torch.device | None = None) -> Iterator[torch.Tensor]:
         """Yield ``[batch, seq_len + 1]`` tensors of the samples of ``order`` in that order.
 
-        Reads run up to ``prefetch`` batches ahead of the consumer (in groups of
-        ``max(1, prefetch // 4)`` batches per ``read_many`` call), samples widened to the
-        O_DIRECT alignment and coalesced with their neighbours; no worker processes. Memory:
-        ``prefetch x batch_size x (align_up(sample_bytes, A) + 2 A)`` bytes of pooled
-        page-locked read buffers (A = :attr:`alignment`, sample_bytes = ``(seq_len + 1) x
-        itemsize``; ``prefetch`` rounded down to a multiple of the group), freed when the
-        iterator ends, plus the yielded batches, which the caller owns (``pin_memory``:
-        allocated page-locked). The last short batch is dropped with
-        ``drop_last``. Out-of-range indices raise IndexError before their batch is read.
-        ``device`` (e.g. ``"cuda"``): batches are yielded there, each copied through one reused
-        page-locked staging batch, the copy done when the batch is yielded.
+        Args:
+            order: sample indices (any order, repeats allowed, negative ones from the end), an
+                iterable or a 1-D tensor.
+            batch_size: samples per batch; a positive int.
+            prefetch: batches read ahead of the consumer (read in groups of
+                ``max(1, prefetch // 4)`` batches per ``read_many`` call).
+            pin_memory: allocate the yielded batches page-locked.
+            drop_last: drop the last batch when it is short.
+            device: yield batches there (e.g. ``"cuda"``), each copied through one reused
+                page-locked staging batch, the copy done when the batch is yielded; None: CPU.
+
+        Raises:
+            ValueError: a bad ``batch_size``, ``prefetch`` or ``device`` (at the call).
+            IndexError: an index out of range (before its batch is read).
+
+        Samples are widened to the O_DIRECT alignment and coalesced with their neighbours; no
+        worker processes. Memory: ``prefetch x batch_size x (align_up(sample_bytes, A) + 2 A)``
+        bytes of pooled page-locked read buffers (A = :attr:`alignment`, sample_bytes =
+        ``(seq_len + 1) x itemsize``; ``prefetch`` rounded down to a multiple of the group),
+        freed when the iterator ends, plus the yielded batches, which the caller owns.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -199,45 +164,20 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
         target = _batch_device(device)
         if isinstance(order, torch.Tensor):
             order = order.tolist()
-        return iterate_batches(self, order, batch_size, prefetch=prefetch, pin_memory=pin_memory,
+        return iterate_batches(self._reader, order, batch_size, prefetch=prefetch, pin_memory=pin_memory,
                                drop_last=drop_last, device=target)
-
-    def gather(self, at: Sequence[int], buffer: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the samples starting at bytes ``at`` of the read ``buffer`` (whose length is a
-        multiple of 8) into the rows of ``out``: one strided copy when they lie evenly spaced
-        (sequential order), else one ``index_select``."""
-        tokens, itemsize = self.geometry.tokens, self.geometry.itemsize
-        elements = buffer.view(self.dtype)
-        step = at[1] - at[0] if len(at) > 1 else 0
-        if step >= 0 and step % itemsize == 0 and all(at[k] == at[0] + k * step for k in range(len(at))):
-            out.copy_(elements.as_strided((len(at), tokens), (step // itemsize, 1),
-                                        elements.storage_offset() + at[0] // itemsize))
-            return
-        # one index_select over a view of every window of `tokens` elements (faster than a copy
-        # per row, measured); as same-size integers, since not every dtype has the kernel (uint16)
-        raw = elements.view(_SAME_SIZE_INT[itemsize])
-        windows = raw.as_strided((raw.numel() - tokens + 1, tokens), (1, 1), raw.storage_offset())
-        first = torch.tensor(at, dtype=torch.int64).floor_divide_(itemsize)
-        out.copy_(torch.index_select(windows, 0, first).view(self.dtype))
 
     # --- lifetime ----------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop this process's I/O threads (a later read starts new ones). Idempotent."""
-        if self._handle is not None and self._pid == os.getpid():
-            self._handle.close()
-        self._handle = None
+        self._reader.close()
 
     def __enter__(self) -> TokenDataset:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_handle"], state["_pid"] = None, -1
-        return state
 
     def __repr__(self) -> str:
         return (f"TokenDataset({self.bin_path[:-4]!r}, seq_len={self.seq_len}, samples={len(self)}, "

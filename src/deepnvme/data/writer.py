@@ -3,7 +3,8 @@
 The files are what megatron-core's ``IndexedDatasetBuilder`` writes for one sequence per
 document, so Megatron and :class:`~deepnvme.data.TokenDataset` read them; Megatron itself is
 not needed. Each file appears atomically and durably (temporary name, fsync, rename, fsync of
-the directory: :mod:`deepnvme.io.durable`), the .bin before the .idx.
+the directory: :mod:`deepnvme.io.durable`), the .bin before the .idx. A missing folder of
+``prefix`` is created first, as :class:`~deepnvme.CheckpointManager` creates its directory.
 """
 
 from __future__ import annotations
@@ -66,12 +67,20 @@ def _as_tokens(doc: Any, dtype: TokenDType, j: int) -> torch.Tensor:
 
 def write_token_dataset(prefix: str | os.PathLike[str], documents: Iterable[Any], *,
                         dtype: Any = "uint16") -> None:
-    """Write ``documents`` (an iterable of token sequences: lists, NumPy arrays, tensors) to
-    ``prefix.bin`` and ``prefix.idx``; ``dtype`` is a NumPy name or dtype or a torch dtype
-    (default uint16, for vocabularies below 65,536). Streams: memory holds one document plus
-    8 bytes per document; the .idx is built at the end. Blocks until both files are durable."""
+    """Write ``documents`` as ``prefix.bin`` and ``prefix.idx``; blocks until both are durable.
+
+    Args:
+        prefix: the two files' path without suffix; missing folders on it are created.
+        documents: token sequences (lists of ints, NumPy arrays, tensors), one per document.
+        dtype: the tokens' type in the file: a NumPy name or dtype or a torch dtype (default
+            uint16, for vocabularies below 65,536); a token that does not fit is a ValueError.
+
+    Streams: memory holds one document plus 8 bytes per document; the .idx is built at the
+    end. A failure leaves no partial file and any previous pair untouched.
+    """
     kind = token_dtype(dtype)
     prefix = os.fspath(prefix)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     lengths = array.array("q")
     with durable.atomic_target(f"{prefix}.bin") as tmp:
         with open(tmp, "wb") as f:

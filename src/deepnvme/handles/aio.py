@@ -1,9 +1,10 @@
-"""``AioHandle``: DeepSpeed's ``aio_handle`` surface over the thread engine, plus futures.
+"""``AioHandle``: tensor file I/O over the engine, futures first.
 
-DeepSpeed users switch with one import; return values follow DeepSpeed (sync ops return 1,
-async ops 0, ``read``/``write`` 0, ``wait()`` the number of ops completed since the last wait),
-but failures raise exceptions naming the file, offset and size instead of returning -1 or
-aborting. A handle is safe to share between threads.
+The futures API (``submit_read``/``submit_write``, ``read_many``/``write_many``) is defined
+here; DeepSpeed's ``aio_handle`` method names come from a mixin
+(:mod:`deepnvme.handles._deepspeed_methods`), so DeepSpeed users switch with one import.
+Failures raise exceptions naming the file, offset and size. A handle is safe to share between
+threads.
 """
 
 from __future__ import annotations
@@ -24,28 +25,53 @@ from ..io.batch import Items
 from ..io.engine import Engine, Transfer
 from ..io.posix import Posix, current
 from ..io.staging import CudaCopier, DeviceCopier, StagingPipeline
-from ..memory import pinned
 from ..memory.views import check_io_tensor
-from ._deepspeed_args import async_flag, example_arg, write_target
+from ._deepspeed_methods import DeepSpeedMethods
 
 __all__ = ["AioHandle", "wait_all"]
 
 log = logging.getLogger(__name__)
-_DEEPSPEED_SECTOR = 512  # DeepSpeed's assumed O_DIRECT alignment, the unit of get_alignment()
 
 
-class AioHandle:
-    """Asynchronous tensor file I/O with DeepSpeed's ``aio_handle`` methods.
+class AioHandle(DeepSpeedMethods):
+    """Asynchronous tensor file I/O: futures, batches of one file, and DeepSpeed's
+    ``aio_handle`` methods, over one engine with its own worker threads.
 
-    Arguments left as None take their value from :mod:`deepnvme.config` (environment, then
-    defaults, which are DeepSpeed's: 1 MiB blocks, queue depth 128, one thread). Buffers are
-    contiguous CPU tensors of any dtype; ``nbytes`` of the tensor is the transfer size. A
-    buffer must stay untouched until its op completes (the handle keeps it alive until then).
+    Buffers are contiguous tensors of any dtype; ``nbytes`` of the tensor is the transfer size.
+    A buffer must stay untouched until its op completes (the handle keeps it alive until then).
+    CPU tensors go to the engine directly; CUDA tensors go through a pipeline of pinned staging
+    buffers (:mod:`deepnvme.io.staging`) with the same return values, futures and errors, and
+    an op on one completes once its device copies are synchronised, so the data is ready on
+    every stream.
 
-    CUDA tensors go through a pipeline of pinned staging buffers (:mod:`deepnvme.io.staging`):
-    same return values, futures and errors; an op completes once its device copies are
-    synchronised, so the data is ready on every stream. Staging memory, allocated on the first
-    CUDA op: ``3 x (max(8 MiB, block_size x intra_op_parallelism) + alignment)`` pinned bytes.
+    Args:
+        block_size: bytes per chunk a request is cut into, each one system call (default
+            1 MiB, as DeepSpeed's).
+        queue_depth: chunks in flight per worker thread with ``io_uring``/``aio``; with
+            ``threads``, the most chunks handed to all workers at once (default 128).
+        single_submit: with ``io_uring``/``aio``, submit chunks one per system call instead
+            of in batches (default False).
+        overlap_events: accepted for DeepSpeed compatibility; every engine already overlaps
+            submitting with completing, so it changes nothing.
+        intra_op_parallelism: worker threads; one request's chunks are spread across all of
+            them (default 1).
+        engine: how chunks reach the kernel: ``"io_uring"``, ``"aio"``, ``"threads"``, or
+            ``"auto"`` (the first of these this system runs, logging why it passed others).
+        config: an :class:`~deepnvme.config.IOConfig` to start from; the arguments above that
+            are not None override its fields. None: the arguments, then the ``DEEPNVME_*``
+            environment, then the defaults.
+        posix: the system-call layer, for tests that inject faults; None: the current one
+            (:func:`deepnvme.io.posix.current`).
+
+    Raises:
+        ConfigError: a setting is out of range, or the named engine cannot run here (the
+            message says why).
+
+    Memory: the caller's buffers, plus bounce buffers only for memory O_DIRECT cannot use
+    (see :mod:`deepnvme.config` for the bound), plus, from the first CUDA op, ``3 x
+    (max(8 MiB, block_size x intra_op_parallelism) + alignment)`` pinned staging bytes.
+    Thread-safety: one handle may be shared between threads. Lifetime: :meth:`close` (or
+    leaving a ``with`` block) waits for outstanding ops and stops the threads.
     """
 
     #: tensors on these device types are moved through pinned staging buffers
@@ -75,34 +101,10 @@ class AioHandle:
         cfg = config if isinstance(config, IOConfig) else IOConfig.from_deepspeed(config)
         return cls(config=cfg, **kwargs)
 
-    # --- getters (DeepSpeed names) ---------------------------------------------------------
-
-    def get_block_size(self) -> int:
-        return self.config.block_size
-
-    def get_queue_depth(self) -> int:
-        return self.config.queue_depth
-
-    def get_single_submit(self) -> bool:
-        return self.config.single_submit
-
-    def get_overlap_events(self) -> bool:
-        return self.config.overlap_events
-
-    def get_intra_op_parallelism(self) -> int:
-        return self.config.intra_op_parallelism
-
     @property
     def engine(self) -> str:
         """The I/O engine in use ("io_uring", "aio" or "threads"; ``auto`` already resolved)."""
         return self._engine.name
-
-    def get_alignment(self) -> int:
-        """DeepSpeed's request granularity, ``intra_op_parallelism x 512`` bytes: clients such as
-        DeepSpeed's FastFileWriter size buffers and offsets by it. deepnvme needs no alignment
-        from callers (it uses each file's own O_DIRECT alignment and bounces unaligned edges);
-        locked tensors are aligned to ``config.alignment``."""
-        return self.config.intra_op_parallelism * _DEEPSPEED_SECTOR
 
     # --- the Pythonic surface: futures -----------------------------------------------------
 
@@ -269,90 +271,6 @@ class AioHandle:
         if first is not None:
             raise first
         return len(pending)
-
-    # --- DeepSpeed's aio_handle methods ----------------------------------------------------
-    # Argument names are DeepSpeed's (buffer, filename, validate, file_offset), so keyword calls
-    # written for DeepSpeed work; pread/pwrite also take its ``async`` flag via ``**{"async": x}``.
-
-    def pread(self, buffer: torch.Tensor, filename: str, validate: bool,
-              async_op: bool | None = None, file_offset: int = 0, **async_kw: bool) -> int:
-        """Read into ``buffer``: async returns 0 (finish with :meth:`wait`), sync returns 1.
-        The flag is ``async_op`` or DeepSpeed's keyword ``async``."""
-        flag = async_flag("pread", async_op, async_kw)
-        return self._op(False, buffer, filename, validate, flag, file_offset)
-
-    def pwrite(self, buffer: torch.Tensor, filename: str | int, validate: bool,
-               async_op: bool | None = None, file_offset: int = 0, **async_kw: bool) -> int:
-        """Write ``buffer``: async returns 0 (finish with :meth:`wait`), sync returns 1.
-        The flag is ``async_op`` or DeepSpeed's keyword ``async``."""
-        flag = async_flag("pwrite", async_op, async_kw)
-        return self._op(True, buffer, filename, validate, flag, file_offset)
-
-    def _op(self, write: bool, buffer: torch.Tensor, target: str | int, validate: bool,
-            async_op: bool, file_offset: int) -> int:
-        if async_op:
-            self._submit(write, buffer, target, file_offset, validate, track=True)
-            return 0
-        self._submit(write, buffer, target, file_offset, validate, track=False).result()
-        return 1
-
-    def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
-        return self._op(False, buffer, filename, False, False, file_offset)
-
-    def sync_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
-        return self._op(True, buffer, filename, False, False, file_offset)
-
-    def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
-        return self._op(False, buffer, filename, False, True, file_offset)
-
-    def async_pwrite(self, buffer: torch.Tensor, filename: str | int | None = None,
-                     file_offset: int = 0, *, fd: int | None = None) -> int:
-        """Like DeepSpeed, the file may be an open descriptor: positionally in place of
-        ``filename``, or as ``fd=``. The descriptor stays open (the caller closes it)."""
-        target = write_target("async_pwrite", filename, fd)
-        return self._op(True, buffer, target, False, True, file_offset)
-
-    def read(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
-        """Blocking read of the rest of the file from ``file_offset``, which must be exactly
-        ``buffer.nbytes`` long. Returns 0 (DeepSpeed's convention)."""
-        self._check_buffer(buffer)
-        nbytes = buffer.numel() * buffer.element_size()
-        try:
-            size = os.stat(filename).st_size
-        except OSError as exc:
-            raise DeepNVMeIOError.from_oserror(exc, op="stat for read", path=str(filename),
-                                               offset=file_offset, size=nbytes) from None
-        if size - file_offset != nbytes:
-            raise DeepNVMeIOError(f"read: buffer has {nbytes} bytes but the file holds "
-                                  f"{size - file_offset} bytes from the offset (file size {size})",
-                                  path=str(filename), offset=file_offset, size=nbytes)
-        self._submit(False, buffer, filename, file_offset, validate, track=False).result()
-        return 0
-
-    def write(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
-        """Blocking write of ``buffer`` at ``file_offset``. Returns 0 (DeepSpeed's convention)."""
-        self._submit(True, buffer, filename, file_offset, validate, track=False).result()
-        return 0
-
-    # --- locked memory (shared with deepnvme.memory.pinned and compat.PinMemoryBuilder) ---
-
-    def new_cpu_locked_tensor(self, num_elem: int,
-                              example_tensor: torch.Tensor | torch.dtype | None = None, *,
-                              example_tenosr: torch.Tensor | torch.dtype | None = None
-                              ) -> torch.Tensor:
-        """A 1-D page-locked CPU tensor of ``num_elem`` elements with the example's dtype
-        (``example_tenosr`` is DeepSpeed's spelling of the keyword)."""
-        example = example_arg("new_cpu_locked_tensor", example_tensor, example_tenosr)
-        return pinned.new_cpu_locked_tensor(num_elem, example)
-
-    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
-        """Release a tensor from :meth:`new_cpu_locked_tensor` now; False if it was not one."""
-        return pinned.free_cpu_locked_tensor(tensor)
-
-    def is_pinned(self, buffer: torch.Tensor) -> bool:
-        """True for page-locked memory: CUDA-pinned, or locked by deepnvme (any handle or
-        :class:`~deepnvme.handles.deepspeed.PinMemoryBuilder`), views included."""
-        return pinned.is_pinned(buffer)
 
     # --- lifetime --------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from ..errors import DeepNVMeIOError
+from ..errors import FileNotFoundIOError, PermissionIOError
 
 __all__ = ["atomic_target", "commit", "fsync_dir", "temp_name", "create_temp", "clean_temp_files",
            "find_temp_files", "TempFile", "resolve_target", "check_target_dir",
@@ -121,14 +121,16 @@ def _clean_once(directory: str) -> None:
 
 
 def check_target_dir(path: str) -> None:
-    """Raise a clear OSError if ``path``'s directory is missing or not writable."""
+    """Raise :class:`~deepnvme.errors.FileNotFoundIOError` (a ``FileNotFoundError``) naming
+    ``path`` if its directory is missing, :class:`~deepnvme.errors.PermissionIOError` if that
+    directory is not writable."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise DeepNVMeIOError(f"cannot save: directory {directory!r} does not exist",
-                              path=path, offset=None, size=None, errno=errno.ENOENT)
+        raise FileNotFoundIOError(f"cannot save: directory {directory!r} does not exist",
+                                  path=path, offset=None, size=None, errno=errno.ENOENT)
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise DeepNVMeIOError(f"cannot save: no permission to create files in {directory!r}",
-                              path=path, offset=None, size=None, errno=errno.EACCES)
+        raise PermissionIOError(f"cannot save: no permission to create files in {directory!r}",
+                                path=path, offset=None, size=None, errno=errno.EACCES)
 
 
 def fsync_dir(directory: str) -> None:

@@ -186,7 +186,7 @@ def test_dataloader_workers_open_their_own_handle(corpus):
     got = torch.cat(list(loader))
     assert torch.equal(got, _rows(tokens, range(len(ds)), 50))
     clone = pickle.loads(pickle.dumps(ds))
-    assert clone._handle is None and torch.equal(clone[3], ds[3])
+    assert clone._reader._handle is None and torch.equal(clone[3], ds[3])
 
 
 def test_truncated_bin_and_bad_index_files(corpus, tmp_path):
@@ -200,8 +200,16 @@ def test_truncated_bin_and_bad_index_files(corpus, tmp_path):
         f.write(b"NOTANIDX!")
     with pytest.raises(DatasetFormatError, match=r"c\.idx: magic"):
         TokenDataset(prefix, seq_len=8)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="missing"):
         TokenDataset(tmp_path / "missing", seq_len=8)
+
+
+def test_writer_creates_missing_folders(tmp_path):
+    prefix = tmp_path / "new" / "deeper" / "c"
+    write_token_dataset(prefix, [[1, 2, 3], [4, 5]])
+    assert sorted(os.listdir(tmp_path / "new" / "deeper")) == ["c.bin", "c.idx"]
+    with TokenDataset(prefix, seq_len=2) as ds:
+        assert ds.document(1).tolist() == [4, 5] and ds[1].tolist() == [3, 4, 5]
 
 
 def test_writer_checks_tokens_and_leaves_nothing_on_failure(tmp_path):

@@ -262,11 +262,11 @@ def test_close_racing_a_submit_refuses_the_submit(tmp_path, monkeypatch):
 
     monkeypatch.setattr(WorkerGroup, "drain", drain_then_submit)
     before = open_fds()
-    workers = list(h._engine._workers.threads)
+    workers = list(h._engine._window.workers.threads)
     assert workers
     h.close()
     assert seen and "closed" in seen[0]
-    assert not any(t.is_alive() for t in workers) and not h._engine._workers.threads
+    assert not any(t.is_alive() for t in workers) and not h._engine._window.workers.threads
     assert open_fds() == before
 
 

@@ -1,0 +1,150 @@
+"""The sample reader: the reads behind :class:`~deepnvme.data.TokenDataset` and its prefetcher.
+
+It owns this process's :class:`~deepnvme.AioHandle` and turns sample indices into planned reads
+(:mod:`deepnvme.data._plan`), submits them, checks the byte count and copies samples out of a
+read buffer. The dataset (single samples, documents) and the read-ahead loop
+(:mod:`deepnvme.data._prefetch`) both use it; neither reaches into the other.
+
+Processes: a handle is made on first use and again in a forked child (DataLoader workers),
+whose copy of the parent's handle has no worker threads; pickling drops it. Thread-safe
+(the handle is).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from ..config import IOConfig
+from ..errors import DeepNVMeIOError
+from ..handles.aio import AioHandle
+from ..io.plan import PAGE_SIZE
+from ..memory.views import aligned_empty
+from ._plan import BatchPlan, SampleGeometry, batch_buffer_bytes, plan_batch
+
+__all__ = ["SampleReader"]
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class SampleReader:
+    """Reads samples laid out as ``geometry`` from ``bin_path``, whose tokens are ``dtype``,
+    handing them out as ``out_dtype``; ``config`` sets the I/O handle (None: the defaults and
+    the environment)."""
+
+    def __init__(self, bin_path: str, geometry: SampleGeometry, *, dtype: torch.dtype,
+                 out_dtype: torch.dtype, config: IOConfig | None) -> None:
+        self.bin_path = bin_path
+        self.geometry = geometry
+        self.dtype = dtype
+        self.out_dtype = out_dtype
+        self._config = config
+        self._handle: AioHandle | None = None
+        self._pid = -1
+
+    def _io(self) -> AioHandle:
+        """This process's handle (see the module docstring)."""
+        pid = os.getpid()
+        if self._handle is None or self._pid != pid:
+            self._handle = AioHandle(config=self._config)
+            self._pid = pid
+        return self._handle
+
+    @property
+    def alignment(self) -> int:
+        """The O_DIRECT alignment reads are planned with (bytes)."""
+        return max(self._io().config.alignment, PAGE_SIZE)
+
+    # --- planning ----------------------------------------------------------------------------
+
+    def plan(self, samples: Iterable[int], *, gap: int | None = None) -> BatchPlan:
+        """The reads that fetch ``samples``; ``gap`` None: one alignment unit (a hole that small
+        is cheaper to read than a second request). IndexError for an index out of range."""
+        cfg = self._io().config
+        align = max(cfg.alignment, PAGE_SIZE)
+        return plan_batch(list(samples), self.geometry, alignment=align, max_read=cfg.block_size,
+                          gap=align if gap is None else gap)
+
+    def buffer_bytes(self, batch_size: int) -> int:
+        """Bytes of the read buffer one batch of ``batch_size`` samples needs at most."""
+        align = self.alignment
+        return batch_buffer_bytes(batch_size, self.geometry, alignment=align, gap=align)
+
+    # --- reading -----------------------------------------------------------------------------
+
+    def submit(self, plan: BatchPlan, buffer: torch.Tensor) -> Future[int]:
+        """Start ``plan``'s reads into ``buffer`` (uint8, at least ``plan.buffer_bytes``); a
+        future of the byte count. ``buffer`` must stay alive until the future completes."""
+        items = [(buffer[at:at + n], off) for at, off, n in plan.reads]
+        future: Future[int] = self._io().read_many(self.bin_path, items)
+        return future
+
+    def check(self, plan: BatchPlan, got: int) -> None:
+        """Raise :class:`~deepnvme.errors.DeepNVMeIOError` unless ``got`` is the bytes
+        ``plan`` reads."""
+        want = sum(n for _, _, n in plan.reads)
+        if got != want:
+            raise DeepNVMeIOError(f"read {got} of the {want} bytes planned", path=self.bin_path,
+                                  offset=plan.reads[0][1] if plan.reads else 0, size=want)
+
+    def read(self, plan: BatchPlan, buffer: torch.Tensor) -> None:
+        """Execute ``plan`` into ``buffer``; blocks."""
+        self.check(plan, self.submit(plan, buffer).result())
+
+    def sample(self, i: int) -> torch.Tensor:
+        """Sample ``i``, 1-D, as ``out_dtype`` (a fresh tensor); blocks."""
+        plan = self.plan([i])
+        buffer = aligned_empty(plan.buffer_bytes, alignment=self.alignment, min_bytes=0)
+        self.read(plan, buffer)
+        at = plan.sample_at[0]
+        tokens = buffer[at:at + self.geometry.sample_bytes].view(self.dtype)
+        return tokens.to(self.out_dtype, copy=True)
+
+    def span(self, start: int, nbytes: int) -> torch.Tensor:
+        """The tokens of bytes ``[start, start + nbytes)`` of the file, 1-D, as ``out_dtype``
+        (a fresh tensor), read with the range widened to the alignment; blocks."""
+        align = self.alignment
+        lo = start - start % align
+        hi = min(-(-(start + nbytes) // align) * align, self.geometry.file_size)
+        plan = BatchPlan(reads=((0, lo, hi - lo),), sample_at=(start - lo,), buffer_bytes=hi - lo)
+        buffer = aligned_empty(hi - lo, alignment=align, min_bytes=0)
+        if nbytes:
+            self.read(plan, buffer)
+        tokens = buffer[start - lo:start - lo + nbytes].view(self.dtype)
+        return tokens.to(self.out_dtype, copy=True)
+
+    def gather(self, at: Sequence[int], buffer: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the samples starting at bytes ``at`` of the read ``buffer`` (whose length is a
+        multiple of 8) into the rows of ``out``: one strided copy when they lie evenly spaced
+        (sequential order), else one ``index_select``."""
+        tokens, itemsize = self.geometry.tokens, self.geometry.itemsize
+        elements = buffer.view(self.dtype)
+        step = at[1] - at[0] if len(at) > 1 else 0
+        if step >= 0 and step % itemsize == 0 and all(at[k] == at[0] + k * step
+                                                      for k in range(len(at))):
+            out.copy_(elements.as_strided((len(at), tokens), (step // itemsize, 1),
+                                          elements.storage_offset() + at[0] // itemsize))
+            return
+        # one index_select over a view of every window of `tokens` elements (faster than a copy
+        # per row); as same-size integers, since not every dtype has the kernel (uint16)
+        raw = elements.view(_SAME_SIZE_INT[itemsize])
+        windows = raw.as_strided((raw.numel() - tokens + 1, tokens), (1, 1), raw.storage_offset())
+        first = torch.tensor(at, dtype=torch.int64).floor_divide_(itemsize)
+        out.copy_(torch.index_select(windows, 0, first).view(self.dtype))
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop this process's I/O threads (a later read starts new ones). Idempotent."""
+        if self._handle is not None and self._pid == os.getpid():
+            self._handle.close()
+        self._handle = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_handle"], state["_pid"] = None, -1
+        return state

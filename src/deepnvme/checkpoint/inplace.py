@@ -17,13 +17,13 @@ import torch
 
 from ..config import IOConfig, checkpoint_config
 from ..errors import UnsupportedBufferError
-from ..formats.hf_index import find_checkpoint
+from ..formats.index import tensor_index
 from ..handles.aio import AioHandle, wait_all
 from ..memory import pinned
 from ..memory.views import aligned_empty, cast_to_byte_tensor
 from ._fill_plan import Fill, FillPlan, TargetSpec, chunks, mismatch_error, plan_fill
 from ._paths import as_path
-from ._stored import StoredTensor, read_stored
+from ._stored import StoredTensor
 
 __all__ = ["LoadResult", "load_into", "BOUNCE_SLOTS", "BOUNCE_CHUNK"]
 
@@ -72,8 +72,7 @@ def load_into(target: torch.nn.Module | MutableMapping[str, torch.Tensor],
     """
     path = as_path(path, "deepnvme.load_into")
     tensors = _target_tensors(target)
-    files = find_checkpoint(path)
-    sources = read_stored(files)
+    sources = tensor_index(path).tensors
     plan = plan_fill({name: _spec(t) for name, t in tensors.items()}, sources)
     error = mismatch_error(plan, strict=strict)
     if error is not None:

@@ -17,13 +17,13 @@ import torch
 
 from ..config import IOConfig, checkpoint_config
 from ..errors import UnsupportedBufferError
-from ..formats.hf_index import find_checkpoint
+from ..formats.index import tensor_index
 from ..handles.aio import AioHandle, wait_all
 from ..memory import pinned
 from ..memory.views import aligned_empty, cast_to_byte_tensor
 from ._fill_plan import Fill, FillPlan, TargetSpec, chunks, mismatch_error, plan_fill
 from ._paths import as_path
-from ._stored import StoredTensor, read_stored
+from ._stored import StoredTensor
 
 __all__ = ["LoadResult", "load_into", "BOUNCE_SLOTS", "BOUNCE_CHUNK"]
 
@@ -43,37 +43,51 @@ class LoadResult(NamedTuple):
 def load_into(target: torch.nn.Module | MutableMapping[str, torch.Tensor],
               path: str | os.PathLike[str], *, strict: bool = True,
               config: IOConfig | Mapping[str, Any] | None = None) -> LoadResult:
-    """Fill ``target`` (a module's ``state_dict()`` tensors, persistent buffers included, or a
-    dict of name -> tensor) in place from ``path``, like ``Module.load_state_dict``; blocks.
+    """Fill ``target``'s tensors in place from the checkpoint at ``path``, like
+    ``Module.load_state_dict``, without building a second copy of the model. Blocks until every
+    byte is read.
 
-    ``path`` is a ``.safetensors`` file, a ``torch.save`` file of a state dict, or a Hugging Face
-    folder: ``model.safetensors``, ``model.safetensors.index.json`` and its shards,
-    ``pytorch_model.bin``, or ``pytorch_model.bin.index.json`` and its shards (only the files
-    the index names are read); a file's format is told by its bytes, not its name. Targets may be
-    on CPU or CUDA.
+    Args:
+        target: a ``torch.nn.Module`` (its ``state_dict()`` tensors, persistent buffers included)
+            or a dict of name -> tensor; dense tensors on CPU or CUDA. Tied tensors (the same view
+            of the same memory) are filled once, and a tied name the file lacks (as
+            ``safetensors.torch.save_model`` writes them) is not missing. Modules' custom
+            ``_load_from_state_dict`` hooks are not run: bytes are written, not loaded through hooks.
+        path: a ``.safetensors`` file, a ``torch.save`` file of a state dict, or a Hugging Face
+            folder: ``model.safetensors``, ``model.safetensors.index.json`` and its shards,
+            ``pytorch_model.bin``, or ``pytorch_model.bin.index.json`` and its shards (only the
+            files the index names are read). A file's format is told by its bytes, not its name;
+            a tensor in two files, or not in the shard the index names, is a malformed checkpoint.
+        strict: if true (the default), a name the target has and the file lacks, or the file has
+            and the target lacks, is an error; if false, such names are skipped and returned.
+            Shape mismatches and dtype pairs ``Tensor.copy_`` cannot convert are errors either way.
+        config: I/O settings for the reads (an :class:`IOConfig` or a dict of its settings);
+            settings left at the library default take the checkpoint profile
+            (:data:`deepnvme.config.CHECKPOINT_DEFAULTS`).
 
-    Order of failures: a malformed file raises :class:`CheckpointFormatError`; then one
-    :class:`CheckpointMismatchError` lists every shape mismatch and every dtype pair
-    ``Tensor.copy_`` cannot convert (always) and every missing and unexpected name (with
-    ``strict``). Both come before any destination byte changes. An I/O error while reading can
-    leave the target partly filled.
+    Returns:
+        :class:`LoadResult`: the missing and the unexpected names (both empty when ``strict``).
 
-    Tied tensors (the same view of the same memory) are filled once, and a tied name the file
-    lacks (as ``safetensors.torch.save_model`` writes them) is not missing. Modules' custom
-    ``_load_from_state_dict`` hooks are not run: bytes are written, not loaded through hooks.
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        TypeError, UnsupportedBufferError: a target entry that is not a dense tensor with memory,
+            or a module whose ``state_dict()`` hands out copies.
+        CheckpointFormatError: a malformed file or folder, before anything is matched.
+        CheckpointMismatchError: every shape mismatch, unconvertible dtype and (with ``strict``)
+            missing and unexpected name at once, before any destination byte changes.
+        DeepNVMeIOError: a read failed; the target can then be partly filled.
 
-    Bytes: a CPU contiguous target of the file's dtype is read into directly (no copy); a CUDA
+    Memory: a CPU contiguous target of the file's dtype is read into directly (no copy); a CUDA
     one through the handle's pinned staging pipeline; any other (dtype conversion,
     non-contiguous) through bounce buffers and ``Tensor.copy_``. Peak extra memory:
     ``BOUNCE_SLOTS x max(BOUNCE_CHUNK, largest dim-0 row, largest strided stored span)`` bytes
     of bounce (only if a tensor needs it) + the handle's staging for CUDA targets
     (``3 x (max(8 MiB, block_size x intra_op_parallelism) + alignment)``) + headers and
-    ``data.pkl``; never a second copy of the model.
+    ``data.pkl``.
     """
     path = as_path(path, "deepnvme.load_into")
     tensors = _target_tensors(target)
-    files = find_checkpoint(path)
-    sources = read_stored(files)
+    sources = tensor_index(path).tensors
     plan = plan_fill({name: _spec(t) for name, t in tensors.items()}, sources)
     error = mismatch_error(plan, strict=strict)
     if error is not None:

@@ -23,8 +23,8 @@ import torch
 
 from ..config import SETTINGS, IOConfig, checkpoint_config, parse_size
 from ..errors import CheckpointFormatError, ConfigError, DeepNVMeError
-from ..formats.hf_index import check_weight_map, find_checkpoint
-from ..formats.safetensors import StoredTensor, locate, read_header
+from ..formats.index import tensor_index
+from ..formats.safetensors import StoredTensor
 from ..handles.aio import AioHandle
 
 __all__ = ["DEFAULT_READ_WINDOW", "LOADER_KEYS", "LoaderOptions", "ReadRange", "loader_options",
@@ -136,18 +136,7 @@ def checkpoint_tensors(model_dir: str, *, load_format: str = "deepnvme") -> list
         raise DeepNVMeError(f"load_format {load_format!r} reads a local model folder, and {model_dir!r} is "
                             "not one: download the model first (e.g. `hf download REPO --local-dir "
                             "DIR`) and pass DIR as the model")
-    files = find_checkpoint(model_dir, kinds=("safetensors",), any_safetensors=True)
-    found: dict[str, str] = {}
-    out: list[StoredTensor] = []
-    for path in files.files:
-        for name, stored in locate(read_header(path), path).items():
-            if name in found:
-                raise CheckpointFormatError(f"tensor {name!r} is in both {found[name]!r} and {path!r}")
-            found[name] = path
-            out.append(stored)
-    check_weight_map(files, found)
-    out.sort(key=lambda t: (t.file, t.offset))
-    return out
+    return tensor_index(model_dir, kinds=("safetensors",), any_safetensors=True).in_file_order()
 
 
 def _view(buffer: torch.Tensor, start: int, t: StoredTensor) -> torch.Tensor:

@@ -19,8 +19,7 @@ import torch
 
 from ..config import IOConfig
 from ..errors import CheckpointMismatchError
-from ..formats.hf_index import find_checkpoint
-from ..formats.safetensors import StoredTensor, locate, read_header
+from ..formats.index import tensor_index
 from ..handles.aio import AioHandle
 from ..memory.heap import mapped_at, mapped_empty
 
@@ -53,11 +52,8 @@ class _InitSource(Source):
 
 class _CheckpointSource(Source):
     def __init__(self, path: str, config: IOConfig | None) -> None:
-        files = find_checkpoint(path, kinds=("safetensors",))
         self.path = path
-        self._stored: dict[str, StoredTensor] = {}
-        for file in files.files:
-            self._stored.update(locate(read_header(file), file))
+        self._stored = tensor_index(path, kinds=("safetensors",)).tensors
         self._handle = AioHandle(config=config)
 
     def value(self, names: Sequence[str], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -86,7 +86,7 @@ def test_state_lives_on_disk_between_steps(tmp_path):
     state_bytes = 2 * 4 * sum(p.numel() for p in model.parameters())
     on_disk = sum(os.path.getsize(os.path.join(opt.swap_directory, f)) for f in files)
     assert state_bytes <= on_disk < state_bytes + 64 * 2 * len(list(model.parameters()))
-    assert opt._swapper.buffers_in_use() == 0
+    assert opt._state.swapper.buffers_in_use() == 0
     d = opt.swap_directory
     opt.close()
     assert not os.path.exists(d)
@@ -183,7 +183,7 @@ def test_vanished_swap_dir_is_a_clear_error(tmp_path):
     with pytest.raises(SwapError, match="vanished.*no sub-group was updated"):
         train(model, opt, 1, start=1)
     assert same_params(ref, model)           # the failed step changed nothing
-    assert opt._swapper.buffers_in_use() == 0
+    assert opt._state.swapper.buffers_in_use() == 0
     opt.close()
 
 

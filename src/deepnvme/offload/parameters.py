@@ -206,38 +206,53 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     Each submodule's own parameters are read in before its forward and again when the backward
     needs them, the next ``prefetch`` modules in execution order are read ahead (the order is
     learned on the first pass and re-learned when it changes), and gradients are written as
-    autograd produces them, accumulated across backward passes until ``zero_grad``.
-    ``dtype`` converts the parameters first; ``config`` sets the I/O engine.
+    autograd produces them, accumulated across backward passes until ``zero_grad``. Train with
+    :class:`~deepnvme.NVMeOptimizer`, which reads and writes the offloaded tensors.
 
-    A model built on the meta device (``with torch.device("meta"): model = Net()``) never
-    exists whole in memory: ``source`` gives each meta parameter (and buffer) its value, one
-    at a time, written to its file before the next: a safetensors checkpoint (a file, or a
-    folder with ``model.safetensors`` or a sharded index; names as in ``model.state_dict()``)
-    or a function ``init(name, tensor)`` filling an uninitialised tensor in place.
+    Memory: ``max_in_memory_bytes`` (parameters and gradients, reads in flight, writes not yet
+    finished and free buffers kept for reuse included) + the one gradient autograd just produced
+    + the NVMeOptimizer's ``buffer_count x`` one sub-group's state. The I/O buffers are the
+    tensors themselves (page-aligned: the engine needs no bounce buffers). Activations and the
+    optimizer's temporaries are the training loop's own, as in memory.
 
-    Memory: ``max_in_memory_bytes`` (parameters and gradients, reads in flight, writes not
-    yet finished and free buffers kept for reuse by the next read of the same size included)
-    + the one gradient that autograd just produced (its page-aligned copy for the write is a
-    store buffer, within the budget, unless every buffer is pinned) + the
-    NVMeOptimizer's ``buffer_count x`` one sub-group's state; the I/O buffers are
-    the tensors themselves (page-aligned, so the engine needs no bounce buffers). Activations
-    and the optimizer's temporaries are the training loop's own, as in memory. Each module's
-    own parameters, and each optimizer sub-group's parameters plus gradients, must fit the
-    budget (checked when the offload and the optimizer are built: a parameter larger than the
-    budget, or than half of it for its update, is refused with
-    :class:`~deepnvme.OffloadMemoryError` naming it); if a module needs more than is free while
-    everything is pinned, that error is raised too.
-    Parameters smaller than ``min_offload_bytes`` (default :data:`MIN_OFFLOAD_BYTES`, 64 KiB:
-    biases, norm weights) stay in memory with their gradients, as DeepSpeed's
-    ``stage3_param_persistence_threshold`` keeps small parameters: each would otherwise cost a
-    file request per use for a few KiB. They count in ``max_in_memory_bytes`` for good (3 x
-    their size: value, gradient, a copy for a failed update), at most an eighth of it (further
-    small ones are offloaded); 0 offloads every parameter.
-    ``offload_gradients=False`` keeps every gradient in memory instead (one mapping of the
-    parameters' size, outside ``max_in_memory_bytes``), as DeepSpeed's ZeRO-3 keeps its gradient
-    partitions: each step then moves two fewer passes over the parameters' bytes (no gradient
-    written after the backward and read back for the update), for memory the size of the model.
-    Train with :class:`~deepnvme.NVMeOptimizer`, which reads and writes the offloaded tensors.
+    Args:
+        model: a CPU model, or one built on the meta device (``with torch.device("meta"):``)
+            with ``source`` giving the values, so it never exists whole in memory.
+        directory: where a private subdirectory holds the files (created if missing; removed by
+            :meth:`ParameterOffload.close`, with ``directory`` itself if the offload created it
+            and nothing else is in it).
+        max_in_memory_bytes: the budget of parameter and gradient bytes in memory. Each module's
+            own parameters, and each optimizer sub-group's parameters plus gradients, must fit
+            it: a parameter larger than the budget, or than half of it for its update, is
+            refused when the offload or the optimizer is built, naming it.
+        prefetch: how many modules ahead (in the learned order) to read in advance; 0 for none.
+        dtype: convert the parameters to this dtype first (None keeps theirs).
+        config: the I/O settings of the handle for the files (and for reading ``source``).
+        source: the values of a meta-device model's parameters and buffers, one tensor at a
+            time, each written to its file before the next: a safetensors checkpoint (a file,
+            or a folder with ``model.safetensors`` or a sharded index; names as in
+            ``model.state_dict()``), or a function ``init(name, tensor)`` filling an
+            uninitialised tensor in place. None for a model with real parameters.
+        min_offload_bytes: parameters smaller than this stay in memory with their gradients
+            (default :data:`MIN_OFFLOAD_BYTES`: biases, norm weights), as DeepSpeed's
+            ``stage3_param_persistence_threshold`` keeps small parameters, each of which would
+            otherwise cost a file request per use for a few KiB. They count in the budget for
+            good (3 x their size: value, gradient, a copy for a failed update), at most an
+            eighth of it (further small ones are offloaded); 0 offloads every parameter.
+        offload_gradients: False keeps every gradient in memory (one mapping of the
+            parameters' size, outside ``max_in_memory_bytes``), as DeepSpeed's ZeRO-3 keeps
+            its gradient partitions: each step then moves two fewer passes over the parameters'
+            bytes (no gradient written after the backward and read back for the update).
+
+    Returns:
+        The :class:`ParameterOffload`; close it (or use it as a context manager) to delete the
+        files.
+
+    Raises:
+        OffloadMemoryError: a module or parameter that cannot fit ``max_in_memory_bytes``, at
+            build time or when a module needs more than is free while everything is pinned.
+        ValueError: a parameter not on the CPU, or on the meta device without ``source``.
+        CheckpointMismatchError: ``source`` lacks a tensor the model needs, or its shape differs.
     """
     return ParameterOffload(model, directory, max_in_memory_bytes=max_in_memory_bytes,
                             prefetch=prefetch, dtype=dtype, config=config, source=source,

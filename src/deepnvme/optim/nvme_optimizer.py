@@ -48,16 +48,16 @@ def _check_arguments(params: object, optimizer_cls: object) -> None:
     if isinstance(params, torch.optim.Optimizer):
         name = type(params).__name__
         raise TypeError(f"NVMeOptimizer builds the optimizer itself: pass the parameters and the "
-                        f"optimizer class with its options, e.g. {_USAGE}, not a {name} "
-                        f"instance (to carry its param groups over: NVMeOptimizer("
+                        f"optimizer class with its options, e.g. {_USAGE}, not an optimizer "
+                        f"object (got {name}; to carry its param groups over: NVMeOptimizer("
                         f"optimizer.param_groups, type(optimizer), swap_dir=...))")
     if isinstance(params, torch.nn.Module):
         raise TypeError(f"NVMeOptimizer takes the model's parameters, not the "
                         f"{type(params).__name__} module: {_USAGE}")
     if isinstance(optimizer_cls, torch.optim.Optimizer):
         raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, "
-                        f"not a {type(optimizer_cls).__name__} instance; pass its options as "
-                        f"keyword arguments: {_USAGE}")
+                        f"not an optimizer object (got {type(optimizer_cls).__name__}); pass its "
+                        f"options as keyword arguments: {_USAGE}")
     if not callable(optimizer_cls):
         raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, "
                         f"got {type(optimizer_cls).__name__}: {_USAGE}")
@@ -169,6 +169,16 @@ class NVMeOptimizer(torch.optim.Optimizer):
     @property
     def num_sub_groups(self) -> int:
         return len(self._subs)
+
+    @property
+    def swapped_bytes(self) -> int:
+        """Bytes of optimizer state in the swap files now (packed, with alignment padding)."""
+        return sum(layout.total for layout in self._subs.layouts if layout is not None)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of each of the ``buffer_count`` pinned buffers of one sub-group's state."""
+        return self._state.swapper.buffer_bytes
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the wrapped optimizer's gradients, and those of offloaded parameters."""

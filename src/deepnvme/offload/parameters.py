@@ -69,7 +69,11 @@ class OffloadStats:
 
 
 class ParameterOffload(UpdateSide):
-    """The offload of one model's parameters and gradients (see :func:`offload_parameters`)."""
+    """The offload of one model's parameters and gradients (see :func:`offload_parameters`).
+
+    It marks each parameter it holds, so :class:`~deepnvme.NVMeOptimizer` finds it there and
+    updates through it (it implements ``deepnvme.optim._protocol.OffloadedParameters``).
+    """
 
     def __init__(self, model: torch.nn.Module, directory: str | os.PathLike[str], *,
                  max_in_memory_bytes: int, prefetch: int = 2, dtype: torch.dtype | None = None,

@@ -112,11 +112,11 @@ def run_mode(args: argparse.Namespace) -> dict:
                         on_first_timed=offload.reset_stats if offload is not None else None)}
     if isinstance(opt, deepnvme.NVMeOptimizer) and offload is not None:
         s = offload.stats()
-        state = sum(lay.total for lay in opt._layouts if lay is not None)
+        state = opt.swapped_bytes
         out.update(read_per_step=s.bytes_read / args.steps + state,
                    written_per_step=s.bytes_written / args.steps + state, state_bytes=state,
                    peak_held=s.peak_bytes, budget=budget, sub_groups=opt.num_sub_groups,
-                   opt_buffers=args.buffers * opt._swapper.buffer_bytes,
+                   opt_buffers=args.buffers * opt.buffer_bytes,
                    prefetch_hits=s.prefetch_hits / args.steps,
                    buffers_reused=s.buffers_reused / args.steps)
         offload.close()

@@ -67,7 +67,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     out = {"mode": args.mode, "step_s": times, "state_rss": status("VmHWM") - baseline,
            "n_params": sum(p.numel() for p in params)}
     if isinstance(opt, NVMeOptimizer):
-        out["state_bytes"] = sum(lay.total for lay in opt._layouts if lay is not None)
+        out["state_bytes"] = opt.swapped_bytes
         out["sub_groups"] = opt.num_sub_groups
         opt.close()
     else:
@@ -86,6 +86,7 @@ def measure_bandwidth(args: argparse.Namespace, nbytes: int) -> tuple[float, flo
     bufs = [deepnvme.new_cpu_locked_tensor(chunk, torch.uint8) for _ in range(2)]
     for b in bufs:
         b.random_(0, 256)
+    os.makedirs(args.dir, exist_ok=True)   # the optimizers that made it removed it when empty
     path = os.path.join(args.dir, "bw.bin")
     other = os.path.join(args.dir, "bw2.bin")
     writes, reads, mixed = [], [], []

@@ -15,7 +15,8 @@ import torch
 
 from ..errors import OffloadMemoryError
 from ..memory.heap import mapped_empty
-from ._store import Buffer, Entry, TensorStore
+from ._entry import Buffer, Entry
+from ._store import TensorStore
 
 __all__ = ["accept_gradient"]
 

@@ -1,9 +1,10 @@
 """Parameters and gradients in files, brought into memory under a byte budget.
 
-Each tensor (a parameter's data, or its gradient) is an :class:`Entry` whose value lives in one
-file of a pool-less :class:`~deepnvme.swap.TensorSwapper` (which orders each key's reads after its
-writes). A present entry holds a tensor allocated for it; a released parameter's ``.data`` is a
-one-element placeholder expanded to its shape (NaN for floating types, so a stray use shows).
+Each tensor (a parameter's data, or its gradient) is an :class:`~._entry.Entry` whose value lives
+in one file of a pool-less :class:`~deepnvme.swap.TensorSwapper` (which orders each key's reads
+after its writes). A present entry holds a tensor allocated for it; a released parameter's
+``.data`` is a one-element placeholder expanded to its shape (NaN for floating types, so a stray
+use shows).
 
 Memory bound: ``held`` = present tensors + reads in flight + tensors still being written after
 they left their entry + free buffers kept for reuse; every allocation first takes a free buffer of
@@ -37,66 +38,11 @@ from ..errors import OffloadMemoryError
 from ..io.plan import align_up
 from ..memory.heap import MAPPED_MIN, mapped_empty
 from ..swap import TensorSwapper
+from ._entry import Buffer, Entry, placeholder
 
-__all__ = ["Buffer", "Entry", "TensorStore", "placeholder"]
+__all__ = ["TensorStore"]
 
-_PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}
 _ALIGN = 64   # bytes between resident tensors in their shared allocation
-
-
-def placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` that holds one element (NaN for floating types)."""
-    base = _PLACEHOLDERS.get(dtype)
-    if base is None:
-        fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
-        base = _PLACEHOLDERS[dtype] = torch.full((1,), fill, dtype=dtype)
-    return base.expand(shape) if len(shape) else base.view(())
-
-
-class Entry:
-    """One offloaded tensor: a parameter's data (``grad=False``) or its gradient."""
-
-    __slots__ = ("key", "name", "param", "grad", "shape", "dtype", "nbytes", "tensor", "read",
-                 "write", "pins", "tick", "prefetched", "valid", "buf", "resident")
-
-    def __init__(self, key: int, name: str, param: torch.nn.Parameter, *, grad: bool) -> None:
-        self.key = key
-        self.name = name                  # the parameter's qualified name (for messages)
-        self.param = param
-        self.grad = grad
-        self.shape = param.shape
-        self.dtype = param.dtype
-        self.nbytes = param.numel() * param.element_size()
-        self.tensor: torch.Tensor | None = None   # present value (maybe still being read)
-        self.read: Future[torch.Tensor] | None = None
-        self.write: Future[None] | None = None    # the last write of ``tensor``
-        self.pins = 0
-        self.tick = 0
-        self.prefetched = False
-        self.valid = not grad             # a gradient is valid once one was accumulated
-        self.buf: Buffer | None = None   # the reusable mapping behind ``tensor``, if any
-        self.resident = False   # a small tensor kept in memory: no file I/O, never dropped
-
-
-def _use_count(t: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
-class Buffer:
-    """A mapping the store allocated (uint8) and the storage use count it has when unshared."""
-
-    __slots__ = ("raw", "alone")
-
-    def __init__(self, nbytes: int) -> None:
-        self.raw = mapped_empty(nbytes)
-        self.alone = _use_count(self.raw)
-
-    def unshared(self) -> bool:
-        """True if no tensor besides ``raw`` (a parameter's ``.data``, an autograd view) uses it."""
-        return _use_count(self.raw) == self.alone
-
-    def typed(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        return self.raw.view(dtype).view(shape)
 
 
 class TensorStore:
@@ -262,7 +208,7 @@ class TensorStore:
         """Move the resident values into one allocation that also holds their gradients and
         backups (call once, after every :meth:`make_resident`). Why one: small tensors that
         live for good, allocated one by one among the megabyte tensors that come and go,
-        keep the heap from giving those back (measured: +230 MiB in a first backward)."""
+        keep the heap from giving those back to the system."""
         with self.lock:
             sizes = [align_up(d.nbytes, _ALIGN) for d, _ in self._resident]
             arena = torch.empty(3 * sum(sizes), dtype=torch.uint8)

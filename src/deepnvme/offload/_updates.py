@@ -1,4 +1,5 @@
-"""The optimizer's side of a parameter offload: what :class:`~deepnvme.NVMeOptimizer` calls.
+"""The optimizer's side of a parameter offload: :class:`~deepnvme.optim._protocol.OffloadedParameters`,
+the protocol through which :class:`~deepnvme.NVMeOptimizer` updates offloaded parameters.
 
 Each optimizer sub-group's parameters and gradients are brought in (``begin_update``), the next
 sub-group's are read ahead (``prefetch_update``), and the updated parameters are written back
@@ -15,12 +16,14 @@ import torch
 
 from ..errors import OffloadMemoryError
 from ..memory.heap import trim_heap
-from ._store import Entry, TensorStore
+from ..optim._protocol import OffloadedParameters
+from ._entry import Entry
+from ._store import TensorStore
 
 __all__ = ["UpdateSide"]
 
 
-class UpdateSide:
+class UpdateSide(OffloadedParameters):
     """Mixed into :class:`~deepnvme.offload.ParameterOffload` (which sets both attributes)."""
 
     _store: TensorStore
@@ -31,6 +34,14 @@ class UpdateSide:
             pair = self._entries.get(id(p))
             if pair is not None:
                 yield p, pair[0], pair[1]
+
+    def zero_grad(self) -> None:
+        """Forget every stored gradient (as ``optimizer.zero_grad()``; no I/O)."""
+        with self._store.lock:
+            for _, g in self._entries.values():
+                g.valid = False
+                if g.pins == 0:
+                    self._store.drop(g)
 
     def update_bytes(self) -> int:
         """The parameter bytes an optimizer sub-group may have: its parameters and gradients,

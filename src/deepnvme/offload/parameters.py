@@ -17,6 +17,11 @@ Parameters are evicted lazily (least recently used, unpinned) when room is neede
 (e.g. BatchNorm statistics) stay in memory. Parameters are present only inside a module's
 forward, backward unpacking and optimizer updates; read them otherwise with
 :meth:`ParameterOffload.parameter` or :meth:`ParameterOffload.state_dict`.
+
+By job: :mod:`._build` turns the model into entries (materialising meta parameters from a
+source), :mod:`._hooks` fetches them around modules, :mod:`._autograd` packs saved parameters,
+:mod:`._gradients` takes gradients in, :mod:`._updates` serves the optimizer, and
+:mod:`._store` holds it all under the budget.
 """
 
 from __future__ import annotations
@@ -24,24 +29,28 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.hooks import RemovableHandle
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
+from ..optim._protocol import mark_offloaded, offload_of
+from ._autograd import SavedParameters
+from ._build import build
+from ._entry import Entry
 from ._gradients import accept_gradient
+from ._hooks import ModuleHooks
 from ._order import OrderTracker
-from ._sources import Init, Source, make_source
-from ._store import Entry, TensorStore, placeholder
+from ._sources import Init
+from ._store import TensorStore
+from ._units import Units
 from ._updates import UpdateSide
 
 __all__ = ["OffloadStats", "ParameterOffload", "offload_parameters", "register_external_parameter"]
 
 log = logging.getLogger(__name__)
 
-STORE_ATTRIBUTE = "_deepnvme_offload"   # set on each offloaded Parameter: its ParameterOffload
 #: parameters smaller than this (bytes) stay in memory with their gradients, by default
 MIN_OFFLOAD_BYTES = 64 << 10
 
@@ -59,19 +68,12 @@ class OffloadStats:
     buffers_reused: int = 0  # reads and gradient copies served by a free buffer (no new mapping)
 
 
-class _SavedParam:
-    """What autograd keeps instead of a saved parameter (or a view of one)."""
-
-    __slots__ = ("entry", "size", "stride", "offset")
-
-    def __init__(self, entry: Entry, t: torch.Tensor, base: torch.Tensor) -> None:
-        # the offset is relative to the parameter's data: a later read lands elsewhere
-        self.entry, self.size, self.stride = entry, t.size(), t.stride()
-        self.offset = t.storage_offset() - base.storage_offset()
-
-
 class ParameterOffload(UpdateSide):
-    """The offload of one model's parameters and gradients (see :func:`offload_parameters`)."""
+    """The offload of one model's parameters and gradients (see :func:`offload_parameters`).
+
+    It marks each parameter it holds, so :class:`~deepnvme.NVMeOptimizer` finds it there and
+    updates through it (it implements ``deepnvme.optim._protocol.OffloadedParameters``).
+    """
 
     def __init__(self, model: torch.nn.Module, directory: str | os.PathLike[str], *,
                  max_in_memory_bytes: int, prefetch: int = 2, dtype: torch.dtype | None = None,
@@ -82,136 +84,31 @@ class ParameterOffload(UpdateSide):
             raise OffloadMemoryError(f"max_in_memory_bytes must be >= 1, got {max_in_memory_bytes}")
         if min_offload_bytes is not None and min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes must be >= 0, got {min_offload_bytes}")
+        forward, backward = OrderTracker(prefetch), OrderTracker(prefetch)  # checks prefetch
         self.model = model
-        self._min_offload = MIN_OFFLOAD_BYTES if min_offload_bytes is None else min_offload_bytes
         self.offload_gradients = bool(offload_gradients)
         self._store = TensorStore(directory, budget=max_in_memory_bytes, config=config)
-        self._forward = OrderTracker(prefetch)
-        self._backward = OrderTracker(prefetch)
         self._entries: dict[int, tuple[Entry, Entry]] = {}    # id(param) -> (data, grad)
-        self._units: list[list[Entry]] = []                    # per module with parameters
-        self._unit_index: dict[int, int] = {}                  # id(module) -> its unit
-        self._root_hooked = False                              # _install_hooks has run
-        self._unit_of: dict[int, int] = {}                     # entry key -> first unit
-        self._pushed: list[tuple[int, saved_tensors_hooks]] = []
-        self._backward_pending = False
-        self._hooks: list[Any] = []
-        self._meta: dict[int, tuple[torch.Tensor, torch.nn.Parameter]] = {}  # id -> (meta, new)
-        self._values: dict[int, torch.Tensor] = {}   # id(new parameter) -> its value
-        filler = make_source(source, config)
+        units = Units()
+        self._modules = ModuleHooks(model, self._store, units,
+                                    SavedParameters(self._store, units, backward), forward)
+        self._grad_hooks: list[RemovableHandle] = []
         try:
-            self._collect(dtype, filler)
-            self._install_hooks()
+            built = build(model, self._store, dtype=dtype, source=source, config=config,
+                          min_offload=MIN_OFFLOAD_BYTES if min_offload_bytes is None
+                          else min_offload_bytes, offload_gradients=self.offload_gradients)
+            self._entries = built.entries
+            for module, name, unit in built.units:
+                self._modules.add(module, name, unit)
+            for data, _ in self._entries.values():
+                mark_offloaded(data.param, self)
+                if data.param.requires_grad:
+                    self._grad_hooks.append(
+                        data.param.register_post_accumulate_grad_hook(self._on_grad))
+            self._modules.install_root()
         except BaseException:
             self.close()
             raise
-        finally:
-            self._meta.clear()
-            self._values.clear()
-            if filler is not None:
-                filler.close()
-
-    # --- setup --------------------------------------------------------------------------
-
-    def _collect(self, dtype: torch.dtype | None, filler: Source | None) -> None:
-        aliases: dict[int, list[str]] = {}
-        for n, p in self.model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(n)
-        for mname, module in self.model.named_modules():
-            self._materialize(mname, module, aliases, filler, dtype)
-            unit: list[Entry] = []
-            for p in module.parameters(recurse=False):
-                if id(p) not in self._entries:
-                    if p.numel() == 0:
-                        continue
-                    self._offload_one(p, aliases[id(p)][0], dtype, self._values.pop(id(p), None))
-                data = self._entries[id(p)][0]
-                if data not in unit:
-                    unit.append(data)
-                    self._unit_of.setdefault(data.key, len(self._units))
-            if unit:
-                total = sum(e.nbytes for e in unit)
-                if total > self._store.budget:
-                    raise OffloadMemoryError(
-                        f"module {mname or type(module).__name__!r} has {total} bytes of "
-                        f"parameters, more than max_in_memory_bytes={self._store.budget}; raise it")
-                self._add_unit(module, mname, unit)
-        self._store.pack_resident()
-        if not self.offload_gradients:   # as DeepSpeed's ZeRO-3 keeps its gradient partitions
-            self._store.keep_gradients([g for d, g in self._entries.values()
-                                        if not g.resident and d.param.requires_grad])
-        self._store.wait_writes()
-
-    def _materialize(self, prefix: str, module: torch.nn.Module, aliases: dict[int, list[str]],
-                     filler: Source | None, dtype: torch.dtype | None) -> None:
-        """Replace the module's meta parameters (each tied one once, everywhere) by CPU ones whose
-        value comes from ``filler``, and fill its meta buffers."""
-        for key, p in list(module._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            if id(p) not in self._meta:
-                if filler is None:
-                    raise ValueError(f"parameter {aliases[id(p)][0]} is on the meta device: pass "
-                                     "source= (a safetensors checkpoint or an init function)")
-                want = dtype or p.dtype
-                nbytes = p.numel() * torch.empty((), dtype=want).element_size()
-                with self._store.lock:
-                    self._store.make_room(nbytes, demand=True, what=f"building {aliases[id(p)][0]}")
-                    self._store.count(nbytes)
-                value = filler.value(aliases[id(p)], p.shape, want)
-                fresh = torch.nn.Parameter(placeholder(p.shape, want), requires_grad=p.requires_grad)
-                self._meta[id(p)] = (p, fresh)
-                self._values[id(fresh)] = value
-                aliases[id(fresh)] = aliases[id(p)]
-                for m in self.model.modules():  # the same parameter in every module holding it
-                    for k, q in m._parameters.items():
-                        if q is p:
-                            m._parameters[k] = fresh
-            module._parameters[key] = self._meta[id(p)][1]
-        for key, b in list(module._buffers.items()):
-            if b is not None and b.is_meta:
-                name = f"{prefix}.{key}" if prefix else key
-                if filler is None:
-                    raise ValueError(f"buffer {name} is on the meta device: pass source=")
-                module._buffers[key] = filler.value([name], b.shape, b.dtype)
-
-    def _offload_one(self, p: torch.nn.Parameter, name: str, dtype: torch.dtype | None,
-                     value: torch.Tensor | None) -> None:
-        if value is None:
-            if p.device.type != "cpu":
-                raise ValueError(f"offload_parameters needs CPU parameters; {name} is on {p.device}")
-            if dtype is not None and p.dtype != dtype:
-                p.data = p.data.to(dtype)
-            value = p.data
-            self._store.count(value.numel() * value.element_size())  # until written
-        key = 2 * len(self._entries)
-        data = Entry(key, name, p, grad=False)
-        grad = Entry(key + 1, name, p, grad=True)
-        self._entries[id(p)] = (data, grad)
-        store = self._store
-        if (data.nbytes < self._min_offload
-                and store.resident_bytes + 3 * data.nbytes <= store.budget // 8):
-            store.make_resident(data, grad, value)
-            p.data = value
-        else:
-            store.store(data, value, keep=False)
-            p.data = placeholder(data.shape, data.dtype)
-        setattr(p, STORE_ATTRIBUTE, self)
-        if p.requires_grad:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-
-    def _add_unit(self, module: torch.nn.Module, name: str, unit: list[Entry]) -> None:
-        """Fetch ``unit`` before ``module``'s forward and release it after. A unit added to the
-        root module after the offload's own root hooks exist nests inside them: its pre-hook
-        runs after the root's, its forward hook before."""
-        index = len(self._units)
-        self._units.append(unit)
-        self._unit_index[id(module)] = index
-        root = module is self.model and self._root_hooked
-        self._hooks.append(module.register_forward_pre_hook(self._pre_hook(index, name),
-                                                            prepend=not root))
-        self._hooks.append(module.register_forward_hook(self._post_hook(index), prepend=root,
-                                                        always_call=True))
 
     def register_external_parameter(self, module: torch.nn.Module,
                                     parameter: torch.nn.Parameter) -> None:
@@ -230,94 +127,7 @@ class ParameterOffload(UpdateSide):
         if name is None:
             raise ValueError(f"register_external_parameter: the module {type(module).__name__} "
                              "is not part of the offloaded model")
-        data = pair[0]
-        index = self._unit_index.get(id(module))
-        unit = [] if index is None else self._units[index]
-        if data in unit:
-            return
-        total = sum(e.nbytes for e in unit) + data.nbytes
-        if total > self._store.budget:
-            raise OffloadMemoryError(
-                f"module {name or type(module).__name__!r} would need {total} bytes of parameters "
-                f"with {data.name}, more than max_in_memory_bytes={self._store.budget}; raise it")
-        if index is None:
-            self._add_unit(module, name, [data])
-        else:
-            unit.append(data)
-
-    def _install_hooks(self) -> None:
-        self._hooks.append(self.model.register_forward_pre_hook(self._root_pre, prepend=True))
-        self._hooks.append(self.model.register_forward_hook(self._root_post, always_call=True))
-        self._root_hooked = True
-
-    # --- forward ------------------------------------------------------------------------
-
-    def _push(self, owner: int) -> None:
-        ctx = saved_tensors_hooks(self._pack, self._unpack)
-        ctx.__enter__()
-        self._pushed.append((owner, ctx))
-
-    def _pop(self, owner: int) -> bool:
-        """Undo ``owner``'s push; False if its pre-hook failed before pushing."""
-        if self._pushed and self._pushed[-1][0] == owner:
-            self._pushed.pop()[1].__exit__(None, None, None)
-            return True
-        return False
-
-    def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
-        self._forward.start()
-        self._backward_pending = torch.is_grad_enabled()
-        self._push(-1)
-
-    def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._pop(-1)
-
-    def _pre_hook(self, unit: int, name: str) -> Any:
-        entries = self._units[unit]
-        what = f"module {name or 'root'!r}"
-
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            self._store.fetch(entries, what)
-            self._push(unit)
-            ahead = self._forward.visit(unit)
-            if ahead:
-                self._store.prefetch(e for u in ahead for e in self._units[u])
-        return hook
-
-    def _post_hook(self, unit: int) -> Any:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if self._pop(unit):
-                self._store.unpin(self._units[unit])
-        return hook
-
-    # --- autograd -----------------------------------------------------------------------
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        if t.device.type != "cpu" or t.numel() == 0:
-            return t
-        entry = self._store.by_storage.get(t.untyped_storage().data_ptr())
-        if entry is None or t.dtype != entry.dtype or entry.tensor is None:
-            return t
-        return _SavedParam(entry, t, entry.tensor)
-
-    def _unpack(self, saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _SavedParam):
-            return saved  # type: ignore[no-any-return]
-        entry = saved.entry
-        if self._backward_pending:
-            self._backward.start()
-            self._backward_pending = False
-        self._store.fetch([entry], f"parameter {entry.name} (backward)")
-        try:
-            assert entry.tensor is not None  # fetch made it present; internal invariant
-            view = entry.tensor.as_strided(saved.size, saved.stride,
-                                           entry.tensor.storage_offset() + saved.offset)
-            ahead = self._backward.visit(self._unit_of[entry.key])
-            if ahead:
-                self._store.prefetch(e for u in ahead for e in self._units[u])
-        finally:
-            self._store.unpin([entry])
-        return view
+        self._modules.add_external(module, name, pair[0])
 
     def _on_grad(self, p: torch.Tensor) -> None:
         grad, p.grad = p.grad, None
@@ -325,14 +135,6 @@ class ParameterOffload(UpdateSide):
             accept_gradient(self._store, self._entries[id(p)][1], grad)
 
     # --- the user's side ----------------------------------------------------------------
-
-    def zero_grad(self) -> None:
-        """Forget every stored gradient (as ``optimizer.zero_grad()``; no I/O)."""
-        with self._store.lock:
-            for _, g in self._entries.values():
-                g.valid = False
-                if g.pins == 0:
-                    self._store.drop(g)
 
     def _named(self, name: str) -> tuple[Entry, Entry]:
         for d, g in self._entries.values():
@@ -381,10 +183,12 @@ class ParameterOffload(UpdateSide):
         return self._store.swapper.directory
 
     def close(self) -> None:
-        """Remove the hooks and delete the files (the parameters are lost unless read back)."""
-        for h in self._hooks:
+        """Remove the hooks and delete the files (the parameters are lost unless read back),
+        with ``directory`` if the offload created it and nothing else is in it. Idempotent."""
+        self._modules.remove()
+        for h in self._grad_hooks:
             h.remove()
-        self._hooks.clear()
+        self._grad_hooks.clear()
         self._store.close()
 
     def __enter__(self) -> ParameterOffload:
@@ -406,38 +210,53 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     Each submodule's own parameters are read in before its forward and again when the backward
     needs them, the next ``prefetch`` modules in execution order are read ahead (the order is
     learned on the first pass and re-learned when it changes), and gradients are written as
-    autograd produces them, accumulated across backward passes until ``zero_grad``.
-    ``dtype`` converts the parameters first; ``config`` sets the I/O engine.
+    autograd produces them, accumulated across backward passes until ``zero_grad``. Train with
+    :class:`~deepnvme.NVMeOptimizer`, which reads and writes the offloaded tensors.
 
-    A model built on the meta device (``with torch.device("meta"): model = Net()``) never
-    exists whole in memory: ``source`` gives each meta parameter (and buffer) its value, one
-    at a time, written to its file before the next: a safetensors checkpoint (a file, or a
-    folder with ``model.safetensors`` or a sharded index; names as in ``model.state_dict()``)
-    or a function ``init(name, tensor)`` filling an uninitialised tensor in place.
+    Memory: ``max_in_memory_bytes`` (parameters and gradients, reads in flight, writes not yet
+    finished and free buffers kept for reuse included) + the one gradient autograd just produced
+    + the NVMeOptimizer's ``buffer_count x`` one sub-group's state. The I/O buffers are the
+    tensors themselves (page-aligned: the engine needs no bounce buffers). Activations and the
+    optimizer's temporaries are the training loop's own, as in memory.
 
-    Memory: ``max_in_memory_bytes`` (parameters and gradients, reads in flight, writes not
-    yet finished and free buffers kept for reuse by the next read of the same size included)
-    + the one gradient that autograd just produced (its page-aligned copy for the write is a
-    store buffer, within the budget, unless every buffer is pinned) + the
-    NVMeOptimizer's ``buffer_count x`` one sub-group's state; the I/O buffers are
-    the tensors themselves (page-aligned, so the engine needs no bounce buffers). Activations
-    and the optimizer's temporaries are the training loop's own, as in memory. Each module's
-    own parameters, and each optimizer sub-group's parameters plus gradients, must fit the
-    budget (checked when the offload and the optimizer are built: a parameter larger than the
-    budget, or than half of it for its update, is refused with
-    :class:`~deepnvme.OffloadMemoryError` naming it); if a module needs more than is free while
-    everything is pinned, that error is raised too.
-    Parameters smaller than ``min_offload_bytes`` (default :data:`MIN_OFFLOAD_BYTES`, 64 KiB:
-    biases, norm weights) stay in memory with their gradients, as DeepSpeed's
-    ``stage3_param_persistence_threshold`` keeps small parameters: each would otherwise cost a
-    file request per use for a few KiB. They count in ``max_in_memory_bytes`` for good (3 x
-    their size: value, gradient, a copy for a failed update), at most an eighth of it (further
-    small ones are offloaded); 0 offloads every parameter.
-    ``offload_gradients=False`` keeps every gradient in memory instead (one mapping of the
-    parameters' size, outside ``max_in_memory_bytes``), as DeepSpeed's ZeRO-3 keeps its gradient
-    partitions: each step then moves two fewer passes over the parameters' bytes (no gradient
-    written after the backward and read back for the update), for memory the size of the model.
-    Train with :class:`~deepnvme.NVMeOptimizer`, which reads and writes the offloaded tensors.
+    Args:
+        model: a CPU model, or one built on the meta device (``with torch.device("meta"):``)
+            with ``source`` giving the values, so it never exists whole in memory.
+        directory: where a private subdirectory holds the files (created if missing; removed by
+            :meth:`ParameterOffload.close`, with ``directory`` itself if the offload created it
+            and nothing else is in it).
+        max_in_memory_bytes: the budget of parameter and gradient bytes in memory. Each module's
+            own parameters, and each optimizer sub-group's parameters plus gradients, must fit
+            it: a parameter larger than the budget, or than half of it for its update, is
+            refused when the offload or the optimizer is built, naming it.
+        prefetch: how many modules ahead (in the learned order) to read in advance; 0 for none.
+        dtype: convert the parameters to this dtype first (None keeps theirs).
+        config: the I/O settings of the handle for the files (and for reading ``source``).
+        source: the values of a meta-device model's parameters and buffers, one tensor at a
+            time, each written to its file before the next: a safetensors checkpoint (a file,
+            or a folder with ``model.safetensors`` or a sharded index; names as in
+            ``model.state_dict()``), or a function ``init(name, tensor)`` filling an
+            uninitialised tensor in place. None for a model with real parameters.
+        min_offload_bytes: parameters smaller than this stay in memory with their gradients
+            (default :data:`MIN_OFFLOAD_BYTES`: biases, norm weights), as DeepSpeed's
+            ``stage3_param_persistence_threshold`` keeps small parameters, each of which would
+            otherwise cost a file request per use for a few KiB. They count in the budget for
+            good (3 x their size: value, gradient, a copy for a failed update), at most an
+            eighth of it (further small ones are offloaded); 0 offloads every parameter.
+        offload_gradients: False keeps every gradient in memory (one mapping of the
+            parameters' size, outside ``max_in_memory_bytes``), as DeepSpeed's ZeRO-3 keeps
+            its gradient partitions: each step then moves two fewer passes over the parameters'
+            bytes (no gradient written after the backward and read back for the update).
+
+    Returns:
+        The :class:`ParameterOffload`; close it (or use it as a context manager) to delete the
+        files.
+
+    Raises:
+        OffloadMemoryError: a module or parameter that cannot fit ``max_in_memory_bytes``, at
+            build time or when a module needs more than is free while everything is pinned.
+        ValueError: a parameter not on the CPU, or on the meta device without ``source``.
+        CheckpointMismatchError: ``source`` lacks a tensor the model needs, or its shape differs.
     """
     return ParameterOffload(model, directory, max_in_memory_bytes=max_in_memory_bytes,
                             prefetch=prefetch, dtype=dtype, config=config, source=source,
@@ -449,7 +268,7 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     """Make ``module``'s forward fetch ``parameter``, an offloaded parameter that another module
     owns (see :meth:`ParameterOffload.register_external_parameter`); the name and use of
     DeepSpeed's ``deepspeed.zero.register_external_parameter``."""
-    offload = getattr(parameter, STORE_ATTRIBUTE, None)
+    offload = offload_of(parameter)
     if not isinstance(offload, ParameterOffload):
         raise ValueError("register_external_parameter: the parameter (shape "
                          f"{list(parameter.shape)}) is not offloaded; call offload_parameters first")

@@ -9,9 +9,15 @@ import torch
 
 from ..io.plan import align_up
 
-__all__ = ["StateEntry", "StateLayout", "partition", "plan_layout", "ALIGN"]
+__all__ = ["StateEntry", "StateLayout", "partition", "plan_layout", "ALIGN", "swapped"]
 
 ALIGN = 64  # bytes between packed state tensors: keeps every view aligned for any dtype/SIMD
+
+
+def swapped(value: object) -> bool:
+    """State values that go to NVMe: tensors with at least one dimension and one element (0-d
+    tensors such as Adam's ``step``, numbers and None stay in ``optimizer.state``)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 0
 
 
 def _align(n: int) -> int:

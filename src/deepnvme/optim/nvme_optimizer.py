@@ -5,6 +5,8 @@ sub-group's state (views into a pinned buffer just read from its swap file), nar
 param groups to that sub-group's parameters and calls the wrapped optimizer's own ``step()``,
 then writes the state back. Reads of sub-group i+1 and writes of i-1 run on the engine's
 threads while i is updated, so results are bitwise those of the wrapped optimizer in memory.
+Sub-groups are planned by :mod:`._subgroups`, their state moved by :mod:`._state`; parameters
+held by a parameter offload are updated through it (:mod:`._protocol`).
 
 Memory bound: ``buffer_count`` pinned buffers of one sub-group's state (plus, on the first step
 or after a state layout change, one sub-group's freshly created state). Small per-parameter
@@ -14,12 +16,10 @@ values (0-d tensors such as Adam's ``step``, numbers, None) stay in ``optimizer.
 from __future__ import annotations
 
 import errno
-import inspect
 import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -27,11 +27,11 @@ import torch
 from ..config import IOConfig
 from ..handles.aio import AioHandle
 from ..swap import SwapBufferError, SwapError, TensorSwapper
-from ._layout import StateLayout, bound_bytes, partition, plan_layout
+from ._protocol import OffloadedParameters, find_offload
+from ._state import StateSwap, Writes
+from ._subgroups import Member, SubGroups
 
 __all__ = ["NVMeOptimizer"]
-
-_OFFLOAD_ATTRIBUTE = "_deepnvme_offload"  # set by deepnvme.offload on the parameters it holds
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +40,30 @@ _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
 # elementwise updates: bitwise the same with any number of threads (update_threads="auto")
 _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_USAGE = "NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=..., lr=...)"
 
 
-def _swapped(value: Any) -> bool:
-    """State values that go to NVMe: tensors with at least one dimension."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 0
+def _check_arguments(params: object, optimizer_cls: object) -> None:
+    """Refuse the natural misreadings of the signature with the call to write instead."""
+    if isinstance(params, torch.optim.Optimizer):
+        name = type(params).__name__
+        raise TypeError(f"NVMeOptimizer builds the optimizer itself: pass the parameters and the "
+                        f"optimizer class with its options, e.g. {_USAGE}, not an optimizer "
+                        f"object (got {name}; to carry its param groups over: NVMeOptimizer("
+                        f"optimizer.param_groups, type(optimizer), swap_dir=...))")
+    if isinstance(params, torch.nn.Module):
+        raise TypeError(f"NVMeOptimizer takes the model's parameters, not the "
+                        f"{type(params).__name__} module: {_USAGE}")
+    if isinstance(optimizer_cls, torch.optim.Optimizer):
+        raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, "
+                        f"not an optimizer object (got {type(optimizer_cls).__name__}); pass its "
+                        f"options as keyword arguments: {_USAGE}")
+    if not callable(optimizer_cls):
+        raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, "
+                        f"got {type(optimizer_cls).__name__}: {_USAGE}")
 
 
-def _find_offload(params: list[tuple[int, torch.Tensor]]) -> Any:
-    """The :class:`~deepnvme.offload.ParameterOffload` holding these parameters, if any (it
-    marks each parameter it holds); parameters of two offloads are refused."""
-    found = {id(o): o for _, p in params if (o := getattr(p, _OFFLOAD_ATTRIBUTE, None)) is not None}
-    if len(found) > 1:
-        raise ValueError("NVMeOptimizer got parameters of several offload_parameters calls; "
-                         "offload the whole model once")
-    return next(iter(found.values()), None)
-
-
-def _check_cpu(params: list[tuple[int, torch.Tensor]]) -> None:
+def _check_cpu(params: list[Member]) -> None:
     for gi, p in params:
         if p.device.type != "cpu":
             raise ValueError(f"NVMeOptimizer needs CPU parameters (with the master copy and the "
@@ -70,24 +76,43 @@ class NVMeOptimizer(torch.optim.Optimizer):
 
     ``optimizer_cls(params, **optimizer_kwargs)`` is built and does every update, so param
     groups, ``zero_grad``, lr schedulers and ``state_dict``/``load_state_dict`` behave as with
-    it. ``sub_group_bytes`` is the parameter bytes per sub-group (the state swapped per
-    sub-group is that times the optimizer's state size per parameter byte: 2 for Adam/AdamW,
-    1 for SGD with momentum); a parameter larger than it forms its own sub-group.
-    ``buffer_count`` (>= 2; 3 overlaps read, update and write) pinned buffers of one sub-group's
-    state are used. ``step()`` blocks until every write finished. Not thread-safe (like torch's
+    it. ``step()`` blocks until every write finished. Not thread-safe (like torch's
     optimizers). Step pre/post hooks registered here run once per step; other hooks belong on
-    :attr:`optimizer`.
+    :attr:`optimizer`. Parameters held by :func:`~deepnvme.offload_parameters` are read in and
+    written back through their offload, sub-group by sub-group.
 
-    ``update_threads``: torch's intra-op threads (``torch.set_num_threads``, process-wide) for the
-    wrapped optimizer's update of each sub-group, restored after it; None keeps the caller's.
-    The update runs while the next sub-group is read and the previous one written: where the
-    I/O threads (and, on a RAM-backed device, the kernel's copies) need the cores that torch's
-    threads use, each parallel elementwise op waits for its slowest thread, and fewer threads
-    finish sooner (see BENCHMARKS.md, issue 16). Elementwise optimizers (SGD, Adam, AdamW)
-    give bitwise the same results with any thread count; one that reduces (a norm) may round
-    differently. ``"auto"`` (the default): for ``torch.optim.SGD``, ``Adam`` and ``AdamW``
-    themselves, torch's threads less the I/O handle's threads (at least 1) while their state is
-    on NVMe; for any other optimizer, None.
+    Args:
+        params: the parameters to optimize, or param group dicts, as for any torch optimizer
+            (``model.parameters()``; not a model, not an optimizer instance). CPU tensors.
+        optimizer_cls: the torch optimizer class that does the updates (default
+            ``torch.optim.AdamW``); a class, not an instance.
+        swap_dir: the directory under which a private subdirectory holds the state files
+            (created if missing; removed by :meth:`close`, with ``swap_dir`` itself if this
+            optimizer created it and nothing else is in it).
+        sub_group_bytes: parameter bytes per sub-group, the unit read, updated and written
+            together. Its state on disk is that times the optimizer's state per parameter byte
+            (2 for Adam/AdamW, 1 for SGD with momentum); a larger parameter forms its own
+            sub-group. Lowered to fit a parameter offload's budget.
+        buffer_count: pinned buffers of one sub-group's state (>= 2; 3 overlaps read, update
+            and write).
+        config: I/O settings for the handle created for the swap files (unused with ``handle``).
+        stale: what to do with swap directories of crashed runs in ``swap_dir``: ``"warn"``,
+            ``"remove"`` or ``"error"``.
+        handle: an :class:`~deepnvme.AioHandle` to do the I/O with instead of a new one.
+        update_threads: torch's intra-op threads (``torch.set_num_threads``, process-wide) for
+            each sub-group's update, restored after it; None keeps the caller's. The update
+            runs while the next sub-group is read and the previous one written, and where the
+            I/O threads need the cores that torch's threads use, fewer threads finish sooner
+            (see BENCHMARKS.md). Elementwise optimizers (SGD, Adam, AdamW) give bitwise the
+            same results with any thread count; one that reduces (a norm) may round
+            differently. ``"auto"``: for ``torch.optim.SGD``, ``Adam`` and ``AdamW``
+            themselves, torch's threads less the I/O handle's threads (at least 1); for any
+            other optimizer, None.
+        **optimizer_kwargs: the options of ``optimizer_cls`` (``lr``, ``betas``, ...).
+
+    Raises:
+        TypeError: ``params`` is an optimizer or a module, or ``optimizer_cls`` is not a class.
+        ValueError: a bad ``buffer_count`` or ``update_threads``, or a parameter not on the CPU.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
@@ -95,6 +120,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
                  buffer_count: int = 3, config: IOConfig | None = None, stale: str = "warn",
                  handle: AioHandle | None = None, update_threads: int | str | None = "auto",
                  **optimizer_kwargs: Any) -> None:
+        _check_arguments(params, optimizer_cls)
         if update_threads not in ("auto", None) and (
                 isinstance(update_threads, bool) or not isinstance(update_threads, int) or update_threads < 1):
             raise ValueError(f"update_threads must be an int >= 1, 'auto' or None, got {update_threads!r}")
@@ -107,18 +133,17 @@ class NVMeOptimizer(torch.optim.Optimizer):
             setattr(self, name, OrderedDict())
         self._patch_step_function()
         self.sub_group_bytes = int(sub_group_bytes)
-        self._offload: Any = None
+        self._offload: OffloadedParameters | None = None
         self._join_offload(self._all_params())
-        self._probes: dict[tuple[int, torch.dtype, tuple[int, ...]], list[tuple[float, int]]] = {}
-        self._groups: list[list[tuple[int, torch.Tensor]]] = []   # (group index, param)
-        self._layouts: list[StateLayout | None] = []              # None: state is in memory
-        bounds = self._add_sub_groups(self._all_params())
-        self._swapper = TensorSwapper(swap_dir, config=config, buffer_bytes=max(bounds + [1]),
-                                      buffer_count=buffer_count, min_swap_bytes=0, stale=stale,
-                                      handle=handle)
+        self._subs = SubGroups(self.optimizer)
+        bounds = self._subs.add(self._all_params(), self.sub_group_bytes)
+        swapper = TensorSwapper(swap_dir, config=config, buffer_bytes=max(bounds + [1]),
+                                buffer_count=buffer_count, min_swap_bytes=0, stale=stale,
+                                handle=handle)
+        self._state = StateSwap(self.optimizer, self._subs, swapper)
         self.update_threads = update_threads if isinstance(update_threads, int) else None
         if update_threads == "auto" and type(self.optimizer) in _ELEMENTWISE:
-            io_threads = self._swapper.io_config.intra_op_parallelism
+            io_threads = swapper.io_config.intra_op_parallelism
             self.update_threads = max(1, torch.get_num_threads() - io_threads)
 
     # --- the torch.optim.Optimizer surface -------------------------------------------------
@@ -139,11 +164,21 @@ class NVMeOptimizer(torch.optim.Optimizer):
     @property
     def swap_directory(self) -> str:
         """The private directory holding this optimizer's swap files."""
-        return self._swapper.directory
+        return self._state.swapper.directory
 
     @property
     def num_sub_groups(self) -> int:
-        return len(self._groups)
+        return len(self._subs)
+
+    @property
+    def swapped_bytes(self) -> int:
+        """Bytes of optimizer state in the swap files now (packed, with alignment padding)."""
+        return sum(layout.total for layout in self._subs.layouts if layout is not None)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of each of the ``buffer_count`` pinned buffers of one sub-group's state."""
+        return self._state.swapper.buffer_bytes
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the wrapped optimizer's gradients, and those of offloaded parameters."""
@@ -151,10 +186,10 @@ class NVMeOptimizer(torch.optim.Optimizer):
         if self._offload is not None:
             self._offload.zero_grad()
 
-    def _join_offload(self, params: list[tuple[int, torch.Tensor]]) -> None:
+    def _join_offload(self, params: list[Member]) -> None:
         """Find the parameter offload holding any of ``params`` (one per optimizer), check that
         each of them can be updated within its budget, and fit the sub-groups to that budget."""
-        found = _find_offload(self._all_params())
+        found = find_offload(p for _, p in self._all_params())
         if found is None:
             return
         found.check_updatable(p for _, p in params)
@@ -167,26 +202,24 @@ class NVMeOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; its parameters form new sub-groups (offloaded
         parameters among them are updated through their offload, as at construction)."""
-        known = {id(p) for sub in self._groups for _, p in sub}
-        n_groups, n_subs = len(self.optimizer.param_groups), len(self._groups)
+        known = {id(p) for sub in self._subs.members for _, p in sub}
+        n_groups, n_subs = len(self.optimizer.param_groups), len(self._subs)
         offload, sub_group_bytes = self._offload, self.sub_group_bytes
         self.optimizer.add_param_group(param_group)
         try:
             fresh = [(gi, p) for gi, p in self._all_params() if id(p) not in known]
             _check_cpu(fresh)
             self._join_offload(fresh)
-            bounds = self._add_sub_groups(fresh)
-            swapper = getattr(self, "_swapper", None)
-            if swapper is not None and max(bounds + [0]) > swapper.buffer_bytes:
+            bounds = self._subs.add(fresh, self.sub_group_bytes)
+            swapper = self._state.swapper
+            if max(bounds + [0]) > swapper.buffer_bytes:
                 raise ValueError(f"the new group's sub-groups need {max(bounds)} bytes of state but "
                                  f"the swap buffers hold {swapper.buffer_bytes}; create the "
                                  "NVMeOptimizer with all groups, or with a larger parameter first")
         except BaseException:  # leave the optimizer as it was: the group is not added
             self._offload, self.sub_group_bytes = offload, sub_group_bytes
             del self.optimizer.param_groups[n_groups:]
-            del self._groups[n_subs:], self._layouts[n_subs:]
-            for key in [k for k in self._probes if k[0] >= n_groups]:
-                del self._probes[key]
+            self._subs.truncate(n_subs, n_groups)
             raise
 
     @torch.no_grad()
@@ -202,25 +235,26 @@ class NVMeOptimizer(torch.optim.Optimizer):
                 loss = closure()
         groups = self.optimizer.param_groups
         saved = [g["params"] for g in groups]
-        writes: list[tuple[int, Future[None]]] = []
+        writes: Writes = []
         done, current = -1, None
+        state = self._state
         try:
-            n = len(self._groups)
-            self._prefetch(0)
+            n = len(self._subs)
+            state.prefetch(0)
             for i in range(n):
-                self._raise_failed_writes(writes)
+                _raise_failed_writes(writes)
                 if i + 1 < n:
-                    self._prefetch(i + 1)
-                self._install(i)
+                    state.prefetch(i + 1)
+                state.install(i)
                 current = i
                 for g in groups:
                     g["params"] = []
-                for gi, p in self._groups[i]:
+                for gi, p in self._subs.members[i]:
                     groups[gi]["params"].append(p)
-                fresh = self._layouts[i] is None   # the wrapped optimizer creates its state
+                fresh = self._subs.layouts[i] is None   # the wrapped optimizer creates its state
                 self._update(i)
                 done = i
-                fut = self._store(i)
+                fut = state.store(i)
                 if fresh and self._offload is not None:
                     self._offload.finish_updates()  # the created state left the heap: trim now
                 current = None
@@ -229,13 +263,13 @@ class NVMeOptimizer(torch.optim.Optimizer):
         except BaseException as exc:
             for g, ps in zip(groups, saved):
                 g["params"] = ps
-            failed = self._settle(writes, installed=current)
+            failed = state.settle(writes, installed=current)
             if failed is not None and isinstance(exc, SwapBufferError):
                 exc = failed  # no buffer came free because a write failed: report the write
             raise self._step_error(exc, done) from exc
         for g, ps in zip(groups, saved):
             g["params"] = ps
-        failed = self._settle(writes, installed=None)
+        failed = state.settle(writes, installed=None)
         if self._offload is not None:
             self._offload.finish_updates()
         if failed is not None:
@@ -246,33 +280,28 @@ class NVMeOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state dict, with every sub-group's state read back into new
         CPU tensors (so it needs memory for the whole state; it does not change the files)."""
         try:
-            for i, layout in enumerate(self._layouts):
-                if layout is not None:
-                    raw = self._swapper.swap_in(i).result()
-                    try:
-                        self._install_from(i, raw, clone=True)
-                    finally:
-                        self._swapper.release(i)
+            self._state.read_back()
             return self.optimizer.state_dict()
         finally:
-            self._drop_swapped(range(len(self._groups)), fresh_dicts=True)
+            self._state.drop(range(len(self._subs)), fresh_dicts=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer, then write the state of every sub-group to NVMe."""
         self.optimizer.load_state_dict(state_dict)
-        self._layouts = [None] * len(self._groups)
-        writes = []
-        for i in range(len(self._groups)):
-            fut = self._store(i)
+        self._subs.layouts = [None] * len(self._subs)
+        writes: Writes = []
+        for i in range(len(self._subs)):
+            fut = self._state.store(i)
             if fut is not None:
                 writes.append((i, fut))
-        failed = self._settle(writes, installed=None)
+        failed = self._state.settle(writes, installed=None)
         if failed is not None:
             raise failed
 
     def close(self) -> None:
-        """Delete the swap files (the state is lost unless saved). Idempotent."""
-        self._swapper.close()
+        """Delete the swap files (the state is lost unless saved) and the private directory
+        holding them, and ``swap_dir`` if this optimizer created it and it is empty. Idempotent."""
+        self._state.swapper.close()
 
     def __enter__(self) -> NVMeOptimizer:
         return self
@@ -281,8 +310,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"NVMeOptimizer({type(self.optimizer).__name__}, sub_groups={len(self._groups)}, "
-                f"swap_dir={self._swapper.directory!r})")
+        return (f"NVMeOptimizer({type(self.optimizer).__name__}, sub_groups={len(self._subs)}, "
+                f"swap_dir={self.swap_directory!r})")
 
     def _update(self, i: int) -> None:
         """The wrapped optimizer's step on sub-group i (narrowed param groups), with offloaded
@@ -291,10 +320,10 @@ class NVMeOptimizer(torch.optim.Optimizer):
         if offload is None:
             self._wrapped_step()
             return
-        params = [p for _, p in self._groups[i]]
+        params = self._subs.params(i)
         offload.begin_update(params)
-        if i + 1 < len(self._groups):
-            offload.prefetch_update(p for _, p in self._groups[i + 1])
+        if i + 1 < len(self._subs):
+            offload.prefetch_update(self._subs.params(i + 1))
         try:
             self._wrapped_step()
         except BaseException:
@@ -315,153 +344,23 @@ class NVMeOptimizer(torch.optim.Optimizer):
         finally:
             torch.set_num_threads(before)
 
-    # --- sub-groups --------------------------------------------------------------------------
-
-    def _all_params(self) -> list[tuple[int, torch.Tensor]]:
+    def _all_params(self) -> list[Member]:
         return [(gi, p) for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]]
-
-    def _add_sub_groups(self, params: list[tuple[int, torch.Tensor]]) -> list[int]:
-        """Partition ``params`` into new sub-groups; return each one's state size bound."""
-        runs = partition([p.numel() * p.element_size() for _, p in params], self.sub_group_bytes)
-        bounds = []
-        for run in runs:
-            members = [params[k] for k in run]
-            self._groups.append(members)
-            self._layouts.append(None)
-            bounds.append(sum(bound_bytes([p.numel()], self._probe(gi, p)) for gi, p in members))
-        return bounds
-
-    def _probe(self, group: int, param: torch.Tensor) -> list[tuple[float, int]]:
-        """State tensors per parameter element for a group's options: one tiny real step.
-
-        The probe has the parameter's rank, each dimension cut to at most 2 (1 stays 1): state
-        that depends on the shape (Adafactor's row and column factors, n + m elements for an
-        (n, m) weight) gives a per-element ratio at least the real one, so the bound holds."""
-        pattern = tuple(min(max(d, 1), 2) for d in param.shape)
-        key = (group, param.dtype, pattern)
-        if key not in self._probes:
-            g = self.optimizer.param_groups[group]
-            accepted = inspect.signature(type(self.optimizer)).parameters
-            opts = {k: g[k] for k in self.optimizer.defaults if k in g and k in accepted}
-            p = torch.zeros(pattern, dtype=param.dtype, requires_grad=True)
-            p.grad = torch.ones_like(p)
-            probe = type(self.optimizer)([p], **opts)
-            with torch.enable_grad():
-                probe.step()
-            self._probes[key] = [(v.numel() / p.numel(), v.element_size())
-                                 for v in probe.state[p].values() if _swapped(v)]
-        return self._probes[key]
-
-    # --- moving one sub-group's state ------------------------------------------------------
-
-    def _prefetch(self, i: int) -> None:
-        if self._layouts[i] is not None:
-            self._swapper.prefetch([i])
-
-    def _install(self, i: int) -> None:
-        if self._layouts[i] is not None:
-            self._install_from(i, self._swapper.swap_in(i).result(), clone=False)
-
-    def _install_from(self, i: int, raw: torch.Tensor, *, clone: bool) -> None:
-        layout = self._layouts[i]
-        assert layout is not None  # callers check; internal invariant
-        params = self._groups[i]
-        for e in layout.entries:
-            t = raw[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
-            self.optimizer.state[params[e.param][1]][e.name] = t.clone() if clone else t
-
-    def _store(self, i: int) -> Future[None] | None:
-        """Pack sub-group i's swapped state into its buffer (no copy when the update ran in
-        place), start writing it and drop it from memory. Returns the write's future."""
-        params = self._groups[i]
-        state = self.optimizer.state
-        values = [(k, name, v) for k, (_, p) in enumerate(params) if p in state
-                  for name, v in state[p].items() if _swapped(v)]
-        layout = plan_layout([(k, name, v.dtype, tuple(v.shape)) for k, name, v in values])
-        held = self._held_buffer(i)
-        in_place = (held is not None and layout == self._layouts[i] and all(
-            v.data_ptr() == held.data_ptr() + e.offset for (_, _, v), e in zip(values, layout.entries)))
-        if not values:
-            self._layouts[i] = None
-            self._swapper.release(i)
-            return None
-        if held is None or not in_place:
-            if held is not None:
-                values = [(k, name, v.clone()) for k, name, v in values]
-                self._swapper.release(i)
-            buf = self._swapper.new_buffer(i, (layout.total,), torch.uint8)
-            for (_, _, v), e in zip(values, layout.entries):
-                buf[e.offset:e.offset + e.nbytes].view(v.dtype).view(v.shape).copy_(v)
-            held = buf
-        self._layouts[i] = layout
-        fut = self._swapper.swap_out(i, held[: layout.total])
-        self._swapper.release(i)
-        self._drop_swapped([i])
-        return fut
-
-    def _held_buffer(self, i: int) -> torch.Tensor | None:
-        if self._layouts[i] is None:
-            return None
-        return self._swapper.held_buffer(i)
-
-    def _drop_swapped(self, indices: Iterable[int], *, fresh_dicts: bool = False) -> None:
-        state = self.optimizer.state
-        for i in indices:
-            if self._layouts[i] is None and not fresh_dicts:
-                continue
-            for _, p in self._groups[i]:
-                if p in state:
-                    kept = {k: v for k, v in state[p].items()
-                            if not (_swapped(v) and self._layouts[i] is not None)}
-                    if fresh_dicts:
-                        state[p] = kept
-                    else:
-                        state[p].clear()
-                        state[p].update(kept)
-
-    # --- failures ----------------------------------------------------------------------------
-
-    def _raise_failed_writes(self, writes: list[tuple[int, Future[None]]]) -> None:
-        for _, fut in writes:
-            if fut.done() and fut.exception() is not None:
-                raise fut.exception()  # type: ignore[misc]
-
-    def _settle(self, writes: list[tuple[int, Future[None]]], *, installed: int | None
-                ) -> BaseException | None:
-        """Wait for every write; keep in memory the state that could not be written (and, after
-        an interrupted step, the state of the sub-group being updated). Free all buffers."""
-        first: BaseException | None = None
-        for i, fut in writes:
-            exc = fut.exception()
-            if exc is None:
-                continue
-            first = first or exc
-            raw = self._swapper.swap_in(i).result()   # the buffer kept by the failed write
-            self._install_from(i, raw, clone=True)
-            self._layouts[i] = None
-            self._swapper.release(i, force=True)
-        if installed is not None and self._layouts[installed] is not None:
-            state = self.optimizer.state  # views of a buffer, maybe half updated: keep them
-            for _, p in self._groups[installed]:
-                for name, v in list(state.get(p, {}).items()):
-                    if _swapped(v):
-                        state[p][name] = v.clone()
-            self._layouts[installed] = None
-        for i in range(len(self._groups)):
-            self._swapper.release(i)
-        try:
-            self._swapper.wait()
-        except OSError as exc:
-            first = first or exc
-        return first
 
     def _step_error(self, exc: BaseException, done: int) -> BaseException:
         if not isinstance(exc, OSError):
             return exc
-        n = len(self._groups)
+        n = len(self._subs)
         updated = f"sub-groups 0..{done} of {n} were updated" if done >= 0 else "no sub-group was updated"
-        resident = [i for i, lay in enumerate(self._layouts) if lay is None]
+        resident = [i for i, lay in enumerate(self._subs.layouts) if lay is None]
         return SwapError(f"NVMeOptimizer.step stopped: {exc}; {updated}; the state of sub-groups "
                          f"{resident} is kept in memory", path=getattr(exc, "path", None),
                          offset=getattr(exc, "offset", None), size=getattr(exc, "size", None),
                          errno=exc.errno or errno.EIO)
+
+
+def _raise_failed_writes(writes: Writes) -> None:
+    for _, fut in writes:
+        exc = fut.exception() if fut.done() else None
+        if exc is not None:
+            raise exc

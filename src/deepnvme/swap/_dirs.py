@@ -28,7 +28,7 @@ from ..errors import SwapError
 from ..io.durable import publish_dir
 
 __all__ = ["PREFIX", "CREATING_PREFIX", "OWNER_FILE", "Owner", "create_private_dir", "find_stale_dirs",
-           "handle_stale_dirs", "remove_dir"]
+           "handle_stale_dirs", "make_dirs", "remove_dir", "remove_made_dirs"]
 
 log = logging.getLogger(__name__)
 PREFIX = "deepnvme-swap-"
@@ -137,6 +137,43 @@ def handle_stale_dirs(directory: str, stale: str) -> list[str]:
         warnings.warn(msg + "; pass stale='remove' to delete them", RuntimeWarning,
                       stacklevel=3)  # the warning only: not also a log line
     return found
+
+
+def make_dirs(directory: str) -> tuple[str, ...]:
+    """Create ``directory`` and its missing parents; return those this call created, outermost
+    first (a directory another process created meanwhile is not among them)."""
+    missing = []
+    path = os.path.abspath(directory)
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    made: list[str] = []
+    try:
+        for path in reversed(missing):
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                continue
+            made.append(path)
+    except BaseException:
+        remove_made_dirs(tuple(made))
+        raise
+    return tuple(made)
+
+
+def remove_made_dirs(made: tuple[str, ...]) -> None:
+    """Remove the directories :func:`make_dirs` created, innermost first, while they are empty:
+    one holding anything (another swapper's directory, a user's file) stays, with its parents."""
+    for path in reversed(made):
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            continue
+        except OSError:   # not empty (or not ours to remove any more): keep it and its parents
+            return
 
 
 def create_private_dir(directory: str) -> str:

@@ -34,8 +34,9 @@ __all__ = ["TensorSwapper", "SwapError", "SwapBufferError"]
 log = logging.getLogger(__name__)
 
 
-def _cleanup_at_exit(handle: AioHandle, owned: bool, path: str) -> None:
-    """Finalizer (also run at interpreter exit): stop I/O, close the files, then delete them."""
+def _cleanup_at_exit(handle: AioHandle, owned: bool, path: str, made: tuple[str, ...]) -> None:
+    """Finalizer (also run at interpreter exit): stop I/O, close the files, then delete them
+    (and the directories the swapper created for them, if nothing else is in them)."""
     try:
         if owned:
             handle.close()
@@ -44,6 +45,7 @@ def _cleanup_at_exit(handle: AioHandle, owned: bool, path: str) -> None:
             handle.close_files(under=path)
     finally:
         _dirs.remove_dir(path)
+        _dirs.remove_made_dirs(made)
 
 
 class TensorSwapper:
@@ -68,7 +70,8 @@ class TensorSwapper:
     at once when no buffer can come free; with ``acquire_timeout`` seconds, for another thread's
     release up to that long. ``stale`` says what to do with swap directories left by crashed
     runs in ``directory``: ``"warn"`` (default; listed in :attr:`stale_dirs`), ``"remove"`` or
-    ``"error"``. The swap files are deleted by :meth:`close`, or at interpreter exit.
+    ``"error"``. The swap files are deleted by :meth:`close`, or at interpreter exit, with
+    ``directory`` (and parents) if the swapper created it and it is then empty.
     ``handle`` (optional) is an :class:`AioHandle` to use instead of a new one from ``config``.
     Each key's file stays open between swaps (the handle's ``keep_open``): at most one
     descriptor per key, up to the handle's limit, closed by :meth:`discard` and :meth:`close`.
@@ -85,7 +88,12 @@ class TensorSwapper:
             raise ValueError(f"stale must be 'warn', 'remove' or 'error', got {stale!r}")
         directory = os.fspath(directory)
         self.stale_dirs = _dirs.handle_stale_dirs(directory, stale)
-        self.directory = _dirs.create_private_dir(directory)
+        made = _dirs.make_dirs(directory)
+        try:
+            self.directory = _dirs.create_private_dir(directory)
+        except BaseException:
+            _dirs.remove_made_dirs(made)
+            raise
         self.buffer_bytes = int(buffer_bytes)
         self.buffer_count = int(buffer_count)
         self.min_swap_bytes = int(min_swap_bytes)
@@ -98,7 +106,7 @@ class TensorSwapper:
         self._next_index = 0
         self._closed = False
         self._finalizer = weakref.finalize(self, _cleanup_at_exit, self._handle, owned,
-                                          self.directory)
+                                          self.directory, made)
 
     # --- queries ---------------------------------------------------------------------------
 

@@ -136,6 +136,30 @@ def test_files_hold_the_parameters_and_close_removes_them(tmp_path):
     assert not os.path.exists(off.directory)
 
 
+def test_close_removes_the_directory_it_created_once_empty(tmp_path):
+    _, b = make_pair()
+    off = offload_parameters(b, tmp_path / "runs" / "offload", max_in_memory_bytes=20_000)
+    assert os.path.dirname(off.directory) == str(tmp_path / "runs" / "offload")
+    off.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_optimizer_finds_the_offload_through_its_parameters(tmp_path):
+    from deepnvme.optim._protocol import OffloadedParameters, offload_of
+
+    _, b = make_pair()
+    off = offload_parameters(b, tmp_path, max_in_memory_bytes=20_000)
+    other = offload_parameters(nn.Linear(4, 4), tmp_path, max_in_memory_bytes=20_000)
+    assert isinstance(off, OffloadedParameters)
+    assert all(offload_of(p) is off for p in b.parameters())
+    with deepnvme.NVMeOptimizer(b.parameters(), swap_dir=tmp_path) as opt:
+        assert opt._offload is off
+    with pytest.raises(ValueError, match="several offload_parameters calls"):
+        deepnvme.NVMeOptimizer([*b.parameters(), other.model.weight], swap_dir=tmp_path)
+    other.close()
+    off.close()
+
+
 def test_a_parameter_larger_than_any_io_buffer_trains_within_the_budget(tmp_path):
     """No fixed pool buffer caps a parameter (DeepSpeed asserts when one exceeds its buffer): a
     256 KiB weight goes through 16 KiB I/O blocks; forward and backward need the budget to hold

@@ -101,14 +101,14 @@ def test_update_of_group_i_overlaps_reading_i_plus_1_and_writing_i_minus_1(tmp_p
         TimedSGD.slow = False
     off._store.wait_writes()
     key_group = {}                           # entry key -> sub-group index
-    for g, sub in enumerate(opt._groups):
+    for g, sub in enumerate(opt._subs.members):
         for _, p in sub:
             data, grad = off._entries[id(p)]
             key_group[data.key] = key_group[grad.key] = g
     updates = TimedSGD.log
     assert len(updates) == 8
     for g, (_, _, ids) in enumerate(updates):
-        assert ids == {id(p) for _, p in opt._groups[g]}
+        assert ids == {id(p) for _, p in opt._subs.members[g]}
 
     def in_flight(kind, group, at):
         """I/O of ``group`` of ``kind`` submitted before ``at`` and not finished at ``at``."""

@@ -86,7 +86,9 @@ def test_state_lives_on_disk_between_steps(tmp_path):
     state_bytes = 2 * 4 * sum(p.numel() for p in model.parameters())
     on_disk = sum(os.path.getsize(os.path.join(opt.swap_directory, f)) for f in files)
     assert state_bytes <= on_disk < state_bytes + 64 * 2 * len(list(model.parameters()))
-    assert opt._swapper.buffers_in_use() == 0
+    assert opt.swapped_bytes == on_disk and opt.buffer_bytes >= max(
+        os.path.getsize(os.path.join(opt.swap_directory, f)) for f in files)
+    assert opt._state.swapper.buffers_in_use() == 0
     d = opt.swap_directory
     opt.close()
     assert not os.path.exists(d)
@@ -183,7 +185,7 @@ def test_vanished_swap_dir_is_a_clear_error(tmp_path):
     with pytest.raises(SwapError, match="vanished.*no sub-group was updated"):
         train(model, opt, 1, start=1)
     assert same_params(ref, model)           # the failed step changed nothing
-    assert opt._swapper.buffers_in_use() == 0
+    assert opt._state.swapper.buffers_in_use() == 0
     opt.close()
 
 
@@ -193,6 +195,44 @@ def test_bad_arguments(tmp_path):
     assert isinstance(NVMeOptimizer(make_model().parameters(), swap_dir=tmp_path), torch.optim.Optimizer)
     with pytest.raises(ValueError, match="CPU parameters.*on meta"):
         NVMeOptimizer([torch.nn.Parameter(torch.empty(4, device="meta"))], swap_dir=tmp_path)
+
+
+def test_an_optimizer_or_a_model_in_place_of_params_says_what_to_pass(tmp_path):
+    model = make_model()
+    swap = tmp_path / "swap"
+    with pytest.raises(TypeError, match=r"builds the optimizer itself.*NVMeOptimizer\(model\."
+                                        r"parameters\(\), torch\.optim\.AdamW.*not an optimizer object \(got AdamW"):
+        NVMeOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), swap_dir=swap)
+    with pytest.raises(TypeError, match=r"optimizer_cls must be an optimizer class.*"
+                                        r"not an optimizer object \(got SGD\)"):
+        NVMeOptimizer(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1), swap_dir=swap)
+    with pytest.raises(TypeError, match=r"the model's parameters, not the Sequential module"):
+        NVMeOptimizer(model, swap_dir=swap)
+    with pytest.raises(TypeError, match=r"optimizer_cls must be an optimizer class.*got str"):
+        NVMeOptimizer(model.parameters(), "adamw", swap_dir=swap)
+    assert not swap.exists()                 # refused before anything was created
+    # what the message suggests works, and carries the options over
+    inner = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    with NVMeOptimizer(inner.param_groups, type(inner), swap_dir=swap) as opt:
+        assert opt.param_groups[0]["lr"] == 5e-3
+
+
+def test_close_removes_the_swap_dir_it_created_and_only_that(tmp_path):
+    swap = tmp_path / "runs" / "swap"
+    model = make_model()
+    opt = NVMeOptimizer(model.parameters(), swap_dir=swap, sub_group_bytes=8 << 10)
+    train(model, opt, 1)
+    assert os.listdir(opt.swap_directory) and os.path.dirname(opt.swap_directory) == str(swap)
+    opt.close()
+    assert os.listdir(tmp_path) == []        # both levels it created, once empty
+    (tmp_path / "mine").mkdir()
+    opt = NVMeOptimizer(make_model().parameters(), swap_dir=tmp_path / "mine")
+    opt.close()
+    assert (tmp_path / "mine").is_dir()      # it existed before: kept
+    opt = NVMeOptimizer(make_model().parameters(), swap_dir=tmp_path / "made")
+    (tmp_path / "made" / "notes.txt").write_text("the user's")
+    opt.close()
+    assert os.listdir(tmp_path / "made") == ["notes.txt"]   # not empty: kept
 
 
 class SlowDisk(Posix):

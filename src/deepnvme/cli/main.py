@@ -23,7 +23,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import DeepNVMeError
-from ._args import CliParser
+from ._args import CliParser, plain_help
 from .bench import add_bench_parser
 from .clean import add_clean_parser
 from .generate import add_generate_parser
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for register in SUBCOMMANDS:
         register(sub)
+    plain_help(parser)  # docstrings reused as help lose their reStructuredText markup
     return parser
 
 

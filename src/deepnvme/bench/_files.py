@@ -8,7 +8,7 @@ import os
 import tempfile
 
 from ..errors import DeepNVMeError, UsageError
-from ..io.durable import TempFile, find_temp_files
+from ..io.durable import TempFile, clean_temp_files, find_temp_files
 
 __all__ = ["run_clean", "remove_leftovers", "check_writable"]
 
@@ -17,33 +17,24 @@ log = logging.getLogger(__name__)
 
 def run_clean(directory: str, *, dry_run: bool = False) -> list[TempFile]:
     """Remove (``dry_run``: only find) stale temporary files in ``directory``; return every
-    temporary file found, stale or kept, in name order.
+    temporary file found, stale or kept, in name order, each with the reason.
 
-    Saves, bench, tune and report name their temporary files
-    ``.<name>.deepnvme-tmp-<pid>-<host>-<random>``; a file whose process (the pid, on this
-    machine) no longer exists is stale. Files of running processes and of other machines are
-    never removed."""
+    The rule is :func:`~deepnvme.io.durable.clean_temp_files`': only files whose writer (the
+    pid in the name) no longer runs on this machine are removed."""
     if not os.path.isdir(directory):
         raise DeepNVMeError(f"{directory!r} is not a directory; pass the directory to clean")
     found = find_temp_files(directory)
     if not dry_run:
-        for entry in found:
-            if entry.stale:
-                try:
-                    os.unlink(entry.path)
-                except FileNotFoundError:  # removed meanwhile by another cleaner
-                    log.debug("deepnvme clean: %s was already gone", entry.path)
+        clean_temp_files(directory)
     return found
 
 
 def remove_leftovers(directories: tuple[str, ...] | list[str]) -> None:
     """Remove stale temporary files from each directory before a run writes there (logged)."""
     for d in dict.fromkeys(directories):
-        if not os.path.isdir(d):
-            continue  # the run's own checks report a missing directory
-        for entry in run_clean(d):
-            if entry.stale:
-                log.info("removed %s (%s)", entry.path, entry.reason)
+        if os.path.isdir(d):  # else the run's own checks report the missing directory
+            for path in clean_temp_files(d):
+                log.info("removed %s, left by a killed deepnvme process", path)
 
 
 def check_writable(path: str, option: str, *, force: bool = True) -> None:

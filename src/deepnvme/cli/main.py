@@ -5,8 +5,8 @@ checkpoints (plan, verify).
 Exit codes: 0 success; 1 ``report`` found a FAIL or ``verify`` a corrupt checkpoint; 2 a usage,
 configuration or I/O error (one line on stderr that says what to change; no command at all
 prints this help there), or ``verify`` found no checkpoint; 130 interrupted (Ctrl-C, SIGINT);
-143 terminated (SIGTERM). Temporary files are removed on
-either signal; ``deepnvme clean DIR`` removes those of killed (SIGKILL) processes.
+143 terminated (SIGTERM). Temporary files are removed on either signal; ``deepnvme clean DIR``
+removes those of killed (SIGKILL) processes.
 """
 
 from __future__ import annotations

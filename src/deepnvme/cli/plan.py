@@ -80,7 +80,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="checkpoint size in GB (1e9 bytes)")
     size.add_argument("--checkpoint", metavar="PATH",
                       help="size the checkpoint from disk: a checkpoint file, a CheckpointManager "
-                           "folder (its latest step) or one checkpoint folder")
+                           "folder (its latest committed step) or one checkpoint folder")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--write-gbps", type=positive_float, metavar="B", help="write speed in GB/s")
     src.add_argument("--measure", metavar="DIR",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import deepnvme
+from deepnvme.bench import checkpoint_size
 
 PLAN = ("--write-gbps", "1", "--step-seconds", "1", "--mtbf-hours", "24")
 
@@ -19,7 +20,7 @@ def test_plan_sizes_a_manager_folder_by_its_latest_step(run_cli, run_json, tmp_p
     mgr.wait()
     mgr.close()
     data = run_json("plan", "--checkpoint", str(tmp_path), *PLAN)
-    size = deepnvme.bench.checkpoint_size(str(tmp_path))
+    size = checkpoint_size(str(tmp_path))
     assert data["checkpoint"]["step"] == 4 and data["checkpoint"]["nbytes"] == size.nbytes > 1 << 20
     assert data["checkpoint_gb"] == pytest.approx(size.nbytes / 1e9)
     assert data["save_seconds"] == pytest.approx(size.nbytes / 1e9)  # at 1 GB/s

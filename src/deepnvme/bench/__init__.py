@@ -8,7 +8,6 @@ settings), :func:`plan_interval` with :func:`checkpoint_size` and :func:`measure
 (how often to checkpoint). GB means 1e9 bytes throughout.
 """
 
-from ._files import run_clean
 from ._storage_types import BenchOptions, BenchResult, OpStats
 from ._tune_space import TuneSpace, default_space, load_space
 from ._units import Stats
@@ -42,7 +41,6 @@ __all__ = [
     "measure_write_gbps",
     "plan_interval",
     "run_bench",
-    "run_clean",
     "run_data_bench",
     "run_load_bench",
     "run_report",

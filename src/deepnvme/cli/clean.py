@@ -1,7 +1,7 @@
 """``deepnvme clean DIR``: remove the temporary files killed deepnvme processes left in DIR.
 
-Calls :func:`~deepnvme.bench.run_clean` and prints one line per temporary file found (removed
-or kept, and why), then the count.
+Finds the temporary files with ``run_clean`` (the rule of :func:`deepnvme.clean_temp_files`)
+and prints one line per file (removed or kept, and why), then the count.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Usage:
 
 Writes a corpus of ``--size`` bytes of uint16 tokens (random tokens, documents of 1 to 16,384
 tokens) with ``deepnvme.data.write_token_dataset`` under DIR (reused when it is already there
-with the same size), then runs ``deepnvme bench data``'s measurement (deepnvme.cli.bench_data):
+with the same size), then runs ``deepnvme bench data``'s measurement (deepnvme.bench.data):
 a shuffled pass (``--shuffled`` distinct random samples of the whole corpus) and a sequential
 pass (``--sequential`` consecutive samples from a random start), every reader in the same
 repetition, ``sync; echo 3 > /proc/sys/vm/drop_caches`` before each pass (root; else fadvise),
@@ -29,8 +29,9 @@ import time
 
 import torch
 
+from deepnvme.bench import DataBenchResult, DataOptions, run_data_bench
 from deepnvme.cli._render import stdout_console
-from deepnvme.cli.bench_data import DataBenchResult, DataOptions, render_data_bench, run_data_bench
+from deepnvme.cli.bench_data import render_data_bench
 from deepnvme.config import parse_size
 from deepnvme.data import write_token_dataset
 

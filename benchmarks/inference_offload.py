@@ -181,7 +181,7 @@ def main() -> None:
     args.checkpoint = make_checkpoint(args)
     layer_bytes, resident_bytes = weight_split(args.checkpoint)
 
-    from deepnvme.cli.bench import BenchOptions, run_bench
+    from deepnvme.bench import BenchOptions, run_bench
 
     def read_bandwidth() -> float:
         bench = run_bench(BenchOptions(dirs=(args.dir,), io_size=args.bandwidth_size, loops=3, write=False,

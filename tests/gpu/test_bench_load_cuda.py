@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.cli import LoadOptions, run_load_bench
+from deepnvme.bench import LoadOptions, run_load_bench
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

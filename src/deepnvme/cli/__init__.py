@@ -1,35 +1,33 @@
-"""The ``deepnvme`` command line: thin argument parsing over functions that return dataclasses.
+"""The ``deepnvme`` command line: parse the arguments, call :mod:`deepnvme.bench` (or the
+feature a command serves), render the result. The console script's entry point is
+``deepnvme.cli.main:main``.
 
-The functions behind the subcommands are usable from Python too (they print nothing):
-:func:`run_report`, :func:`run_bench`, :func:`run_load_bench`, :func:`run_data_bench` and
-:func:`run_tune`. The console script's entry
-point is ``deepnvme.cli.main:main``.
+The measuring functions that used to be imported from here (``run_bench``, ``BenchOptions``,
+...) live in :mod:`deepnvme.bench`; the old names still work for one release and warn once.
 """
 
-from .bench import BenchOptions, BenchResult, OpStats, run_bench
-from .bench_data import DataBenchResult, DataOptions, run_data_bench
-from .bench_load import LoadBenchResult, LoadOptions, run_load_bench
-from .report import Check, Report, run_report
-from .tune import Trial, TuneResult, TuneSpace, default_space, load_space, run_tune
+from __future__ import annotations
 
-__all__ = [
-    "BenchOptions",
-    "BenchResult",
-    "Check",
-    "DataBenchResult",
-    "DataOptions",
-    "LoadBenchResult",
-    "LoadOptions",
-    "OpStats",
-    "Report",
-    "Trial",
-    "TuneResult",
-    "TuneSpace",
-    "default_space",
-    "load_space",
-    "run_bench",
-    "run_data_bench",
-    "run_load_bench",
-    "run_report",
-    "run_tune",
-]
+import warnings
+from typing import Any
+
+__all__: list[str] = []
+
+# old name -> where it lives now (all in deepnvme.bench)
+_MOVED = ("BenchOptions", "BenchResult", "Check", "DataBenchResult", "DataOptions",
+          "LoadBenchResult", "LoadOptions", "OpStats", "Report", "Trial", "TuneResult",
+          "TuneSpace", "default_space", "load_space", "run_bench", "run_data_bench",
+          "run_load_bench", "run_report", "run_tune")
+_warned: set[str] = set()
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .. import bench
+
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"deepnvme.cli.{name} moved to deepnvme.bench.{name}; import it from there "
+                      "(the old name goes in the next release)", DeprecationWarning, stacklevel=2)
+    return getattr(bench, name)

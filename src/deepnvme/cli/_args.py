@@ -8,15 +8,19 @@ than one value or the system (a device, an optional package, a path).
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
+import re
 from typing import NoReturn
 
+from ..bench._files import check_writable
 from ..config import parse_size
 from ..errors import ConfigError, UsageError
 
 __all__ = ["UsageError", "CliParser", "positive_int", "nonnegative_int", "positive_size",
-           "positive_float", "check_writable"]
+           "positive_float", "check_writable", "plain_text", "plain_help"]
+
+# reStructuredText in docstrings reused as help: double-backquoted literals and roles
+_LITERAL = re.compile(r"``(.+?)``", re.S)
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+?)`")
 
 
 class CliParser(argparse.ArgumentParser):
@@ -74,23 +78,27 @@ def positive_float(text: str) -> float:
     return value
 
 
-def check_writable(path: str, option: str, *, force: bool = True) -> None:
-    """Raise :class:`UsageError` unless ``path`` can be written as a file (its folder exists
-    and takes new files; it is not a folder; it exists only when ``force``), so a long run
-    does not fail at its end."""
-    if os.path.isdir(path):
-        raise UsageError(f"{option} {path!r} is a directory; give a file name")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"{option} {path!r}: directory {folder!r} does not exist")
-    if os.path.lexists(path) and not force:
-        raise UsageError(f"{option} {path!r} already exists; add --force to overwrite it")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".deepnvme-probe-", dir=folder)
-    except OSError as exc:
-        raise UsageError(f"{option} {path!r}: cannot create files in {folder!r} "
-                         f"({exc.strerror})") from None
-    os.close(fd)
-    os.unlink(probe)
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise UsageError(f"{option} {path!r} exists and is not writable")
+def plain_text(text: str) -> str:
+    """``text`` without reStructuredText markup, so a docstring reads as plain help: literals
+    lose their double backquotes, a role keeps its target (only the last name after a ``~``)."""
+    def role(m: re.Match[str]) -> str:
+        return m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2)
+
+    return _LITERAL.sub(r"\1", _ROLE.sub(role, text))
+
+
+def plain_help(parser: argparse.ArgumentParser) -> None:
+    """Strip reStructuredText from the description, epilog and every option's help of
+    ``parser`` and of its subcommands, recursively (the help is read in a terminal)."""
+    for field in ("description", "epilog"):
+        if getattr(parser, field):
+            setattr(parser, field, plain_text(getattr(parser, field)))
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help = plain_text(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                if isinstance(choice.help, str):
+                    choice.help = plain_text(choice.help)
+            for sub in dict.fromkeys(action.choices.values()):
+                plain_help(sub)

@@ -1,13 +1,12 @@
-"""Shared helpers for rendering CLI results: sizes, statistics, rich consoles and progress bars."""
+"""Shared helpers for rendering results: consoles, progress bars, JSON, and the texts several
+commands print."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import statistics
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console
@@ -20,35 +19,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-__all__ = ["Stats", "fmt_size", "stdout_console", "progress_bar", "print_json"]
+from ..bench._units import GB, fmt_size
 
-GB = 1e9  # GB means 1e9 bytes everywhere in deepnvme
+__all__ = ["GB", "fmt_size", "stdout_console", "progress_bar", "print_json", "EVICTION_TEXT"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Stats:
-    """min / median / max of a non-empty sequence of numbers."""
-
-    min: float
-    median: float
-    max: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Stats:
-        if not values:
-            raise ValueError("no values to summarise")
-        return cls(min(values), statistics.median(values), max(values))
-
-    def to_dict(self) -> dict[str, float]:
-        return {"min": self.min, "median": self.median, "max": self.max}
-
-
-def fmt_size(n: int) -> str:
-    """``1073741824`` -> ``"1 GiB"``; exact binary multiples get a suffix, others stay bytes."""
-    for shift, suffix in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {suffix}"
-    return f"{n} B"
+#: how ``bench load`` and ``bench data`` made their reads cold, as the output says it
+EVICTION_TEXT = {"drop-caches": "sync + drop_caches (whole page cache) before each read",
+                 "fadvise": "posix_fadvise(DONTNEED) on the files before each read",
+                 "none": "no eviction (warm on purpose)"}
 
 
 def stdout_console() -> Console:
@@ -73,4 +51,3 @@ def progress_bar(description: str, total: float | None, *, enabled: bool = True
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
-

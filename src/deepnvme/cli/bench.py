@@ -1,206 +1,27 @@
 """``deepnvme bench``: how fast is my storage path? (DeepSpeed's ds_io, with honest numbers).
 
-Writes go to a new file and are timed until ``fsync`` returns (stable storage); reads are cold
-(O_DIRECT, and the file's pages are dropped from the page cache before every read). Each
-process moves ``io_size`` bytes per step; ``--procs N`` runs N barrier-synchronised processes.
-Latencies are seconds per transfer; rates are GB/s with 1 GB = 1e9 bytes. *Task* figures are
-per process, *end-to-end* (e2e) figures cover all processes of a step, from the first start
-to the last finish (the same as task with one process). ``--compare`` times plain Python
-file I/O and fio on the same files in the same loops (see :mod:`deepnvme.cli._measure`).
-``--engine a,b`` runs deepnvme once per I/O engine in the same loops, one row each.
-
-``--random`` measures random reads instead: every ``--random-size`` block of an ``--io-size``
-file once per loop, in random order, ``--queue-depth`` reads in flight per worker thread
-(:meth:`~deepnvme.AioHandle.read_many`), cold (O_DIRECT, pages dropped before each loop);
-IOPS, MB/s (1 MB = 1e6 bytes) and the mean latency of one read. ``--compare`` runs fio
-``--rw=randread`` next to it.
+Parses the ds_io-style flags into :class:`~deepnvme.bench.BenchOptions`, runs
+:func:`~deepnvme.bench.run_bench` (the method is described in :mod:`deepnvme.bench.storage`)
+and prints its tables or JSON. ``bench load`` and ``bench data`` are modes of this command.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from typing import Any
 
-from ..config import IOConfig, resolve_config
-from ..errors import ConfigError, DeepNVMeError
+from rich.console import Console
+from rich.table import Table
+
+from ..bench import BenchOptions, BenchResult, OpStats, run_bench
+from ..bench._engines import parse_engines
+from ..config import resolve_config
+from ..errors import ConfigError
 from ._args import nonnegative_int, positive_int, positive_size
-from ._bench_setup import check_options, make_paths, pick_engines, pick_tools
-from ._bench_view import render_bench
-from ._engines import parse_engines
-from ._render import GB, Stats, print_json, progress_bar, stdout_console
-from ._runner import Ready, Sample, Step, WorkerSpec, lanes, plan_steps, run_workers
-from ._system import mount_of
+from ._render import fmt_size, print_json, progress_bar, stdout_console
 from .bench_data import add_bench_data_parser
 from .bench_load import add_bench_load_parser
-from .clean import remove_leftovers
 
-__all__ = ["BenchOptions", "OpStats", "BenchResult", "run_bench", "parse_dir_map",
-           "add_bench_parser"]
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchOptions:
-    """What to measure. ``gpus`` pairs with ``dirs`` (from ``--dir-map``); process i uses
-    ``dirs[i % len(dirs)]``. As in ds_io, the handle gets ``single_submit`` and
-    ``overlap_events = not sequential_requests`` on top of ``config``. ``engines`` are
-    deepnvme's engines to sweep ("auto" allowed; empty: ``config.engine``). ``random_size``
-    switches to random reads of that many bytes each (then ``write`` must be False)."""
-
-    dirs: tuple[str, ...] = (".",)
-    gpus: tuple[int, ...] = ()
-    io_size: int = 1 << 30
-    read: bool = True
-    write: bool = True
-    config: IOConfig = dataclasses.field(default_factory=resolve_config)
-    single_submit: bool = False
-    sequential_requests: bool = False
-    procs: int = 1
-    loops: int = 3
-    warmup: int = 1
-    validate: bool = False
-    compare: bool = False
-    gpu: bool = False
-    gds: bool = False
-    engines: tuple[str, ...] = ()
-    random_size: int | None = None
-
-    def effective_config(self) -> IOConfig:
-        return self.config.replace(single_submit=self.single_submit,
-                                   overlap_events=not self.sequential_requests)
-
-
-@dataclasses.dataclass(frozen=True)
-class OpStats:
-    """All timings of one (tool, engine, op): ``task_seconds`` per process and loop,
-    ``e2e_seconds`` per loop. ``engine`` is deepnvme's engine, "libaio" for fio, None for plain
-    Python. Random reads (``op == "randread"``) also carry ``random_size`` and the mean
-    seconds one read was in flight, per process and loop (``latency_seconds``)."""
-
-    tool: str
-    op: str
-    io_size: int
-    procs: int
-    task_seconds: tuple[float, ...]
-    e2e_seconds: tuple[float, ...]
-    engine: str | None = None
-    random_size: int = 0
-    latency_seconds: tuple[float, ...] = ()
-
-    @property
-    def task_latency(self) -> Stats:
-        return Stats.of(self.task_seconds)
-
-    @property
-    def e2e_latency(self) -> Stats:
-        return Stats.of(self.e2e_seconds)
-
-    @property
-    def task_gbps(self) -> Stats:
-        return Stats.of([self.io_size / s / GB for s in self.task_seconds])
-
-    @property
-    def e2e_gbps(self) -> Stats:
-        return Stats.of([self.io_size * self.procs / s / GB for s in self.e2e_seconds])
-
-    @property
-    def reads(self) -> int:
-        """Random reads per process and loop (0 for whole-file transfers)."""
-        return self.io_size // self.random_size if self.random_size else 0
-
-    @property
-    def iops(self) -> Stats:
-        """Random reads per second of all processes of a step."""
-        return Stats.of([self.reads * self.procs / s for s in self.e2e_seconds])
-
-    @property
-    def mbps(self) -> Stats:
-        """Random-read MB/s (1 MB = 1e6 bytes) of all processes of a step."""
-        return Stats.of([self.io_size * self.procs / s / 1e6 for s in self.e2e_seconds])
-
-    @property
-    def read_latency(self) -> Stats:
-        """Mean seconds one random read was in flight, over processes and loops."""
-        return Stats.of(self.latency_seconds)
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "tool": self.tool, "engine": self.engine, "op": self.op,
-            "e2e_GBps": self.e2e_gbps.to_dict(), "e2e_latency_s": self.e2e_latency.to_dict(),
-            "task_GBps": self.task_gbps.to_dict(), "task_latency_s": self.task_latency.to_dict(),
-            "e2e_seconds": list(self.e2e_seconds), "task_seconds": list(self.task_seconds)}
-        if self.random_size:
-            out.update({"random_size": self.random_size, "reads": self.reads,
-                        "IOPS": self.iops.to_dict(), "MBps": self.mbps.to_dict(),
-                        "read_latency_s": self.read_latency.to_dict(),
-                        "read_latency_seconds": list(self.latency_seconds)})
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchResult:
-    """Result of :func:`run_bench`; ``o_direct``/``pinned`` say how deepnvme actually ran;
-    ``engines`` are deepnvme's engines in row order (the first is the reference of speedups)."""
-
-    dirs: tuple[str, ...]
-    filesystems: tuple[str, ...]
-    io_size: int
-    procs: int
-    loops: int
-    warmup: int
-    config: IOConfig
-    o_direct: bool
-    pinned: bool
-    gpu: bool
-    tools: tuple[str, ...]
-    ops: tuple[OpStats, ...]
-    notes: tuple[str, ...]
-    gds: bool = False
-    engines: tuple[str, ...] = ()
-    random_size: int | None = None
-    validated: tuple[int, int] | None = None  # --validate: (writes, reads) checked, all procs
-
-    def get(self, tool: str, op: str, engine: str | None = None) -> OpStats | None:
-        """The row of ``tool`` and ``op`` (deepnvme: of ``engine``, default the first)."""
-        return next((o for o in self.ops if o.tool == tool and o.op == op
-                     and (engine is None or o.engine == engine)), None)
-
-    @property
-    def compared(self) -> bool:
-        """Whether some op has several rows (tools or engines) to compare."""
-        return len(self.ops) > len({o.op for o in self.ops})
-
-    def ratio(self, row: OpStats, *, per_task: bool = False) -> float | None:
-        """deepnvme's (first engine's) median e2e (or task) rate over ``row``'s; None for that
-        row itself."""
-        ours = self.get("deepnvme", row.op, self.engines[0] if self.engines else None)
-        if ours is None or ours is row:
-            return None
-        if per_task:
-            return ours.task_gbps.median / row.task_gbps.median
-        return ours.e2e_gbps.median / row.e2e_gbps.median
-
-    def speedup(self, tool: str, op: str) -> float | None:
-        """deepnvme's median e2e GB/s divided by ``tool``'s, for ``op``."""
-        theirs = self.get(tool, op)
-        return None if theirs is None else self.ratio(theirs)
-
-    def to_dict(self) -> dict[str, Any]:
-        def vs(o: OpStats) -> str:
-            return f"{o.op}_vs_" + (f"deepnvme-{o.engine}" if o.tool == "deepnvme" else o.tool)
-
-        speedup = {vs(o): r for o in self.ops if (r := self.ratio(o)) is not None}
-        return {"GB": "1e9 bytes", "dirs": list(self.dirs), "filesystems": list(self.filesystems),
-                "io_size": self.io_size, "procs": self.procs, "loops": self.loops,
-                "warmup_loops": self.warmup, "config": self.config.to_deepspeed()["aio"],
-                "engines": list(self.engines), "random_size": self.random_size,
-                "o_direct": self.o_direct, "pinned": self.pinned, "gpu": self.gpu,
-                "handle": "GdsHandle" if self.gds else "AioHandle",
-                "device": "cuda" if self.gpu or self.gds else "cpu",
-                "tools": list(self.tools), "results": [o.to_dict() for o in self.ops],
-                "speedup": speedup, "notes": list(self.notes),
-                "validated": None if self.validated is None else
-                dict(zip(("writes", "reads"), self.validated))}
+__all__ = ["parse_dir_map", "add_bench_parser", "render_bench", "run_bench", "BenchOptions"]
 
 
 def parse_dir_map(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -217,117 +38,11 @@ def parse_dir_map(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return tuple(dirs), tuple(gpus)
 
 
-def run_bench(options: BenchOptions, *, progress: Any = None) -> BenchResult:
-    """Run the benchmark described by ``options``; blocking. ``progress`` is an optional rich
-    ``Progress`` whose first task is advanced once per timed transfer (per process).
-    Temporary files are removed before this returns or raises (Ctrl-C included)."""
-    remove_leftovers(options.dirs)
-    notes = check_options(options)
-    tools = pick_tools(options, notes)
-    engines = pick_engines(options, notes)
-    steps = plan_steps(tools=tools, engines=engines, write=options.write, read=options.read,
-                       loops=options.loops, warmup=options.warmup)
-    if progress is not None:
-        progress.update(progress.task_ids[0], total=len(steps) * options.procs)
-    config = options.effective_config()
-    paths = make_paths(options.dirs, options.procs)
-    specs = [WorkerSpec(index=i, path=p, io_size=options.io_size, config=config,
-                        steps=steps, validate=options.validate,
-                        gpu=(options.gpus[i % len(options.gpus)] if options.gpus else 0)
-                        if options.gpu or options.gds else None, gds=options.gds,
-                        random_size=options.random_size)
-             for i, p in enumerate(paths)]
-    ready: list[Ready] = []
-    samples: list[Sample] = []
-
-    def on_event(event: object) -> None:
-        if isinstance(event, Ready):
-            ready.append(event)
-        elif isinstance(event, Sample):
-            samples.append(event)
-            if progress is not None:
-                progress.advance(progress.task_ids[0])
-
-    run_workers(specs, on_event)
-    o_direct = bool(ready) and all(r.o_direct for r in ready)
-    pinned = bool(ready) and all(r.pinned for r in ready)
-    notes += _run_notes(o_direct, pinned, options)
-    fs = tuple((m.fstype if (m := mount_of(d)) else "unknown") for d in options.dirs)
-    return BenchResult(tuple(os.path.abspath(d) for d in options.dirs), fs, options.io_size,
-                       options.procs, options.loops, options.warmup, config, o_direct, pinned,
-                       options.gpu or options.gds, tools,
-                       _aggregate(steps, lanes(tools, engines), samples, options),
-                       tuple(notes), gds=options.gds, engines=engines,
-                       random_size=options.random_size, validated=_validated(steps, options))
-
-
-def _validated(steps: tuple[Step, ...], o: BenchOptions) -> tuple[int, int] | None:
-    """(writes, reads) that --validate compared with the pattern: every step but fio's, in
-    every process (a mismatch raises, so reaching here means all matched)."""
-    if not o.validate:
-        return None
-    checked = [s for s in steps if s.tool != "fio"]
-    return (sum(s.write for s in checked) * o.procs, sum(not s.write for s in checked) * o.procs)
-
-
-def _run_notes(o_direct: bool, pinned: bool, o: BenchOptions) -> list[str]:
-    notes = []
-    if not o_direct:
-        notes.append("O_DIRECT was not available; deepnvme's reads were made cold by evicting "
-                     "the file from the page cache")
-    if not pinned:
-        notes.append("buffers could not be page-locked (RLIMIT_MEMLOCK); numbers may be lower "
-                     "than with locked memory (see 'deepnvme report')")
-    if o.random_size:
-        notes.append("latency = mean time one read is in flight: deepnvme's is reads in flight "
-                     "(queue_depth per worker with io_uring/aio, in all with threads) / IOPS, "
-                     "fio's is measured (lat_ns mean), with iodepth = queue_depth x parallelism")
-    return notes
-
-
-def _aggregate(steps: tuple[Step, ...], rows: list[tuple[str, str | None]],
-               samples: list[Sample], o: BenchOptions) -> tuple[OpStats, ...]:
-    """One :class:`OpStats` per op and (tool, engine) of ``rows``, writes first."""
-    by_step: dict[int, list[Sample]] = {}
-    for s in samples:
-        by_step.setdefault(s.step, []).append(s)
-    out: list[OpStats] = []
-    for write in (True, False):
-        for tool, engine in rows:
-            idx = [i for i, s in enumerate(steps) if s.loop >= 0 and s.tool == tool
-                   and s.engine == engine and s.write == write]
-            if idx:
-                out.append(_op_stats(tool, engine, write, [by_step.get(i, []) for i in idx], o))
-    return tuple(out)
-
-
-def _op_stats(tool: str, engine: str | None, write: bool, groups: list[list[Sample]],
-              o: BenchOptions) -> OpStats:
-    """One row from the samples of each timed step of a (tool, engine, op)."""
-    op = "write" if write else "randread" if o.random_size else "read"
-    task = tuple(x.timing.seconds for g in groups for x in g)
-    if any(len(g) != o.procs for g in groups):
-        raise DeepNVMeError(f"missing timings for {tool} {op}: got {len(task)} of "
-                            f"{len(groups) * o.procs}")
-    latency = tuple(x.timing.latency for g in groups for x in g if x.timing.latency is not None)
-    return OpStats(tool, op, o.io_size, o.procs, task, tuple(_e2e(tool, g) for g in groups),
-                   engine=engine if tool == "deepnvme" else "libaio" if tool == "fio" else None,
-                   random_size=o.random_size or 0, latency_seconds=latency)
-
-
-def _e2e(tool: str, group: list[Sample]) -> float:
-    if tool == "fio":  # fio reports its own runtime, without process start-up
-        return max(s.timing.seconds for s in group)
-    return max(s.timing.end for s in group) - min(s.timing.start for s in group)
-
-
-# --- command line ------------------------------------------------------------------------
-
 def add_bench_parser(subparsers: Any) -> None:
     """Register ``deepnvme bench`` (flags mirror DeepSpeed's ds_io)."""
     b = subparsers.add_parser(
         "bench", help="measure write (to stable storage) and cold read GB/s, like ds_io",
-        description=__doc__.split("\n\n")[0].replace("``", ""))
+        description=__doc__.split("\n\n")[0])
     b.add_argument("--dir", action="append", default=None, metavar="DIR",
                    help="directory for the temporary files (repeatable; default: .)")
     b.add_argument("--dir-map", default=None, metavar="DIR:GPU,...",
@@ -402,3 +117,103 @@ def _cmd_bench(args: Any) -> int:
     else:
         render_bench(result, stdout_console())
     return 0
+
+
+# --- rendering -------------------------------------------------------------------------
+
+def _ratio_cell(result: BenchResult, op: OpStats, per_task: bool) -> str:
+    """deepnvme's (first engine's) median rate over this row's; blank on that row itself."""
+    r = result.ratio(op, per_task=per_task)
+    return "" if r is None else f"{r:.2f}x"
+
+
+def _table(result: BenchResult, title: str, per_task: bool) -> Table:
+    compare = result.compared
+    table = Table(title=title, title_justify="left")
+    table.add_column("op")
+    table.add_column("tool")
+    table.add_column("engine")
+    table.add_column("GB/s median (min-max)", justify="right")
+    table.add_column("latency ms median (min-max)", justify="right")
+    if compare:
+        table.add_column("deepnvme is", justify="right")
+    for op in result.ops:
+        rate = op.task_gbps if per_task else op.e2e_gbps
+        lat = op.task_latency if per_task else op.e2e_latency
+        row = [op.op, op.tool, op.engine or "-",
+               f"{rate.median:.3f} ({rate.min:.3f}-{rate.max:.3f})",
+               f"{lat.median * 1e3:.1f} ({lat.min * 1e3:.1f}-{lat.max * 1e3:.1f})"]
+        if compare:
+            row.append(_ratio_cell(result, op, per_task))
+        table.add_row(*row)
+    return table
+
+
+def _random_table(result: BenchResult) -> Table:
+    compare = result.compared
+    table = Table(title=f"random reads of {fmt_size(result.random_size or 0)}, all processes",
+                  title_justify="left")
+    for name in ("tool", "engine", "IOPS (min-max)", "MB/s", "latency us (min-max)"):
+        table.add_column(name, justify="left" if name in ("tool", "engine") else "right")
+    if compare:
+        table.add_column("deepnvme is", justify="right")
+    for op in result.ops:
+        iops, lat = op.iops, op.read_latency
+        row = [op.tool, op.engine or "-", f"{iops.median:,.0f} ({iops.min:,.0f}-{iops.max:,.0f})",
+               f"{op.mbps.median:.1f}",
+               f"{lat.median * 1e6:.0f} ({lat.min * 1e6:.0f}-{lat.max * 1e6:.0f})"]
+        if compare:
+            row.append(_ratio_cell(result, op, per_task=False))
+        table.add_row(*row)
+    return table
+
+
+def _settings(result: BenchResult) -> str:
+    c = result.config
+    mode = "O_DIRECT" if result.o_direct else "buffered + page-cache eviction"
+    gpu = (", GPU buffers via cuFile (GdsHandle)" if result.gds
+           else ", GPU buffers staged through pinned memory" if result.gpu else "")
+    return (f"  deepnvme: engine {', '.join(result.engines)}, block_size {fmt_size(c.block_size)}, "
+            f"queue_depth {c.queue_depth}, intra_op_parallelism {c.intra_op_parallelism}, "
+            f"{mode}, buffers {'page-locked' if result.pinned else 'NOT page-locked'}{gpu}")
+
+
+def render_bench(result: BenchResult, console: Console) -> None:
+    """Print the settings lines, the result table(s) and the notes."""
+    def say(text: str) -> None:
+        console.print(text, soft_wrap=True, markup=False)
+
+    where = ", ".join(f"{d} ({fs})" for d, fs in zip(result.dirs, result.filesystems))
+    procs = f"{result.procs} process{'es' if result.procs > 1 else ''}"
+    say(f"deepnvme bench: {procs} x {fmt_size(result.io_size)} ({result.io_size / 1e9:.3f} GB) "
+        f"each, in {where}")
+    say(_settings(result))
+    if result.random_size:
+        say(f"  {result.loops} loop(s) after {result.warmup} warm-up; each loop reads every "
+            f"{fmt_size(result.random_size)} block once in random order, cold; medians over "
+            "the loops; MB = 1e6 bytes")
+        console.print(_random_table(result))
+    else:
+        say(f"  {result.loops} loop(s) after {result.warmup} warm-up; writes timed until fsync "
+            "returns (new file each time), reads cold; GB = 1e9 bytes")
+        title = "end-to-end (all processes of a step)" if result.procs > 1 else "per transfer"
+        console.print(_table(result, title, per_task=False))
+        if result.procs > 1:
+            console.print(_table(result, "per process (task)", per_task=True))
+    if result.compared:
+        say(f"  'deepnvme is' = deepnvme ({result.engines[0]})'s median rate / the row's "
+            "(2.00x = twice as fast)")
+    if result.validated is not None:
+        say(f"  {_validated(result)}")
+    for note in result.notes:
+        say(f"  note: {note}")
+
+
+def _validated(result: BenchResult) -> str:
+    """The --validate line: how many transfers were compared with the written data."""
+    writes, reads = result.validated or (0, 0)
+    what = (f"{reads} random-read passes (every {fmt_size(result.random_size)} block)"
+            if result.random_size else f"{writes} writes and {reads} reads")
+    skipped = " (fio's transfers are not checked)" if "fio" in result.tools else ""
+    return (f"validated: {what} of {fmt_size(result.io_size)} compared byte-for-byte against "
+            f"the written data, warm-up included{skipped}")

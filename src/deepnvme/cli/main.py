@@ -5,8 +5,8 @@ checkpoints (plan, verify).
 Exit codes: 0 success; 1 ``report`` found a FAIL or ``verify`` a corrupt checkpoint; 2 a usage,
 configuration or I/O error (one line on stderr that says what to change; no command at all
 prints this help there), or ``verify`` found no checkpoint; 130 interrupted (Ctrl-C, SIGINT);
-143 terminated (SIGTERM). Temporary files are removed on
-either signal; ``deepnvme clean DIR`` removes those of killed (SIGKILL) processes.
+143 terminated (SIGTERM). Temporary files are removed on either signal; ``deepnvme clean DIR``
+removes those of killed (SIGKILL) processes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import DeepNVMeError
-from ._args import CliParser
+from ._args import CliParser, plain_help
 from .bench import add_bench_parser
 from .clean import add_clean_parser
 from .generate import add_generate_parser
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for register in SUBCOMMANDS:
         register(sub)
+    plain_help(parser)  # docstrings reused as help lose their reStructuredText markup
     return parser
 
 

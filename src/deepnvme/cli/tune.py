@@ -1,283 +1,33 @@
 """``deepnvme tune``: which handle settings are best on this storage? (DeepSpeed's ds_nvme_tune).
 
-Each trial writes ``io_size`` bytes to a new file (timed until fsync returns) and reads them
-back cold, ``loops`` times, with an :class:`~deepnvme.AioHandle` built from the trial's
-settings; its score is the median GB/s (1 GB = 1e9 bytes). The sweep is pruned: coordinate
-search from DeepSpeed's defaults and the engine ``auto`` picks, one dimension at a time (the
-engine first, among those this system runs), stopping a dimension once the next value no
-longer helps by 3 %, within ``--budget`` seconds. ``single_submit`` is swept only when a
-``--space`` file lists both values (otherwise it is written as false, batched submission);
-``overlap_events`` changes nothing in any engine and is written as false. The winner is
-written as a DeepSpeed ``{"aio": {...}}`` JSON, its ``engine`` included, that
-``AioHandle.from_config`` and DeepSpeed read.
+Parses the options, runs :func:`~deepnvme.bench.run_tune` (the search is described in
+:mod:`deepnvme.bench.tune`), prints the trials and the winners (or JSON) and draws ``--plot``.
+Output paths are checked before the sweep, so a long run does not fail at its end.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import operator
-import os
-import statistics
 import sys
-import time
-import warnings
-from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
+from rich.console import Console
+from rich.table import Table
 
-from ..config import IOConfig, resolve_config
-from ..errors import ConfigError, DeepNVMeError
-from ..io.durable import create_temp, write_json
-from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
-from ._args import check_writable, positive_float, positive_int, positive_size
-from ._engines import engine_statuses
-from ._measure import Measurer, fill_pattern, remove
-from ._render import GB
-from ._search import Point, coordinate_search, grid
-from ._tune_space import DIMENSIONS, TuneSpace, complete, default_space, load_space, runnable, start_point
-from .clean import remove_leftovers
+from ..bench import Trial, TuneInterrupted, TuneResult, TuneSpace, default_space, load_space, run_tune
+from ..bench._files import check_writable
+from ..bench.tune import OBJECTIVES
+from ..errors import DeepNVMeError
+from ._args import positive_float, positive_int, positive_size
+from ._render import fmt_size, print_json, progress_bar, stdout_console
 
-__all__ = ["TuneSpace", "Trial", "TuneResult", "TuneInterrupted", "default_space", "load_space",
-           "run_tune", "add_tune_parser"]
+__all__ = ["add_tune_parser", "render_tune", "plot_tune", "require_matplotlib", "run_tune"]
 
-OBJECTIVES = ("combined", "write", "read")
-
-
-@dataclasses.dataclass(frozen=True)
-class Trial:
-    """One measured configuration: median GB/s of writes and cold reads."""
-
-    block_size: int
-    queue_depth: int
-    intra_op_parallelism: int
-    write_gbps: float
-    read_gbps: float
-    seconds: float
-    engine: str
-    single_submit: bool = False
-
-    @property
-    def combined_gbps(self) -> float:
-        """Bytes moved by a write plus a read over the time of both (harmonic mean of rates)."""
-        return 2 / (1 / self.write_gbps + 1 / self.read_gbps)
-
-    def score(self, objective: str) -> float:
-        return {"combined": self.combined_gbps, "write": self.write_gbps,
-                "read": self.read_gbps}[objective]
-
-    def config(self) -> IOConfig:
-        return resolve_config({"engine": self.engine, "block_size": self.block_size,
-                               "queue_depth": self.queue_depth,
-                               "intra_op_parallelism": self.intra_op_parallelism,
-                               "single_submit": self.single_submit, "overlap_events": False})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine, "single_submit": self.single_submit,
-                "block_size": self.block_size, "queue_depth": self.queue_depth,
-                "intra_op_parallelism": self.intra_op_parallelism,
-                "write_GBps": self.write_gbps, "read_GBps": self.read_gbps,
-                "combined_GBps": self.combined_gbps, "seconds": self.seconds}
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneResult:
-    directory: str
-    io_size: int
-    loops: int
-    space_size: int
-    trials: tuple[Trial, ...]
-    best: Mapping[str, Trial]  # objective -> trial
-    objective: str
-    output: str | None
-    elapsed: float
-    budget: float
-    budget_exhausted: bool
-    notes: tuple[str, ...]
-    interrupted: bool = False  # Ctrl-C ended the sweep: the winners are the best so far
-
-    def deepspeed_config(self) -> dict[str, dict[str, Any]]:
-        """The DeepSpeed ``{"aio": {...}}`` section of the winner for :attr:`objective`."""
-        return self.best[self.objective].config().to_deepspeed()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"GB": "1e9 bytes", "directory": self.directory, "io_size": self.io_size,
-                "loops": self.loops, "space_size": self.space_size,
-                "trials": [t.to_dict() for t in self.trials],
-                "best": {k: v.to_dict() for k, v in self.best.items()},
-                "objective": self.objective, "config": self.deepspeed_config(),
-                "output": self.output, "elapsed_s": self.elapsed, "budget_s": self.budget,
-                "budget_exhausted": self.budget_exhausted, "interrupted": self.interrupted,
-                "notes": list(self.notes)}
-
-
-class TuneInterrupted(KeyboardInterrupt):
-    """Ctrl-C during the sweep, after at least one trial: ``result`` holds the best
-    configuration found so far (already written to its ``output``)."""
-
-    def __init__(self, result: TuneResult) -> None:
-        super().__init__("tune interrupted")
-        self.result = result
-
-
-class _Trials:
-    """Measures configurations once each (cached), within a time budget."""
-
-    def __init__(self, path: str, buf: torch.Tensor, loops: int, budget: float,
-                 on_trial: Callable[[Trial, float], None] | None) -> None:
-        self.path, self.buf, self.loops, self.budget = path, buf, loops, budget
-        self.on_trial = on_trial
-        self.cache: dict[Point, Trial] = {}
-        self.started = time.perf_counter()
-        self.last = 0.0
-        self.exhausted = False
-
-    def get(self, point: Point) -> Trial | None:
-        if point in self.cache:
-            return self.cache[point]
-        elapsed = time.perf_counter() - self.started
-        if self.cache and elapsed + self.last > self.budget:
-            self.exhausted = True
-            return None
-        values = dict(point)
-        cfg = resolve_config(values)
-        t0 = time.perf_counter()
-        measurer = Measurer(path=self.path, buf=self.buf, config=cfg)
-        writes, reads = [], []
-        try:
-            for _ in range(self.loops):
-                writes.append(measurer.measure("deepnvme", write=True).seconds)
-                reads.append(measurer.measure("deepnvme", write=False).seconds)
-        finally:
-            measurer.close()
-        n = self.buf.numel()
-        self.last = time.perf_counter() - t0
-        trial = Trial(block_size=int(values["block_size"]), queue_depth=int(values["queue_depth"]),
-                      intra_op_parallelism=int(values["intra_op_parallelism"]),
-                      write_gbps=n / statistics.median(writes) / GB,
-                      read_gbps=n / statistics.median(reads) / GB, seconds=self.last,
-                      engine=str(values["engine"]), single_submit=bool(values["single_submit"]))
-        self.cache[point] = trial
-        if self.on_trial is not None:
-            self.on_trial(trial, self.last)
-        return trial
-
-
-def run_tune(directory: str = ".", *, space: TuneSpace | None = None, io_size: int = 256 << 20,
-             loops: int = 2, budget: float = 120.0, objective: str = "combined",
-             exhaustive: bool = False, output: str | None = None,
-             on_trial: Callable[[Trial, float], None] | None = None) -> TuneResult:
-    """Sweep ``space`` in ``directory`` and return the trials and winners; blocking.
-
-    Settings ``space`` leaves out take the default candidates; engines this system cannot
-    run are dropped (with a note), and ``space_size`` counts what remains. Writes the winner
-    for ``objective`` to ``output`` (durably) when given. The temporary file is removed
-    before this returns or raises. Ctrl-C after the first trial writes the best so far and
-    raises :class:`TuneInterrupted` carrying that result.
-    """
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if io_size < 1 or loops < 1 or budget <= 0:
-        raise ConfigError("--io-size and --loops must be >= 1 and --budget > 0")
-    if not os.path.isdir(directory):
-        raise DeepNVMeError(f"directory {directory!r} does not exist; pass one with --dir")
-    if output is not None:
-        check_writable(output, "--output")  # before the sweep, not after it
-    remove_leftovers([directory])
-    statuses = engine_statuses()
-    space = runnable(complete(space) if space else default_space(), statuses)
-    with warnings.catch_warnings():  # allocate first: a failure here leaves no temp file
-        warnings.simplefilter("ignore", RuntimeWarning)
-        buf = new_cpu_locked_tensor(io_size)
-    try:
-        path = create_temp(directory, "deepnvme-tune")
-    except OSError as exc:
-        free_cpu_locked_tensor(buf)
-        raise DeepNVMeError(f"cannot create a file in {directory!r} ({exc.strerror}); pass a "
-                            "writable directory with --dir") from None
-    interrupted = False
-    try:
-        fill_pattern(buf, seed=0)
-        _warm_up(path, buf)
-        trials = _Trials(path, buf, loops, budget, on_trial)
-        try:
-            _sweep(space, trials, exhaustive, auto=next(e.name for e in statuses if e.auto))
-        except KeyboardInterrupt:
-            if not trials.cache:
-                raise
-            interrupted = True
-    finally:
-        remove(path)
-        free_cpu_locked_tensor(buf)
-    result = _result(directory, space, trials, objective, output, interrupted)
-    if output is not None:
-        _write_config(result, output)
-    if interrupted:
-        raise TuneInterrupted(result)
-    return result
-
-
-def _result(directory: str, space: TuneSpace, trials: _Trials, objective: str,
-            output: str | None, interrupted: bool) -> TuneResult:
-    """The winners among the trials measured, with notes on why the sweep stopped."""
-    done = tuple(trials.cache.values())
-    if not done:
-        raise DeepNVMeError("no configuration could be measured")
-    best = {obj: max(done, key=operator.methodcaller("score", obj)) for obj in OBJECTIVES}
-    notes = list(space.notes)
-    if trials.exhausted:
-        notes.append(f"the {trials.budget:g} s budget ran out after {len(done)} configurations; "
-                     "raise --budget to search further")
-    if interrupted:
-        notes.append(f"interrupted (Ctrl-C) after {len(done)} configurations: the winners are "
-                     "the best found so far")
-    return TuneResult(os.path.abspath(directory), trials.buf.numel(), trials.loops, space.size,
-                      done, best, objective, output, time.perf_counter() - trials.started,
-                      trials.budget, trials.exhausted, tuple(notes), interrupted)
-
-
-def _write_config(result: TuneResult, output: str) -> None:
-    """Write the winner's DeepSpeed config durably and check that it reads back as chosen."""
-    best = result.best[result.objective]
-    write_json(output, result.deepspeed_config(), indent=2)
-    with open(output) as f:  # the file must round-trip through the runtime's reader
-        if IOConfig.from_deepspeed(json.load(f)) != best.config():
-            raise DeepNVMeError(f"{output} does not read back as the chosen settings")
-
-
-def _warm_up(path: str, buf: torch.Tensor) -> None:
-    """One untimed write and read, so the first trial does not pay for first-use costs."""
-    measurer = Measurer(path=path, buf=buf, config=resolve_config())
-    try:
-        measurer.measure("deepnvme", write=True)
-        measurer.measure("deepnvme", write=False)
-    finally:
-        measurer.close()
-
-
-def _sweep(space: TuneSpace, trials: _Trials, exhaustive: bool, *, auto: str) -> None:
-    dims = {n: space.dims[n] for n in DIMENSIONS}
-    if exhaustive:
-        for point in grid(dims):
-            if trials.get(point) is None:
-                return
-        return
-    start = start_point(dims, auto)
-    for objective in OBJECTIVES:  # measurements are shared; later searches reuse them
-        def score(point: Point, o: str = objective) -> float | None:
-            trial = trials.get(point)
-            return None if trial is None else trial.score(o)
-        if coordinate_search(dims, start, score) is None or trials.exhausted:
-            return
-
-
-# --- command line ------------------------------------------------------------------------
 
 def add_tune_parser(subparsers: Any) -> None:
     """Register ``deepnvme tune``."""
     t = subparsers.add_parser("tune", help="find the best handle settings, like ds_nvme_tune",
-                              description=__doc__.split("\n\n")[0].replace("``", ""))
+                              description=__doc__.split("\n\n")[0])
     t.add_argument("--dir", default=".", help="directory for the temporary file (default: .)")
     t.add_argument("--space", default=None, metavar="FILE",
                    help="JSON/YAML file of candidate values per setting (default: built in)")
@@ -301,8 +51,6 @@ def add_tune_parser(subparsers: Any) -> None:
 
 
 def _cmd_tune(args: Any) -> int:
-    from ._tune_view import require_matplotlib
-
     output = None if args.output == "-" else args.output
     if output is not None:  # fail before a long sweep, not after it
         check_writable(output, "--output", force=args.force)
@@ -323,8 +71,6 @@ def _cmd_tune(args: Any) -> int:
 
 def _run_with_progress(args: Any, space: TuneSpace, output: str | None) -> TuneResult:
     """run_tune with a progress bar of the budget spent."""
-    from ._render import progress_bar
-
     with progress_bar("deepnvme tune (budget s)", args.budget) as progress:
         def on_trial(trial: Trial, seconds: float) -> None:
             if progress is not None:
@@ -337,9 +83,6 @@ def _run_with_progress(args: Any, space: TuneSpace, output: str | None) -> TuneR
 
 def _show(result: TuneResult, args: Any) -> None:
     """Draw --plot, then print the result as JSON or tables."""
-    from ._render import print_json, stdout_console
-    from ._tune_view import plot_tune, render_tune
-
     if args.plot:
         plot_tune(result, args.plot)
     if args.json:
@@ -348,3 +91,80 @@ def _show(result: TuneResult, args: Any) -> None:
     render_tune(result, stdout_console())
     if args.plot:
         stdout_console().print(f"  plot written to {args.plot}")
+
+
+# --- rendering -------------------------------------------------------------------------
+
+def _label(t: Trial) -> str:
+    return (f"{t.engine} p={t.intra_op_parallelism} bs={fmt_size(t.block_size)} "
+            f"qd={t.queue_depth}{' single_submit' if t.single_submit else ''}")
+
+
+def render_tune(result: TuneResult, console: Console) -> None:
+    """Print the trials table, the winners and the written config."""
+    def say(text: str) -> None:
+        console.print(text, soft_wrap=True, markup=False)
+
+    say(f"deepnvme tune: {len(result.trials)} of {result.space_size} configurations "
+                  f"measured in {result.elapsed:.1f} s (budget {result.budget:g} s), "
+                  f"{fmt_size(result.io_size)} per transfer, median of {result.loops} loop(s), "
+                  f"in {result.directory}")
+    say("  writes timed until fsync returns, reads cold; GB = 1e9 bytes; "
+                  "combined = (write + read bytes) / (write + read time)")
+    swept_ss = len({t.single_submit for t in result.trials}) > 1
+    table = Table(title="GB/s per configuration (threads = intra_op_parallelism"
+                        f"{', ss = single_submit' if swept_ss else ''})", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("engine")
+    for name in ("threads", "block_size", "queue_depth") + (("ss",) if swept_ss else ()):
+        table.add_column(name, justify="right")
+    for name in ("write", "read", "combined"):
+        table.add_column(name, justify="right")
+    table.add_column("best for")
+    for i, t in enumerate(result.trials, 1):
+        marks = ",".join(o for o, b in result.best.items() if b is t)
+        ss = (str(t.single_submit).lower(),) if swept_ss else ()
+        table.add_row(str(i), t.engine, str(t.intra_op_parallelism), fmt_size(t.block_size),
+                      str(t.queue_depth), *ss, f"{t.write_gbps:.3f}", f"{t.read_gbps:.3f}",
+                      f"{t.combined_gbps:.3f}", marks)
+    console.print(table)
+    for objective, t in result.best.items():
+        say(f"  best {objective:8s}: {_label(t)}  ({t.score(objective):.3f} GB/s)")
+    for note in result.notes:
+        say(f"  note: {note}")
+    where = f"written to {result.output}" if result.output else "not written (no --output)"
+    say(f"  {result.objective} winner as a DeepSpeed config, {where}:")
+    console.print(json.dumps(result.deepspeed_config(), indent=2), markup=False)
+
+
+def require_matplotlib() -> Any:
+    """Import matplotlib with a non-interactive backend, or raise a clear error."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise DeepNVMeError("--plot needs matplotlib, an optional extra: "
+                            "pip install 'deepnvme[plot]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_tune(result: TuneResult, path: str) -> None:
+    """Grouped bars of write/read/combined GB/s per configuration, saved to ``path``."""
+    plt = require_matplotlib()
+    trials = result.trials
+    xs = range(len(trials))
+    width = 0.27
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(trials) + 2), 4.5))
+    for k, name in enumerate(("write", "read", "combined")):
+        ax.bar([x + (k - 1) * width for x in xs], [getattr(t, f"{name}_gbps") for t in trials], width,
+               label=name)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([_label(t) for t in trials], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("GB/s (1 GB = 1e9 bytes)")
+    ax.set_title(f"deepnvme tune, {fmt_size(result.io_size)} transfers in {result.directory}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deepnvme import AioHandle
-from deepnvme.cli.bench import BenchOptions, run_bench
+from deepnvme.bench import BenchOptions, run_bench
 from deepnvme.config import ENGINE_NAMES, resolve_config
 from deepnvme.io.engine import probe_engines
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from deepnvme.cli import _data_readers
+from deepnvme.bench import _data_readers
 from deepnvme.data import write_token_dataset
 
 FAST = ("--seq-len", "16", "--batch-size", "4", "--shuffled", "20", "--sequential", "30",

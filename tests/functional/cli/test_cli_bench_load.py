@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.cli import _load_readers
-from deepnvme.cli._load_readers import evict
+from deepnvme.bench import _load_readers, _reading
+from deepnvme.bench._reading import evict
 
 FAST = ("--reps", "1", "--evict", "fadvise")
 
@@ -185,12 +185,12 @@ def test_reads_are_cold_where_eviction_works_and_marked_warm_where_not(run_cli, 
     with open(st_file, "rb") as f:
         f.read()  # in the page cache
     evict((st_file,), "fadvise")
-    if _load_readers.check_cold((st_file,))[0]:
+    if _reading.check_cold((st_file,))[0]:
         pytest.skip("this filesystem keeps the file cached after fadvise (tmpfs?)")
     data = _load_json(run_cli, st_file, *FAST, "--readers", "deepnvme,safetensors")
     assert [r["cache"] for r in data["readers"]] == ["cold", "cold"]
     assert not any("warm" in n for n in data["notes"])
-    monkeypatch.setattr(_load_readers, "evict_page_cache", lambda path: None)  # eviction has no effect
+    monkeypatch.setattr(_reading, "evict_page_cache", lambda path: None)  # eviction has no effect
     data = _load_json(run_cli, st_file, *FAST, "--readers", "deepnvme,safetensors")
     assert [r["cache"] for r in data["readers"]] == ["warm", "warm"]
     assert all(r["runs"][0]["resident_bytes"] > 0 for r in data["readers"])
@@ -206,9 +206,9 @@ def test_fadvise_eviction_reads_cold_on_a_disk(st_file) -> None:
     """On a real filesystem (not tmpfs) fadvise empties the cache and the check sees it."""
     with open(st_file, "rb") as f:
         f.read()
-    assert _load_readers.check_cold((st_file,))[1] == "warm"
+    assert _reading.check_cold((st_file,))[1] == "warm"
     assert evict((st_file,), "fadvise") == "fadvise"
-    resident, state = _load_readers.check_cold((st_file,))
+    resident, state = _reading.check_cold((st_file,))
     if resident:
         pytest.skip(f"this filesystem keeps {resident} bytes cached after fadvise (tmpfs?)")
     assert state == "cold"

@@ -138,7 +138,7 @@ def test_report_json_on_a_missing_dir_says_not_writable(run_cli, tmp_path) -> No
 
 
 def test_report_warns_about_spinning_openmp_threads_on_few_cores() -> None:
-    from deepnvme.cli.report import _omp_check
+    from deepnvme.bench.report import _omp_check
 
     if not torch.backends.openmp.is_available():
         assert _omp_check(2, "").status == "OK"

@@ -10,7 +10,7 @@ import pytest
 
 import deepnvme
 from deepnvme import AioHandle
-from deepnvme.cli.tune import TuneSpace, run_tune
+from deepnvme.bench import TuneSpace, run_tune
 from deepnvme.io.engine import probe_engines
 
 SMALL = ("--io-size", "1M", "--loops", "1")
@@ -133,7 +133,7 @@ def test_tune_ctrl_c_removes_its_temporary_file_and_saves_the_best_so_far(
 
 def test_failed_buffer_allocation_leaves_no_temp_file(tmp_path, monkeypatch):
     """Regression: tune created its temp file before allocating the buffer."""
-    from deepnvme.cli import tune as tune_mod
+    from deepnvme.bench import tune as tune_mod
 
     def no_memory(*args, **kwargs):
         raise MemoryError("simulated")
@@ -206,7 +206,7 @@ def test_tune_space_rejects_unknown_engines(run_cli, tmp_path) -> None:
 
 def _interrupt_after(monkeypatch, trials: int) -> None:
     """Ctrl-C (a KeyboardInterrupt) when the sweep asks for configuration ``trials + 1``."""
-    from deepnvme.cli import tune as tune_mod
+    from deepnvme.bench import tune as tune_mod
 
     measure = tune_mod._Trials.get
 
@@ -254,7 +254,7 @@ def test_tune_ctrl_c_before_any_trial_writes_nothing(run_cli, monkeypatch, lefto
 ])
 def test_tune_checks_its_output_paths_before_sweeping(run_cli, monkeypatch, tmp_path, option,
                                                       target, message) -> None:
-    from deepnvme.cli import tune as tune_mod
+    from deepnvme.bench import tune as tune_mod
 
     def no_sweep(*args, **kwargs):
         raise AssertionError("swept before checking the output paths")

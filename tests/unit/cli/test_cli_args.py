@@ -12,10 +12,13 @@ from deepnvme.cli._args import (
     UsageError,
     check_writable,
     nonnegative_int,
+    plain_text,
     positive_float,
     positive_int,
     positive_size,
 )
+from deepnvme.cli.bench import parse_dir_map
+from deepnvme.errors import ConfigError
 
 
 def test_counts_and_sizes() -> None:
@@ -61,3 +64,17 @@ def test_check_writable(tmp_path) -> None:
         with pytest.raises(UsageError, match="is not writable"):
             check_writable(str(existing), "--output")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]  # no probe file left
+
+
+def test_parse_dir_map() -> None:
+    assert parse_dir_map("/a:0,/b:c:1") == (("/a", "/b:c"), (0, 1))
+    for bad in ("/a", "/a:x", ":1", ""):
+        with pytest.raises(ConfigError):
+            parse_dir_map(bad)
+
+
+def test_plain_text_drops_restructuredtext_markup() -> None:
+    text = ("``deepnvme bench``: see :func:`~deepnvme.bench.run_bench`, :mod:`deepnvme.bench` and\n"
+            "``sqrt(2 C M)`` across\nlines ``a\nb``; 'quotes' and {\"aio\": 1} stay")
+    assert plain_text(text) == ("deepnvme bench: see run_bench, deepnvme.bench and\n"
+                                "sqrt(2 C M) across\nlines a\nb; 'quotes' and {\"aio\": 1} stay")

@@ -1,4 +1,4 @@
-"""Pure parts of the CLI: search, option parsing, fio JSON, /proc and /sys parsing, tune spaces."""
+"""Pure parts of deepnvme.bench: search, engine lists, fio JSON, /proc and /sys parsing, tune spaces."""
 
 from __future__ import annotations
 
@@ -7,16 +7,15 @@ import json
 import pytest
 import torch
 
-from deepnvme.cli._engines import EngineStatus, in_flight, parse_engines, require_engines
-from deepnvme.cli._measure import RandomReads, fio_command, parse_fio_json, parse_fio_latency
-from deepnvme.cli._render import Stats, fmt_size
-from deepnvme.cli._runner import lanes, plan_steps
-from deepnvme.cli._search import closest, coordinate_search, grid
-from deepnvme.cli._system import block_device, mount_of
-from deepnvme.cli._tune_space import TuneSpace, complete, runnable, start_point
-from deepnvme.cli.bench import BenchResult, OpStats, parse_dir_map
-from deepnvme.cli.report import _engine_checks
-from deepnvme.cli.tune import DIMENSIONS, Trial, default_space, load_space
+from deepnvme.bench import BenchResult, OpStats, Trial, default_space, load_space
+from deepnvme.bench._engines import EngineStatus, in_flight, parse_engines, require_engines
+from deepnvme.bench._measure import RandomReads, fio_command, parse_fio_json, parse_fio_latency
+from deepnvme.bench._runner import lanes, plan_steps
+from deepnvme.bench._search import closest, coordinate_search, grid
+from deepnvme.bench._system import block_device, mount_of
+from deepnvme.bench._tune_space import DIMENSIONS, TuneSpace, complete, runnable, start_point
+from deepnvme.bench._units import Stats, fmt_size
+from deepnvme.bench.report import _engine_checks
 from deepnvme.config import ENGINE_NAMES, IOConfig
 from deepnvme.errors import ConfigError, DeepNVMeError
 
@@ -55,13 +54,6 @@ def test_closest_and_grid() -> None:
     assert closest((128 << 10, 1 << 20, 4 << 20), 1 << 20) == 1 << 20
     assert closest((8, 16, 64), 128) == 64
     assert len(grid({"a": (1, 2), "b": (3, 4, 5)})) == 6
-
-
-def test_parse_dir_map() -> None:
-    assert parse_dir_map("/a:0,/b:c:1") == (("/a", "/b:c"), (0, 1))
-    for bad in ("/a", "/a:x", ":1", ""):
-        with pytest.raises(ConfigError):
-            parse_dir_map(bad)
 
 
 def test_plan_steps_interleaves_tools_and_writes_deepnvme_last() -> None:

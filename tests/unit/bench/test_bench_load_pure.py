@@ -1,4 +1,4 @@
-"""Pure parts of ``deepnvme bench load``: format sniffing, cold/warm marking, ranking."""
+"""Pure parts of ``deepnvme bench load`` (deepnvme.bench.load): format sniffing, cold/warm marking, ranking."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import struct
 
 import pytest
 
-from deepnvme.cli._load_readers import cache_state, pick_eviction
-from deepnvme.cli._load_source import SAFETENSORS, TORCH, Checkpoint, sniff
-from deepnvme.cli.bench_load import LoadBenchResult, LoadRun, ReaderRow
+from deepnvme.bench._load_source import SAFETENSORS, TORCH, Checkpoint, sniff
+from deepnvme.bench._reading import cache_state, pick_eviction
+from deepnvme.bench.load import LoadBenchResult, LoadRun, ReaderRow
 
 
 def test_sniff_by_content() -> None:

@@ -4,7 +4,6 @@ boundary (errors say the fix), the tools and engines to run, the temporary files
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,11 +11,9 @@ from ..errors import ConfigError, DeepNVMeError
 from ..io.durable import create_temp
 from ._engines import engine_statuses, require_engines
 from ._measure import fio_path
-from ._render import GB
+from ._storage_types import BenchOptions
 from ._system import mem_available
-
-if TYPE_CHECKING:
-    from .bench import BenchOptions
+from ._units import GB
 
 __all__ = ["check_options", "pick_tools", "pick_engines", "make_paths", "RANDOM_SIZES"]
 

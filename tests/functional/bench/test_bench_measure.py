@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from deepnvme.cli._measure import Measurer, check_file, fill_pattern
+from deepnvme.bench._measure import Measurer, check_file, fill_pattern
 from deepnvme.config import resolve_config
 from deepnvme.errors import DeepNVMeError, ValidationError
 

@@ -1,5 +1,5 @@
-"""The checkpoint readers ``deepnvme bench load`` compares, how each result is materialised,
-and how the files are made cold (and checked to be) before each timed read.
+"""The checkpoint readers ``deepnvme bench load`` compares and how each result is materialised
+(making the files cold first is :mod:`deepnvme.bench._reading`'s).
 
 Every reader's result is *touched*: one byte of every 4096 of each storage is summed (so a
 lazy ``torch.load(mmap=True)`` faults every page in), or, with a CUDA device, every tensor is
@@ -9,26 +9,17 @@ copied there and the stream synchronised. The touch is part of the timed read.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import logging
-import os
 import pickle
-import warnings
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-from ..io.posix import evict_page_cache, resident_bytes
 from ..memory.views import storage_bytes
 from ._load_source import SAFETENSORS, TORCH, Checkpoint
 
-__all__ = ["Reader", "READERS", "EVICTIONS", "missing_module", "read_errors", "read_checkpoint", "touch",
-           "pick_eviction", "evict", "cache_state", "check_cold", "overall_cache"]
+__all__ = ["Reader", "READERS", "read_errors", "read_checkpoint", "touch"]
 
-log = logging.getLogger(__name__)
-DROP_CACHES = "/proc/sys/vm/drop_caches"
-EVICTIONS = ("auto", "drop-caches", "fadvise", "none")
 _PAGE = 4096
 
 
@@ -93,23 +84,6 @@ READERS: dict[str, Reader] = {r.name: r for r in (
 )}
 
 
-class _NeedsModule(Protocol):
-    @property
-    def module(self) -> str: ...
-
-
-def missing_module(reader: _NeedsModule) -> str | None:
-    """Why ``reader`` cannot run here (its package does not import), or None. Imports it, so
-    the import is not part of the first timed read (import-time warnings are not shown)."""
-    try:
-        with warnings.catch_warnings():  # e.g. megatron-core: "Apex is not installed"
-            warnings.simplefilter("ignore")
-            importlib.import_module(reader.module)
-    except ImportError as exc:
-        return f"{reader.module} is not installed ({exc})"
-    return None
-
-
 def read_errors() -> tuple[type[BaseException], ...]:
     """What a reader raises on a file it cannot read (e.g. ``weights_only`` refusing a pickle,
     or ``torch.load`` handing a ``*.safetensors``-named zip to safetensors)."""
@@ -160,54 +134,3 @@ def touch(objs: list[Any], device: str) -> int:
     if device != "cpu":
         torch.cuda.synchronize()
     return count
-
-
-def pick_eviction(mode: str) -> str:
-    """``auto``: drop the whole page cache where allowed (root), else ``fadvise`` the files."""
-    if mode != "auto":
-        return mode
-    return "drop-caches" if os.geteuid() == 0 and os.access(DROP_CACHES, os.W_OK) else "fadvise"
-
-
-def _drop_caches() -> None:
-    os.sync()
-    with open(DROP_CACHES, "w") as f:
-        f.write("3\n")
-
-
-def evict(files: tuple[str, ...], how: str, *, drop: Callable[[], None] | None = None) -> str:
-    """Drop ``files`` from the page cache ``how`` (``drop-caches``, ``fadvise``, ``none``);
-    returns the way used (``fadvise`` when writing drop_caches is refused). ``drop``: for tests."""
-    if how == "drop-caches":
-        try:
-            (drop or _drop_caches)()
-            return how
-        except OSError as exc:
-            log.warning("cannot write %s (%s): evicting the files with fadvise", DROP_CACHES, exc)
-            how = "fadvise"
-    if how == "fadvise":
-        for f in files:
-            evict_page_cache(f)
-    return how
-
-
-def cache_state(resident: int | None, total: int) -> str:
-    """``cold`` when at most 1 % of the ``total`` bytes are in the page cache, else ``warm``
-    (also when ``resident`` could not be measured: None)."""
-    return "cold" if resident is not None and resident * 100 <= total else "warm"
-
-
-def overall_cache(states: Iterable[str]) -> str:
-    """``cold`` or ``warm`` when every run was, else ``mixed``."""
-    distinct = set(states)
-    return distinct.pop() if len(distinct) == 1 else "mixed"
-
-
-def check_cold(files: tuple[str, ...]) -> tuple[int | None, str]:
-    """(bytes of ``files`` in the page cache, :func:`cache_state`); None where mincore fails."""
-    try:
-        resident: int | None = sum(resident_bytes(f) for f in files)
-    except OSError as exc:
-        log.warning("cannot tell whether the files are cached (%s): marked warm", exc)
-        resident = None
-    return resident, cache_state(resident, sum(os.path.getsize(f) for f in files))

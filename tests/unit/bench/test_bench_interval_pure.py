@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from deepnvme.cli.plan import plan_interval
+from deepnvme.bench import plan_interval
 
 
 def test_young_daly_interval_and_overhead():

@@ -63,8 +63,8 @@ class RandomReads:
     """The requests of one random-read pass over ``buf``: every ``size``-byte block once.
 
     ``buf`` (CPU, uint8, a multiple of ``size`` long) must outlive this object; :meth:`items`
-    gives ``(view, offset)`` pairs in a new order per call (views are made once, here:
-    about 5 us each).
+    gives ``(view, offset)`` pairs in a new order per call (views are made once, here, since
+    making a view costs microseconds).
     """
 
     def __init__(self, buf: torch.Tensor, size: int, *, seed: int = 0) -> None:

@@ -117,7 +117,7 @@ _FEW_CPUS = 8  # at or below this many cores, spinning OpenMP threads starve bac
 
 def _omp_check(cpus: int | None = None, policy: str | None = None) -> Check:
     """OpenMP's wait policy: on few cores, torch's threads spinning between operations take the
-    CPU that background reads and writes need (BENCHMARKS.md, issues 15-17)."""
+    CPU that background reads and writes need (saves, offloaded training, weight streaming)."""
     cpus = (os.cpu_count() or 1) if cpus is None else cpus
     policy = os.environ.get("OMP_WAIT_POLICY") if policy is None else policy
     data = {"omp_wait_policy": policy or None}

@@ -1,11 +1,9 @@
 """Host memory copies at memory speed: large CPU-to-CPU byte copies shared among threads.
 
-On the 2-vCPU development machine (``benchmarks/bench_save_parts.py``, the run recorded in
-BENCHMARKS.md), ``Tensor.copy_`` of a 1 GiB uint8 tensor moved 12.1 GB/s on torch's 2
-threads; libc's ``memmove`` (through ctypes, which releases the GIL) moved 10.9 GB/s on one
-thread and 20.8 GB/s on two, since copies above glibc's non-temporal threshold (about 20 MB
-there) skip the cache. 8 MiB copies ran at 6.1 GB/s per thread. An asynchronous save's caller is blocked
-while its snapshot is copied, so snapshots go through :class:`ParallelCopy`.
+libc's ``memmove`` (through ctypes, which releases the GIL) on several threads copies large
+buffers faster than ``Tensor.copy_``, since copies above glibc's non-temporal threshold skip
+the cache (``benchmarks/bench_save_parts.py`` measures both). An asynchronous save's caller is
+blocked while its snapshot is copied, so snapshots go through :class:`ParallelCopy`.
 """
 
 from __future__ import annotations

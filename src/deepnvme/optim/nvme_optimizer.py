@@ -102,8 +102,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
         update_threads: torch's intra-op threads (``torch.set_num_threads``, process-wide) for
             each sub-group's update, restored after it; None keeps the caller's. The update
             runs while the next sub-group is read and the previous one written, and where the
-            I/O threads need the cores that torch's threads use, fewer threads finish sooner
-            (see BENCHMARKS.md). Elementwise optimizers (SGD, Adam, AdamW) give bitwise the
+            I/O threads need the cores that torch's threads use, fewer threads finish sooner.
+            Elementwise optimizers (SGD, Adam, AdamW) give bitwise the
             same results with any thread count; one that reduces (a norm) may round
             differently. ``"auto"``: for ``torch.optim.SGD``, ``Adam`` and ``AdamW``
             themselves, torch's threads less the I/O handle's threads (at least 1); for any

@@ -68,8 +68,8 @@ def test_offload_bench(tmp_path):
 
 
 @pytest.mark.slow
-def test_inference_offload(tmp_path):
-    out = run("inference_offload.py", "--dir", str(tmp_path), "--hidden", "64", "--intermediate", "128",
+def test_inference_stream(tmp_path):
+    out = run("inference_stream.py", "--dir", str(tmp_path), "--hidden", "64", "--intermediate", "128",
               "--layers", "2", "--heads", "2", "--vocab", "128", "--batch", "1", "--prompt-len", "4",
               "--gen-len", "2", "--rounds", "1", "--prefetch", "1", "--modes", "memory,deepnvme",
               "--bandwidth-size", "8M", "--parallelism", "2", "--block-size", "1M", cwd=tmp_path)
@@ -150,14 +150,14 @@ def test_bench_vllm_load(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vLLM is not installed here (tools/test_vllm.sh builds its side environment)")
-def test_bench_vllm_offload(tmp_path):
-    out = run("bench_vllm_offload.py", "--dir", str(tmp_path), "--layers", "2", "--hidden", "128",
+def test_bench_vllm_stream(tmp_path):
+    out = run("bench_vllm_stream.py", "--dir", str(tmp_path), "--layers", "2", "--hidden", "128",
               "--intermediate", "256", "--vocab", "256", "--budget", "200K", "--reps", "1",
-              "--steps", "2", "--batch", "2", "--modes", "deepnvme_offload,memory,footprint",
+              "--steps", "2", "--batch", "2", "--modes", "deepnvme_stream,memory,footprint",
               "--json", str(tmp_path / "r.json"), cwd=tmp_path)
     assert "I/O roofline" in out and "vLLM footprint" in out
     data = json.loads((tmp_path / "r.json").read_text())
-    assert set(data["median"]) == {"deepnvme_offload", "memory", "footprint"}
+    assert set(data["median"]) == {"deepnvme_stream", "memory", "footprint"}
     assert data["ratios"]["tokens_equal_memory"] is True and data["ratios"]["weights_over_budget"] > 2
     assert data["prep"]["streamed_layers"] >= 1 and data["prep"]["bytes_read"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]

@@ -27,8 +27,8 @@ def test_cuda_streaming_matches_resident_model(arch, dtype, prefetch, tmp_path):
     with torch.no_grad():
         ref_logits = ref(ids).logits
     ref_tokens = greedy(ref, ids)
-    for model in (inf.load_offloaded(str(tmp_path / "ckpt"), device="cuda", prefetch=prefetch),
-                  inf.offload(tiny_model(arch, dtype), str(tmp_path / "off"), device="cuda",
+    for model in (inf.load_streamed(str(tmp_path / "ckpt"), device="cuda", prefetch=prefetch),
+                  inf.stream_weights(tiny_model(arch, dtype), str(tmp_path / "off"), device="cuda",
                               prefetch=prefetch)):
         with torch.no_grad():
             logits = model(ids).logits

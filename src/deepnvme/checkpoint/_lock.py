@@ -4,11 +4,13 @@ The kernel drops a flock when its holder's descriptor closes, so a killed writer
 the directory locked. The file holds the holder's pid and host for the error message, and
 marks a holder that only removes leftovers (a manager opening the directory, possibly a reader):
 a writer waits for such a holder instead of failing, so readers may open the directory at any
-time, even while the writer takes the lock at its first save.
+time, even while the writer takes the lock at its first save. Only a writer creates the
+directory and the lock file; opening a manager to read creates nothing (:func:`tidy`).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -16,8 +18,9 @@ import socket
 import time
 
 from ..errors import CheckpointLockedError
+from ._store import remove_leftovers
 
-__all__ = ["LOCK_NAME", "DirectoryLock", "try_lock"]
+__all__ = ["LOCK_NAME", "DirectoryLock", "tidy", "try_lock"]
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +47,44 @@ def try_lock(directory: str, *, tidying: bool = False, tidy_wait: float = 600.0)
     """Lock ``directory``; :class:`CheckpointLockedError` naming the holder if another live
     process (or another manager in this one) holds it.
 
-    ``tidying``: the lock is wanted only to remove leftovers; one attempt. Otherwise (a writer),
-    a holder that is tidying is waited for (up to ``tidy_wait`` seconds; removing a large
-    leftover can take seconds), and any holder for :data:`_GRACE` seconds.
+    ``tidying``: the lock is wanted only to remove leftovers; one attempt. Otherwise (a writer,
+    which creates ``directory`` and the lock file if missing), a holder that is tidying is waited
+    for (up to ``tidy_wait`` seconds; removing a large leftover can take seconds), and any holder
+    for :data:`_GRACE` seconds.
     """
     path = os.path.join(directory, LOCK_NAME)
+    if not tidying:
+        os.makedirs(directory, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    return _acquire(fd, path, directory, tidying=tidying, tidy_wait=tidy_wait)
+
+
+def tidy(directory: str) -> None:
+    """Remove leftovers of killed saves in ``directory`` if no writer holds it; creates nothing.
+
+    Leftovers exist only where a writer once held the lock, so a directory or lock file that
+    does not exist (or that this process may not write) has none to remove here."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return
+    except OSError as exc:
+        if exc.errno == errno.EROFS:   # a read-only copy of the checkpoints: nothing to tidy
+            return
+        raise
+    try:
+        lock = _acquire(fd, path, directory, tidying=True, tidy_wait=0.0)
+    except CheckpointLockedError:
+        return  # a live writer owns the directory and its hidden directories
+    try:
+        remove_leftovers(directory)
+    finally:
+        lock.release()
+
+
+def _acquire(fd: int, path: str, directory: str, *, tidying: bool, tidy_wait: float) -> DirectoryLock:
+    """Flock the open lock file ``fd`` as :func:`try_lock` says (closes ``fd`` on failure)."""
     start = time.monotonic()
     logged = False
     try:

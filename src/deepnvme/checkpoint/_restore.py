@@ -6,7 +6,8 @@ record is read either into the destination tensor that already holds that entry 
 ``state_dict()`` tensor, an optimizer's existing state tensor, a plain tensor in ``state``) or,
 where none fits, into new memory. Stored checksums are computed on the bytes as read (the
 destination's). The rebuilt object holds the filled destinations, so ``load_state_dict`` /
-``copy_`` afterwards copy a tensor onto itself, which PyTorch skips.
+``copy_`` afterwards copy a tensor onto itself, which PyTorch skips. A partial restore
+(``strict=False``) reads only the records of the entries the state and the checkpoint share.
 
 A record is filled in place when exactly one saved tensor views it, whole and contiguous, and
 the destination is a CPU contiguous tensor of the same dtype and shape whose memory no other
@@ -17,21 +18,20 @@ state before its first step, ...), each rounded up for O_DIRECT alignment.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..config import IOConfig
-from ..errors import CheckpointCorruptError, CheckpointFormatError, CheckpointMismatchError
+from ..errors import CheckpointMismatchError
 from ..handles.aio import AioHandle
 from ..memory.views import aligned_empty, cast_to_byte_tensor
 from ._checksums import named_storages
-from ._stored import torch_skeleton
-from ._verify import check_structure, check_sums, open_checked
+from ._verify import check_sums, checked_skeleton, open_checked
 
-__all__ = ["Skeleton", "open_skeleton", "read_into", "check_fit"]
+__all__ = ["Skeleton", "open_skeleton", "read_into", "check_fit", "restore_state"]
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,7 @@ def open_skeleton(path: str, step: int) -> Skeleton:
     """The checkpoint directory ``path``'s object without data, checked against its manifest
     (file size, tensor names and sizes): :class:`CheckpointCorruptError` otherwise."""
     manifest, what, file = open_checked(path, step)
-    try:
-        obj, keys, spans = torch_skeleton(file)
-    except CheckpointFormatError as exc:
-        raise CheckpointCorruptError(f"checkpoint {what}: {exc}") from exc
-    check_structure(obj, manifest, what)
+    obj, keys, spans = checked_skeleton(file, manifest, what)
     return Skeleton(obj, file, what, manifest, keys, {k: s.offset for k, s in spans.items()},
                     {k: s.size for k, s in spans.items()})
 
@@ -82,13 +78,16 @@ def _fits(meta: torch.Tensor, dst: torch.Tensor | None, size: int) -> bool:
             and meta.numel() * meta.element_size() == size > 0)
 
 
-def read_into(sk: Skeleton, dests: Mapping[str, Any], config: IOConfig) -> Any:
+def read_into(sk: Skeleton, dests: Mapping[str, Any], config: IOConfig,
+              names: Collection[str] | None = None) -> dict[str, Any]:
     """Read ``sk``'s data, in place into the matching tensors of ``dests`` (name -> tensor or
     state dict, parallel to the saved object) where they fit; verify stored checksums; return
-    the object with real tensors. A checksum mismatch raises after the bytes are in place."""
+    the object (a dict) with real tensors. ``names``: only these entries (None: all). A checksum
+    mismatch raises after the bytes are in place."""
+    chosen = [n for n in sk.obj if names is None or n in names]
     pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    for name, saved in sk.obj.items():
-        _pairs(saved, dests.get(name), pairs)
+    for name in chosen:
+        _pairs(sk.obj[name], dests.get(name), pairs)
     users: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
     for meta, dst in pairs:
         users.setdefault(sk.keys[meta.untyped_storage()._cdata], []).append((meta, dst))
@@ -117,10 +116,10 @@ def read_into(sk: Skeleton, dests: Mapping[str, Any], config: IOConfig) -> Any:
     if items:
         with AioHandle(config=config) as handle:
             handle.read_many(sk.file, items).result()
-    names = {st._cdata: n for n, st in named_storages(sk.obj)}
-    check_sums({names[cdata]: data[key] for cdata, key in sk.keys.items() if cdata in names},
-               sk.manifest, sk.what)
-    return _swap(sk.obj, lambda t: real[id(t)])
+    by_storage = {st._cdata: n for n, st in named_storages(sk.obj)}   # the manifest's names
+    check_sums({by_storage[cdata]: data[key] for cdata, key in sk.keys.items()
+                if cdata in by_storage and key in data}, sk.manifest, sk.what, partial=names is not None)
+    return {n: _swap(sk.obj[n], lambda t: real[id(t)]) for n in chosen}
 
 
 def _like(meta: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -147,9 +146,11 @@ def _swap(value: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def check_fit(what: str, saved: Mapping[str, Any], state: Mapping[str, Any], dests: Mapping[str, Any], *,
-          rng_key: str) -> None:
+              rng_key: str, strict: bool = True) -> list[str]:
     """Names of ``state`` and the checkpoint, shapes of its tensors and of its modules' state
-    dicts (``saved`` may hold ``meta`` tensors): one :class:`CheckpointMismatchError`."""
+    dicts (``saved`` may hold ``meta`` tensors): one :class:`CheckpointMismatchError`. Not
+    ``strict``: names (and module state dict keys) on one side only are left out, shapes must
+    still match, and at least one name must be shared. Returns the names of ``state`` to restore."""
     names = [n for n in saved if n != rng_key]
     missing = [n for n in state if n not in saved]
     extra = [n for n in names if n not in state]
@@ -164,8 +165,47 @@ def check_fit(what: str, saved: Mapping[str, Any], state: Mapping[str, Any], des
             shapes += [(f"{n}/{k}", tuple(t.shape), tuple(want[k].shape)) for k, t in have.items()
                        if isinstance(t, torch.Tensor) and isinstance(want.get(k), torch.Tensor)
                        and t.shape != want[k].shape]
+    shared = [n for n in state if n in saved]
+    if not strict and shapes:
+        missing, extra = [], []   # left out by a partial restore; the shapes are the error
+    elif not strict and not shared:
+        raise CheckpointMismatchError(
+            f"{what} shares no entry with the state: the checkpoint holds {names}, the state "
+            f"{list(state)}", missing_keys=missing, unexpected_keys=extra, mismatched=shapes)
+    elif not strict:
+        if missing or extra:
+            log.info("CheckpointManager.restore(strict=False) %s: left as they are %s; not read "
+                     "%s", what, missing, extra)
+        return shared
     if missing or extra or shapes:
+        hint = "" if shapes else "; restore(state, strict=False) restores the entries both have"
         raise CheckpointMismatchError(
             f"{what} does not fit the state: not in the checkpoint "
-            f"{missing}, not in the state {extra}, shapes {shapes}",
+            f"{missing}, not in the state {extra}, shapes {shapes}{hint}",
             missing_keys=missing, unexpected_keys=extra, mismatched=shapes)
+    return shared
+
+
+def restore_state(path: str, step: int, state: MutableMapping[str, Any], config: IOConfig, *,
+                  what: str, rng_key: str, strict: bool = True) -> dict[str, Any]:
+    """Load the checkpoint directory ``path`` into ``state`` in place (see
+    ``CheckpointManager.restore``); return the entries read, ``rng_key``'s among them if saved.
+    Checks names and shapes before anything changes (:func:`check_fit`)."""
+    sk = open_skeleton(path, step)
+    if not isinstance(sk.obj, dict):
+        raise CheckpointMismatchError(f"{what} holds a {type(sk.obj).__name__}")
+    dests = {n: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for n, v in state.items()}
+    names = check_fit(what, sk.obj, state, dests, rng_key=rng_key, strict=strict)
+    saved = read_into(sk, dests, config, names=None if strict else {*names, rng_key})
+    for name in names:
+        value = state[name]
+        if isinstance(value, torch.Tensor):
+            with torch.no_grad():
+                value.copy_(saved[name])
+        elif isinstance(value, torch.nn.Module):
+            value.load_state_dict(saved[name], strict=strict)
+        elif callable(getattr(value, "load_state_dict", None)):
+            value.load_state_dict(saved[name])
+        else:
+            state[name] = saved[name]
+    return saved

@@ -1,4 +1,8 @@
-"""Reading a manager checkpoint back with its manifest checked: file size, tensors, checksums."""
+"""Reading a manager checkpoint back with its manifest checked: file size, tensors, checksums.
+
+The pickled object is parsed first without its data (``meta`` tensors), so a damaged
+``data.pkl`` is reported as a corrupt checkpoint naming the step before any data is read.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +16,14 @@ import torch
 
 from ..config import IOConfig
 from ..errors import CheckpointCorruptError, CheckpointFormatError
+from ..formats.torchzip import RecordSpan
 from ._checksums import checksum, hasher, named_storages
 from ._store import FILE, MANIFEST, find_step_dirs, read_manifest
+from ._stored import torch_skeleton
 from .loader import load as load_file
 
-__all__ = ["load_checked", "open_checked", "check_tensors", "check_structure", "check_sums",
-           "CheckResult", "find_targets", "check_one"]
+__all__ = ["load_checked", "open_checked", "checked_skeleton", "check_tensors", "check_structure",
+           "check_sums", "CheckResult", "find_targets", "check_one"]
 
 
 def open_checked(path: str, step: int | None) -> tuple[dict[str, Any], str, str]:
@@ -36,12 +42,26 @@ def open_checked(path: str, step: int | None) -> tuple[dict[str, Any], str, str]
     return manifest, what, file
 
 
+def checked_skeleton(file: str, manifest: Mapping[str, Any], what: str
+                     ) -> tuple[Any, dict[int, str], dict[str, RecordSpan]]:
+    """The state file's object with ``meta`` tensors (see :func:`torch_skeleton`), its names and
+    sizes checked against the manifest; an unreadable archive or pickle (damaged bytes) or a
+    mismatch is a :class:`CheckpointCorruptError` naming the step. Reads no tensor data."""
+    try:
+        obj, keys, spans = torch_skeleton(file)
+    except CheckpointFormatError as exc:
+        raise CheckpointCorruptError(f"checkpoint {what}: {exc}") from exc
+    check_structure(obj, manifest, what)
+    return obj, keys, spans
+
+
 def load_checked(path: str, step: int | None, *, map_location: Any = None,
                  config: IOConfig | Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Load the checkpoint directory ``path`` and check it against its manifest; return
     ``(object, manifest)``. Any mismatch is a :class:`CheckpointCorruptError` naming the step
     and the file or tensor. Blocks; memory: the loaded checkpoint."""
     manifest, what, file = open_checked(path, step)
+    checked_skeleton(file, manifest, what)   # damaged data.pkl: corrupt, before reading the data
     try:
         obj = load_file(file, map_location, config=config)
     except (CheckpointFormatError, pickle.UnpicklingError) as exc:
@@ -73,14 +93,17 @@ def check_structure(obj: Any, manifest: Mapping[str, Any], what: str) -> dict[st
 
 
 def check_sums(data: Mapping[str, torch.UntypedStorage | torch.Tensor], manifest: Mapping[str, Any],
-               what: str) -> None:
+               what: str, *, partial: bool = False) -> None:
     """Compare each manifest tensor's bytes in ``data`` (a storage, or a uint8 CPU tensor) with
-    its stored checksum; nothing to do when the manifest has none."""
+    its stored checksum; nothing to do when the manifest has none. ``partial``: ``data`` holds
+    some of the tensors (a partial restore); only those are checked."""
     algorithm = manifest.get("checksum")
     if not algorithm:
         return
     fn = hasher(algorithm)
     for name, entry in manifest["tensors"].items():
+        if partial and name not in data:
+            continue
         if checksum(fn, data[name]) != entry["checksum"]:
             raise CheckpointCorruptError(f"checkpoint {what}: tensor {name!r} fails its {algorithm} "
                                          "checksum (its bytes changed after the save)")

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 from ..config import IOConfig, checkpoint_config
-from ..errors import CheckpointLockedError, CheckpointMismatchError, FileNotFoundIOError
+from ..errors import CheckpointMismatchError, FileNotFoundIOError
 from ..handles.aio import AioHandle
 from ..io.plan import align_up
 from ..memory.copy import ParallelCopy
@@ -44,10 +44,10 @@ from ..memory.pinned import free_cpu_locked_tensor
 from ..memory.views import storage_bytes
 from ._checksums import named_storages, record_names, resolve_algorithm
 from ._fence import FencedWrite, Staging, plan_fenced
-from ._lock import DirectoryLock, try_lock
+from ._lock import DirectoryLock, tidy, try_lock
 from ._paths import as_path
 from ._policy import check_policy, is_due
-from ._restore import check_fit, open_skeleton, read_into
+from ._restore import restore_state
 from ._rng import capture_rng, restore_rng
 from ._store import FILE, list_steps, new_building, remove_leftovers, step_dir
 from ._verify import load_checked
@@ -92,7 +92,8 @@ class CheckpointManager:
     that copies; 0: never copy, the step waits for the write); ``fence_precopy``: start those
     copies in the background at ``save()`` (see :mod:`._fence`). One thread drives a manager; one
     manager may write a directory at a time (:class:`CheckpointLockedError` for a second);
-    reading needs no lock.
+    reading needs no lock and creates nothing: ``directory`` and its lock file are made at the
+    first save.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3,
@@ -109,7 +110,6 @@ class CheckpointManager:
         self.mode, self.rng = mode, rng
         self._algorithm = resolve_algorithm(checksums)
         self._config = checkpoint_config(config)
-        os.makedirs(self.directory, exist_ok=True)
         self._lock: DirectoryLock | None = None
         self._handle: AioHandle | None = None
         self._writer: Writer | None = None
@@ -129,18 +129,7 @@ class CheckpointManager:
         self._closed = False
         self._saves, self._blocked, self._fence_wait, self._last_write = 0, 0.0, 0.0, 0.0
         self._arena_wait, self._fence_copied, self._fence_precopied = 0.0, 0, 0
-        self._tidy()
-
-    def _tidy(self) -> None:
-        """Remove leftovers of killed runs now if no writer holds the directory."""
-        try:
-            lock = try_lock(self.directory, tidying=True)
-        except CheckpointLockedError:
-            return  # a live writer owns the directory and its hidden directories
-        try:
-            remove_leftovers(self.directory)
-        finally:
-            lock.release()
+        tidy(self.directory)  # leftovers of killed runs, if no writer holds the directory
 
     # ---- saving -------------------------------------------------------------------------
 
@@ -382,7 +371,9 @@ class CheckpointManager:
     # ---- reading --------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """The committed steps, ascending (only complete checkpoints are ever listed)."""
+        """The committed steps, ascending. A step is listed once its background write committed
+        (only complete checkpoints are ever listed): call :meth:`wait` first to see a save still
+        in flight."""
         return list_steps(self.directory)
 
     def latest_step(self) -> int | None:
@@ -391,8 +382,9 @@ class CheckpointManager:
 
     def load(self, step: int | None = None, *, map_location: Any = None) -> dict[str, Any]:
         """The saved entries of ``step`` (default: the newest) by name: state dicts for objects,
-        tensors, plain data, and the RNG states under ``RNG_KEY``. Verifies sizes and any stored
-        checksums (:class:`CheckpointCorruptError`). Blocks; waits for this manager's pending saves."""
+        tensors and plain data, as passed to ``save`` (the RNG states are :meth:`restore`'s).
+        Verifies sizes and any stored checksums (:class:`CheckpointCorruptError`). Blocks; waits
+        for this manager's pending saves."""
         if self._writer is not None and not self._closed:
             self.wait()
         chosen = self._resolve(step)
@@ -400,15 +392,18 @@ class CheckpointManager:
                               config=self._config)
         if not isinstance(obj, dict):
             raise CheckpointMismatchError(f"step {chosen} in {self.directory!r} holds a {type(obj).__name__}")
+        obj.pop(RNG_KEY, None)
         return obj
 
-    def restore(self, state: MutableMapping[str, Any], step: int | None = None) -> int:
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, strict: bool = True) -> int:
         """Load ``step`` (default: the newest) into ``state`` in place and return the step.
 
         Objects get ``load_state_dict``, tensors ``copy_``, plain data replaces ``state[name]``;
         RNG states are restored when saved and ``rng=True``. The names of ``state`` and the
         checkpoint must match, and so must the names and shapes of a module's state dict
-        (:class:`CheckpointMismatchError` before anything changes). Bytes are read straight
+        (:class:`CheckpointMismatchError` before anything changes). ``strict=False`` restores
+        part of a checkpoint: names (and module state dict keys) on one side only are left
+        out, e.g. a model restored without its optimizer; shapes must still match. Bytes are read straight
         into the existing tensors (parameters, buffers, optimizer state, tensors in ``state``)
         where dtype and shape match, else into new memory (:mod:`._restore`); O_DIRECT lands
         in a tensor directly only when it is page-aligned, as PyTorch makes allocations of 2 MiB
@@ -419,20 +414,8 @@ class CheckpointManager:
         if self._writer is not None and not self._closed:
             self.wait()
         chosen = self._resolve(step)
-        sk = open_skeleton(step_dir(self.directory, chosen), chosen)
-        if not isinstance(sk.obj, dict):
-            raise CheckpointMismatchError(f"step {chosen} in {self.directory!r} holds a {type(sk.obj).__name__}")
-        dests = {n: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for n, v in state.items()}
-        check_fit(f"step {chosen} in {self.directory!r}", sk.obj, state, dests, rng_key=RNG_KEY)
-        saved = read_into(sk, dests, self._config)
-        for name, value in list(state.items()):
-            if isinstance(value, torch.Tensor):
-                with torch.no_grad():
-                    value.copy_(saved[name])
-            elif callable(getattr(value, "load_state_dict", None)):
-                value.load_state_dict(saved[name])
-            else:
-                state[name] = saved[name]
+        saved = restore_state(step_dir(self.directory, chosen), chosen, state, self._config,
+                              what=f"step {chosen} in {self.directory!r}", rng_key=RNG_KEY, strict=strict)
         if self.rng and RNG_KEY in saved:
             restore_rng(saved[RNG_KEY])
         return chosen

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -73,13 +74,27 @@ def _require_transformers() -> None:
                          "missing): pip install 'deepnvme[inference]'") from None
 
 
+def _packed_dir(args: argparse.Namespace) -> str | None:
+    """--packed-dir, or the deprecated --offload-dir (kept one release, with a note on stderr)."""
+    packed: str | None = args.packed_dir
+    old: str | None = args.offload_dir
+    if old is None:
+        return packed
+    if packed is not None:
+        raise UsageError("give --packed-dir only: --offload-dir is its deprecated old name")
+    print("deepnvme generate: --offload-dir is deprecated and will be removed in the next "
+          "release; use --packed-dir", file=sys.stderr)
+    return old
+
+
 def _generate(args: argparse.Namespace) -> int:
+    packed_dir = _packed_dir(args)
     _check_model(args.model)
     _check_device(args.device)
     _require_transformers()
     cfg = resolve_config({"block_size": args.block_size, "queue_depth": args.queue_depth,
                           "intra_op_parallelism": args.parallelism})
-    result = run_generate(args.model, offload_dir=args.offload_dir, mode=args.mode,
+    result = run_generate(args.model, packed_dir=packed_dir, mode=args.mode,
                           batch_size=args.batch_size, prompt_len=args.prompt_len,
                           gen_len=args.gen_len, prefetch=args.prefetch, device=args.device,
                           dtype=args.dtype, pin_memory=not args.no_pin_memory, config=cfg,
@@ -94,9 +109,10 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
         "generate", help="time greedy generation with weights streamed from disk", description=_DESCRIPTION)
     g.add_argument("--model", required=True, metavar="DIR",
                    help="local transformers checkpoint folder (config.json + safetensors)")
-    g.add_argument("--offload-dir", default=None, metavar="DIR",
+    g.add_argument("--packed-dir", default=None, metavar="DIR",
                    help="folder for an aligned copy of the weights (prepared once); default: "
                         "stream straight from the checkpoint files")
+    g.add_argument("--offload-dir", default=None, help=argparse.SUPPRESS)  # old name of --packed-dir
     g.add_argument("--mode", choices=("deepnvme", "memory"), default="deepnvme",
                    help="deepnvme: stream block weights; memory: load the whole model (baseline)")
     g.add_argument("--batch-size", type=positive_int, default=1, metavar="N",

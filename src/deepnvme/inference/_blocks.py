@@ -74,6 +74,6 @@ def group_parameters(model: nn.Module, block_names: list[str]
 
 def placeholder(shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
                 device: torch.device | str) -> torch.Tensor:
-    """A tensor of ``shape`` backed by one element (stride 0): what an offloaded parameter holds
+    """A tensor of ``shape`` backed by one element (stride 0): what a streamed parameter holds
     between uses, so shapes and dtypes stay inspectable while the memory is released."""
     return torch.empty((), dtype=dtype, device=device).expand(shape)

@@ -78,7 +78,7 @@ class WeightStreamer:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         if not blocks:
-            raise ValueError("nothing to stream: the model has no offloaded blocks")
+            raise ValueError("nothing to stream: the model has no streamed blocks")
         self.blocks = blocks
         self.device = device
         self.prefetch = min(prefetch, len(blocks) - 1)

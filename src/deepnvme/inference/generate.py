@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._deprecation import renamed_keywords
 from ..config import IOConfig
 from ._metrics import RssSampler, disk_read_bytes
 
@@ -158,15 +159,17 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
-def run_generate(model_dir: str, *, offload_dir: str | None = None, mode: str = "deepnvme",
+@renamed_keywords(offload_dir="packed_dir")
+def run_generate(model_dir: str, *, packed_dir: str | None = None, mode: str = "deepnvme",
                  batch_size: int = 1, prompt_len: int = 32, gen_len: int = 16, prefetch: int = 1,
                  device: str = "cpu", dtype: str | torch.dtype | None = None,
                  pin_memory: bool = True, config: IOConfig | None = None,
                  seed: int = 0) -> GenerateResult:
-    """Load the model in ``model_dir`` (``mode="deepnvme"``: streamed with
-    :func:`load_offloaded`; ``"memory"``: fully in memory) and time one greedy generation."""
+    """Load the model in ``model_dir`` (``mode="deepnvme"``: streamed with :func:`load_streamed`,
+    from an aligned copy in ``packed_dir`` if given; ``"memory"``: fully in memory) and time one
+    greedy generation."""
     from .install import stream_stats, streamer_of
-    from .pretrained import load_offloaded
+    from .pretrained import load_streamed
 
     torch_dtype = parse_dtype(dtype)
     import transformers  # noqa: F401  (imported before timing: load_seconds is loading, not importing)
@@ -174,8 +177,8 @@ def run_generate(model_dir: str, *, offload_dir: str | None = None, mode: str = 
     with RssSampler() as rss:
         t0 = time.perf_counter()
         if mode == "deepnvme":
-            model = load_offloaded(model_dir, offload_dir=offload_dir, device=device, dtype=torch_dtype,
-                                   prefetch=prefetch, pin_memory=pin_memory, config=config)
+            model = load_streamed(model_dir, packed_dir=packed_dir, device=device, dtype=torch_dtype,
+                                  prefetch=prefetch, pin_memory=pin_memory, config=config)
         elif mode == "memory":
             from transformers import AutoModelForCausalLM
             auto: Any = AutoModelForCausalLM  # its stubs type from_pretrained's first argument oddly

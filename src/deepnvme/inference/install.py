@@ -1,4 +1,4 @@
-"""``offload``: move a model's block weights to NVMe and stream them back during forward."""
+"""``stream_weights``: move a model's block weights to NVMe and stream them back during forward."""
 
 from __future__ import annotations
 
@@ -9,28 +9,30 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .._deprecation import module_aliases
 from ..config import IOConfig
 from ..handles.aio import AioHandle
 from ._blocks import ParamGroup, find_blocks, group_parameters, placeholder
 from ._packed import write_packed
 from ._streamer import StreamedBlock, StreamStats, WeightStreamer
 
-__all__ = ["offload", "streamer_of", "stream_stats"]
+__all__ = ["stream_stats", "stream_weights", "streamer_of"]
 
 log = logging.getLogger(__name__)
 _ATTR = "_deepnvme_streamer"
 
 
 def streamer_of(model: nn.Module) -> WeightStreamer:
-    """The :class:`WeightStreamer` that :func:`offload` or :func:`load_offloaded` installed."""
+    """The :class:`WeightStreamer` that :func:`stream_weights` or :func:`load_streamed` installed."""
     streamer = getattr(model, _ATTR, None)
     if not isinstance(streamer, WeightStreamer):
-        raise ValueError(f"{type(model).__name__} is not offloaded; call deepnvme.inference.install first")
+        raise ValueError(f"{type(model).__name__} streams no weights; build it with "
+                         "deepnvme.inference.stream_weights or load_streamed first")
     return streamer
 
 
 def stream_stats(model: nn.Module) -> StreamStats:
-    """Counters of an offloaded model: blocks loaded, bytes read, seconds stalled on I/O."""
+    """Counters of a model whose weights stream: blocks loaded, bytes read, seconds stalled on I/O."""
     return streamer_of(model).stats()
 
 
@@ -60,9 +62,9 @@ def _bytes_of(g: ParamGroup) -> int:
     return g.param.numel() * g.param.element_size()
 
 
-def offload(model: nn.Module, directory: str, *, device: str | torch.device = "cpu",
-            prefetch: int = 1, pin_memory: bool = True, config: IOConfig | None = None,
-            blocks: Sequence[nn.Module] | None = None) -> nn.Module:
+def stream_weights(model: nn.Module, directory: str, *, device: str | torch.device = "cpu",
+                   prefetch: int = 1, pin_memory: bool = True, config: IOConfig | None = None,
+                   blocks: Sequence[nn.Module] | None = None) -> nn.Module:
     """Write each block's weights to ``directory`` and stream them back while the model runs.
 
     ``blocks`` defaults to the model's repeated layers (the largest ``nn.ModuleList``); their
@@ -75,7 +77,7 @@ def offload(model: nn.Module, directory: str, *, device: str | torch.device = "c
     ``model.generate(...)``).
     """
     if getattr(model, _ATTR, None) is not None:
-        raise ValueError("model is already offloaded")
+        raise ValueError(f"{type(model).__name__} already streams its weights")
     dev = torch.device(device)
     named = resolve_blocks(model, blocks)
     per_block, resident = group_parameters(model, [n for n, _ in named])
@@ -96,6 +98,9 @@ def offload(model: nn.Module, directory: str, *, device: str | torch.device = "c
             g.param.requires_grad_(False)
             g.param.data = placeholder(g.param.shape, g.param.dtype, dev)
         streamed.append(StreamedBlock(module, plan, [(g.param, plan.tensor_offsets[g.name]) for g in groups]))
-    log.info("deepnvme: offloaded %d blocks (%d bytes) to %s", len(plans),
+    log.info("deepnvme: wrote %d blocks (%d bytes) to %s to stream them", len(plans),
              sum(p.buffer_bytes for p in plans), directory)
     return install(model, streamed, device=dev, prefetch=prefetch, pin_memory=pin_memory, config=config)
+
+
+__getattr__ = module_aliases(__name__, {"offload": "stream_weights"})

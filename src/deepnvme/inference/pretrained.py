@@ -1,9 +1,9 @@
-"""``load_offloaded``: a transformers model whose block weights stream from its checkpoint.
+"""``load_streamed``: a transformers model whose block weights stream from its checkpoint.
 
 The model is built with parameters on the meta device (buffers real), so no weight is
 materialised; resident weights (embeddings, head, norms) are read once, block weights are
 streamed at every forward either straight from the ``*.safetensors`` files (4096-aligned
-spans, O_DIRECT) or from an aligned copy in ``offload_dir`` prepared once (needed when the
+spans, O_DIRECT) or from an aligned copy in ``packed_dir`` prepared once (needed when the
 requested dtype differs from the checkpoint's).
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._deprecation import module_aliases, renamed_keywords
 from ..config import IOConfig
 from ..errors import DeepNVMeError
 from ..handles.aio import AioHandle
@@ -28,7 +29,7 @@ from ._safetensors import CheckpointTensor, read_checkpoint_index
 from ._streamer import StreamedBlock
 from .install import install, resolve_blocks
 
-__all__ = ["load_offloaded"]
+__all__ = ["load_streamed"]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def _build_empty(pretrained_dir: str, dtype: torch.dtype, model_class: Any) -> n
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as exc:
-        raise ImportError("load_offloaded needs transformers and accelerate: "
+        raise ImportError("load_streamed needs transformers and accelerate: "
                           "pip install 'deepnvme[inference]'") from exc
     hf_config = AutoConfig.from_pretrained(pretrained_dir)
     cls = model_class or AutoModelForCausalLM
@@ -88,14 +89,15 @@ def _fingerprint(index: dict[str, CheckpointTensor], dtype: torch.dtype, names: 
     return {"files": source_stats(r.file for r in index.values()), "dtype": str(dtype), "blocks": names}
 
 
-def load_offloaded(pretrained_dir: str, *, offload_dir: str | None = None,
-                   device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                   prefetch: int = 1, pin_memory: bool = True, config: IOConfig | None = None,
-                   model_class: Any = None) -> nn.Module:
+@renamed_keywords(offload_dir="packed_dir")
+def load_streamed(pretrained_dir: str, *, packed_dir: str | None = None,
+                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                  prefetch: int = 1, pin_memory: bool = True, config: IOConfig | None = None,
+                  model_class: Any = None) -> nn.Module:
     """Build the causal LM saved in ``pretrained_dir`` (``config.json`` + safetensors) with its
     block weights streamed from disk; blocking while resident weights are read.
 
-    ``dtype`` defaults to the checkpoint's. Without ``offload_dir`` blocks stream straight from
+    ``dtype`` defaults to the checkpoint's. Without ``packed_dir`` blocks stream straight from
     the checkpoint files (their dtype must then equal ``dtype``); with it, an aligned copy is
     written there once (reused while the checkpoint is unchanged) and streamed instead.
     ``model_class`` overrides ``AutoModelForCausalLM`` (any class with ``from_config``).
@@ -124,7 +126,7 @@ def load_offloaded(pretrained_dir: str, *, offload_dir: str | None = None,
                     buf = _read(handle, rec).to(buf.dtype)
                 mod._buffers[key] = buf.to(dev)
         recs = [[_lookup(g, index, prefix) for g in gs] for gs in per_block]
-        plans = _block_plans(index, per_block, recs, dtype, offload_dir, handle)  # type: ignore[arg-type]
+        plans = _block_plans(index, per_block, recs, dtype, packed_dir, handle)  # type: ignore[arg-type]
     streamed = []
     for (_, module), groups, plan in zip(named, per_block, plans):
         params = [_replace(g, placeholder(g.param.shape, dtype, dev)) for g in groups]
@@ -134,29 +136,32 @@ def load_offloaded(pretrained_dir: str, *, offload_dir: str | None = None,
 
 
 def _block_plans(index: dict[str, CheckpointTensor], per_block: list[list[ParamGroup]],
-                 recs: list[list[CheckpointTensor]], dtype: torch.dtype, offload_dir: str | None,
+                 recs: list[list[CheckpointTensor]], dtype: torch.dtype, packed_dir: str | None,
                  handle: AioHandle) -> list[BlockPlan]:
     for groups, rs in zip(per_block, recs):
         for g, r in zip(groups, rs):
             if r.shape != tuple(g.param.shape):
                 raise DeepNVMeError(f"{r.file}: {r.name} has shape {r.shape}, the model expects "
                                     f"{tuple(g.param.shape)} for {g.name}")
-    if offload_dir is None:
+    if packed_dir is None:
         bad = [r.name for rs in recs for r in rs if r.dtype != dtype]
         if bad:
             raise DeepNVMeError(f"checkpoint tensors such as {bad[0]!r} are {recs[0][0].dtype}, not "
-                                f"{dtype}: pass offload_dir= to stream a converted aligned copy")
+                                f"{dtype}: pass packed_dir= to stream a converted aligned copy")
         sizes = {f: os.path.getsize(f) for f in {r.file for rs in recs for r in rs}}
         return [plan_block_reads([TensorRecord(g.name, r.file, r.offset, r.nbytes)
                                   for g, r in zip(groups, rs)], sizes)
                 for groups, rs in zip(per_block, recs)]
     fingerprint = _fingerprint(index, dtype, [[g.name for g in gs] for gs in per_block])
-    plans = load_manifest(offload_dir, fingerprint)
+    plans = load_manifest(packed_dir, fingerprint)
     if plans is not None:
-        log.info("deepnvme: reusing the aligned copy in %s", offload_dir)
+        log.info("deepnvme: reusing the aligned copy in %s", packed_dir)
         return plans
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return write_packed(offload_dir, [
+    return write_packed(packed_dir, [
         [(g.name, r.nbytes // r.dtype.itemsize * itemsize, functools.partial(_read_as, handle, r, dtype))
          for g, r in zip(groups, rs)] for groups, rs in zip(per_block, recs)],
         handle=handle, fingerprint=fingerprint)
+
+
+__getattr__ = module_aliases(__name__, {"load_offloaded": "load_streamed"})

@@ -1,11 +1,11 @@
-"""A serving engine's model with its decoder layers' weights streamed from NVMe while it runs.
+"""A serving framework's model with its decoder layers' weights streamed from NVMe while it runs.
 
-Framework-free (vLLM's ``deepnvme_offload`` loader drives it): the caller built the model with
+Framework-free (vLLM's ``deepnvme_stream`` loader drives it): the caller built the model with
 its parameters allocated but untouched and passes its ``load_weights(iterable of (name,
 tensor)) -> loaded names``. Non-layer weights (embeddings, final norm, head) are loaded and stay
 in memory; then as many whole layers as ``memory_budget`` leaves room for (spread evenly over
-the stack). Every layer is written once, in the engine's post-load layout (e.g. vLLM's fused
-``qkv_proj``), to ``offload_dir`` in :mod:`deepnvme.inference`'s packed aligned layout, reused
+the stack). Every layer is written once, in the framework's post-load layout (e.g. vLLM's fused
+``qkv_proj``), to ``packed_dir`` in :mod:`deepnvme.inference`'s packed aligned layout, reused
 while the checkpoint and the model's parameters are unchanged; the layers not kept in memory are
 then streamed by :class:`deepnvme.inference.WeightStreamer` (forward pre-hooks, ``prefetch``
 layers read ahead, buffers released after each layer).
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._deprecation import warn_once
 from ..errors import ConfigError, DeepNVMeError
 from ..formats.safetensors import StoredTensor
 from ..handles.aio import AioHandle
@@ -36,16 +37,16 @@ from ..inference._streamer import StreamedBlock
 from ..inference.install import install, resolve_blocks
 from ._weights import LoaderOptions, checkpoint_tensors, loader_options, size_setting, stream_tensors
 
-__all__ = ["OFFLOAD_KEYS", "LayerStreamResult", "OffloadOptions", "assign_tensors", "choose_resident",
-           "offload_options", "stream_layers"]
+__all__ = ["STREAM_KEYS", "LayerStreamResult", "StreamOptions", "assign_tensors", "choose_resident",
+           "stream_layers", "stream_options"]
 
 log = logging.getLogger(__name__)
 
 Load = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
-"""The engine's ``model.load_weights``: consumes ``(name, tensor)`` pairs, returns loaded names."""
+"""The framework's ``model.load_weights``: consumes ``(name, tensor)`` pairs, returns loaded names."""
 
-OFFLOAD_KEYS: Mapping[str, str] = {
-    "offload_dir": "directory for the aligned copy of the layers' weights (required; written "
+STREAM_KEYS: Mapping[str, str] = {
+    "packed_dir": "directory for the aligned copy of the layers' weights (required; written "
                    "once, reused while the checkpoint is unchanged)",
     "memory_budget": "bytes of weights kept in memory (int or size string such as '2G'): the "
                      "non-layer weights, then whole layers while they fit; default: no layer",
@@ -54,29 +55,33 @@ OFFLOAD_KEYS: Mapping[str, str] = {
 }
 """Extra-config keys of the streaming loader; the others are those of :func:`loader_options`."""
 
+OLD_KEYS: Mapping[str, str] = {"offload_dir": "packed_dir"}
+"""Keys renamed in this release, still accepted with a warning: old -> new."""
+
 
 @dataclasses.dataclass(frozen=True)
-class OffloadOptions:
+class StreamOptions:
     """Validated settings: where the aligned copy lives, the budget in bytes (None: keep no
-    layer), read-ahead depth, and the engine/read-window settings of the checkpoint reader."""
+    layer), read-ahead depth, and the checkpoint reader's I/O settings and read window."""
 
-    offload_dir: str
+    packed_dir: str
     memory_budget: int | None
     prefetch: int
     loader: LoaderOptions
 
 
-def offload_options(extra: Mapping[str, Any] | None, *, load_format: str,
-                    source: str = "model_loader_extra_config") -> OffloadOptions:
-    """Check ``extra`` (vLLM's ``model_loader_extra_config``): :data:`OFFLOAD_KEYS` plus the keys
-    of :func:`loader_options`. A missing ``offload_dir``, an unknown key or a bad value raises
-    :class:`ConfigError` naming ``source`` and the key."""
+def stream_options(extra: Mapping[str, Any] | None, *, load_format: str,
+                   source: str = "model_loader_extra_config") -> StreamOptions:
+    """Check ``extra`` (vLLM's ``model_loader_extra_config``): :data:`STREAM_KEYS` plus the keys
+    of :func:`loader_options`, and the old names of :data:`OLD_KEYS` (with a warning). A missing
+    ``packed_dir``, an unknown key or a bad value raises :class:`ConfigError` naming ``source``
+    and the key."""
     if extra is not None and not isinstance(extra, Mapping):
         raise ConfigError(f"{source} must be a JSON object (a dict), got {type(extra).__name__}")
-    rest = dict(extra or {})
-    directory = rest.pop("offload_dir", None)
+    rest = _renamed_keys(dict(extra or {}), source)
+    directory = rest.pop("packed_dir", None)
     if not isinstance(directory, str) or not directory:
-        raise ConfigError(f"{source}['offload_dir'] is required for load_format {load_format!r}: a "
+        raise ConfigError(f"{source}['packed_dir'] is required for load_format {load_format!r}: a "
                           f"directory on fast storage for the layers' aligned copy, got {directory!r}")
     budget = None
     if "memory_budget" in rest:
@@ -84,8 +89,24 @@ def offload_options(extra: Mapping[str, Any] | None, *, load_format: str,
     prefetch = rest.pop("prefetch", 1)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ConfigError(f"{source}['prefetch'] must be an integer >= 0, got {prefetch!r}")
-    loader = loader_options(rest, source=source, load_format=load_format, also_known=OFFLOAD_KEYS)
-    return OffloadOptions(offload_dir=directory, memory_budget=budget, prefetch=prefetch, loader=loader)
+    loader = loader_options(rest, source=source, load_format=load_format, also_known=STREAM_KEYS)
+    return StreamOptions(packed_dir=directory, memory_budget=budget, prefetch=prefetch, loader=loader)
+
+
+def _renamed_keys(extra: dict[str, Any], source: str) -> dict[str, Any]:
+    """``extra`` with each old key of :data:`OLD_KEYS` under its new name, warning once per key."""
+    for old, new in OLD_KEYS.items():
+        if old not in extra:
+            continue
+        if new in extra:
+            raise ConfigError(f"{source} has both {old!r} and {new!r}; keep {new!r} only "
+                              f"({old!r} is its deprecated old name)")
+        message = (f"{source}[{old!r}] is deprecated and will be removed in the next release; "
+                   f"use {new!r}")
+        if warn_once(f"{source}[{old!r}]", message, stacklevel=3):
+            log.warning("deepnvme: %s", message)   # serving logs show this; warnings often not
+        extra[new] = extra.pop(old)
+    return extra
 
 
 def assign_tensors(tensors: Sequence[StoredTensor], block_names: Sequence[str]
@@ -182,14 +203,14 @@ def _loaded_names(names: Any) -> set[str]:
     return set(names)
 
 
-def stream_layers(model: nn.Module, model_dir: str, options: OffloadOptions, *, load: Load,
+def stream_layers(model: nn.Module, model_dir: str, options: StreamOptions, *, load: Load,
                   fingerprint: Mapping[str, Any], blocks: Sequence[nn.Module] | None = None
                   ) -> LayerStreamResult:
     """Load ``model``'s weights from the safetensors checkpoint in ``model_dir`` through ``load``,
-    keeping the layers the budget allows and streaming the others from ``options.offload_dir``.
+    keeping the layers the budget allows and streaming the others from ``options.packed_dir``.
 
     ``blocks`` defaults to the largest ``nn.ModuleList`` (the decoder layers); ``fingerprint``
-    (JSON) names what else the aligned copy depends on (engine version, parallel rank, ...).
+    (JSON) names what else the aligned copy depends on (framework version, parallel rank, ...).
     Blocking. Parameters of streamed layers are 1-element placeholders between their uses.
     """
     named = resolve_blocks(model, blocks)
@@ -240,21 +261,21 @@ def _fingerprint(by_block: list[list[StoredTensor]], rest: list[StoredTensor],
     return {"files": source_stats(files), "layers": layout, **extra}
 
 
-def _aligned_copy(layers: _Layers, options: OffloadOptions, fingerprint: dict[str, Any]
+def _aligned_copy(layers: _Layers, options: StreamOptions, fingerprint: dict[str, Any]
                   ) -> tuple[list[BlockPlan], bool]:
     """The layers' plans in the aligned copy: reused if its manifest matches ``fingerprint``,
     else written now (every layer loaded once, in order; kept layers stay loaded)."""
-    plans = load_manifest(options.offload_dir, fingerprint)
+    plans = load_manifest(options.packed_dir, fingerprint)
     if plans is not None and len(plans) == len(layers.groups):
-        log.info("deepnvme: reusing the aligned layer copy in %s", options.offload_dir)
+        log.info("deepnvme: reusing the aligned layer copy in %s", options.packed_dir)
         return plans, False
     with AioHandle(config=options.loader.io) as handle:
-        plans = write_packed(options.offload_dir, [
+        plans = write_packed(options.packed_dir, [
             [(g.name, _nbytes(g), functools.partial(layers.tensor, i, g)) for g in gs]
             for i, gs in enumerate(layers.groups)], handle=handle, fingerprint=fingerprint)
     if layers.current not in layers.keep:
         layers.release(layers.current)
-    log.info("deepnvme: wrote the aligned layer copy to %s", options.offload_dir)
+    log.info("deepnvme: wrote the aligned layer copy to %s", options.packed_dir)
     return plans, True
 
 

@@ -24,9 +24,9 @@ def _check(model, arch, dtype, checkpoints):
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_load_offloaded_matches_in_memory(arch, dtype, prefetch, checkpoints):
+def test_load_streamed_matches_in_memory(arch, dtype, prefetch, checkpoints):
     directory = checkpoints[arch, dtype][0]
-    model = inf.load_offloaded(directory, prefetch=prefetch)
+    model = inf.load_streamed(directory, prefetch=prefetch)
     try:
         _check(model, arch, dtype, checkpoints)
         stats = inf.stream_stats(model)
@@ -40,8 +40,8 @@ def test_load_offloaded_matches_in_memory(arch, dtype, prefetch, checkpoints):
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_offload_matches_in_memory(arch, dtype, prefetch, checkpoints, tmp_path):
-    model = inf.offload(tiny_model(arch, dtype), str(tmp_path), prefetch=prefetch)
+def test_stream_weights_matches_in_memory(arch, dtype, prefetch, checkpoints, tmp_path):
+    model = inf.stream_weights(tiny_model(arch, dtype), str(tmp_path), prefetch=prefetch)
     try:
         _check(model, arch, dtype, checkpoints)
     finally:
@@ -53,7 +53,7 @@ def test_aligned_copy_converts_dtype(arch, checkpoints, tmp_path):
     """fp32 checkpoint streamed as bf16 via an aligned copy equals the in-memory bf16 cast."""
     directory = checkpoints[arch, torch.float32][0]
     ref = tiny_model(arch, torch.float32).to(torch.bfloat16)
-    model = inf.load_offloaded(directory, offload_dir=str(tmp_path), dtype=torch.bfloat16, prefetch=1)
+    model = inf.load_streamed(directory, packed_dir=str(tmp_path), dtype=torch.bfloat16, prefetch=1)
     ids = prompt()
     try:
         with torch.no_grad():

@@ -40,7 +40,7 @@ def _stack():
 def test_plain_module_releases_memory_and_writes_aligned_file(tmp_path):
     model, ref = _stack()
     x = torch.randn(5, 8)
-    inf.offload(model, str(tmp_path), prefetch=1)
+    inf.stream_weights(model, str(tmp_path), prefetch=1)
     size = os.path.getsize(tmp_path / "weights.bin")
     assert size % 4096 == 0 and size >= 4 * (32 * 32 + 3 * 32) * 4
     manifest = json.loads((tmp_path / "manifest.json").read_text())
@@ -60,7 +60,7 @@ def test_plain_module_releases_memory_and_writes_aligned_file(tmp_path):
 
 def test_blocks_called_out_of_order_evict_stale_prefetches(tmp_path):
     model, ref = _stack()
-    inf.offload(model, str(tmp_path), prefetch=2)
+    inf.stream_weights(model, str(tmp_path), prefetch=2)
     h = torch.randn(5, 32)
     with torch.no_grad():
         for i in (3, 0, 2, 2, 1, 3):
@@ -71,21 +71,21 @@ def test_blocks_called_out_of_order_evict_stale_prefetches(tmp_path):
 
 def test_explicit_blocks_and_unpinned_buffers(tmp_path):
     model, ref = _stack()
-    inf.offload(model, str(tmp_path), blocks=[model.blocks[1], model.blocks[2]], pin_memory=False)
+    inf.stream_weights(model, str(tmp_path), blocks=[model.blocks[1], model.blocks[2]], pin_memory=False)
     assert model.blocks[0][0].weight.untyped_storage().nbytes() == 32 * 32 * 4
     x = torch.randn(2, 8)
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="not submodules"):
-        inf.offload(Stack(), str(tmp_path / "x"), blocks=[nn.Linear(1, 1)])
-    with pytest.raises(ValueError, match="already offloaded"):
-        inf.offload(model, str(tmp_path))
+        inf.stream_weights(Stack(), str(tmp_path / "x"), blocks=[nn.Linear(1, 1)])
+    with pytest.raises(ValueError, match="already streams"):
+        inf.stream_weights(model, str(tmp_path))
     inf.streamer_of(model).close()
 
 
 def test_exception_inside_a_block_does_not_break_the_next_forward(tmp_path):
     model, ref = _stack()
-    inf.offload(model, str(tmp_path), prefetch=1)
+    inf.stream_weights(model, str(tmp_path), prefetch=1)
     x = torch.randn(2, 8)
     with torch.no_grad(), pytest.raises(RuntimeError):
         model.blocks[1](torch.randn(2, 31))   # raises inside block 1 while its weights are bound
@@ -96,7 +96,7 @@ def test_exception_inside_a_block_does_not_break_the_next_forward(tmp_path):
 
 def test_read_error_names_the_file_and_the_model_recovers(tmp_path):
     model, ref = _stack()
-    inf.offload(model, str(tmp_path), prefetch=0)
+    inf.stream_weights(model, str(tmp_path), prefetch=0)
     path = tmp_path / "weights.bin"
     data = path.read_bytes()
     path.write_bytes(data[: 2 * 4096])          # blocks 2 and 3 are gone
@@ -111,7 +111,7 @@ def test_read_error_names_the_file_and_the_model_recovers(tmp_path):
 
 
 def test_gpt2_tied_head_stays_resident_and_shared(tmp_path):
-    model = inf.offload(tiny_model("gpt2", torch.float32), str(tmp_path))
+    model = inf.stream_weights(tiny_model("gpt2", torch.float32), str(tmp_path))
     assert model.lm_head.weight is model.transformer.wte.weight
     assert model.lm_head.weight.untyped_storage().nbytes() == 128 * 64 * 4
     inf.streamer_of(model).close()
@@ -122,7 +122,7 @@ def test_sharded_checkpoint_streams_across_files(tmp_path):
     ref.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    model = inf.load_offloaded(str(tmp_path), prefetch=1)
+    model = inf.load_streamed(str(tmp_path), prefetch=1)
     ids = prompt()
     assert torch.equal(greedy(model, ids), greedy(ref, ids))
     inf.streamer_of(model).close()
@@ -131,13 +131,13 @@ def test_sharded_checkpoint_streams_across_files(tmp_path):
 def test_aligned_copy_is_prepared_once_and_redone_when_the_checkpoint_changes(tmp_path):
     ckpt, off = tmp_path / "ckpt", tmp_path / "off"
     tiny_model("opt", torch.float32).save_pretrained(ckpt)
-    inf.streamer_of(inf.load_offloaded(str(ckpt), offload_dir=str(off))).close()
+    inf.streamer_of(inf.load_streamed(str(ckpt), packed_dir=str(off))).close()
     first = os.stat(off / "weights.bin").st_mtime_ns
-    inf.streamer_of(inf.load_offloaded(str(ckpt), offload_dir=str(off))).close()
+    inf.streamer_of(inf.load_streamed(str(ckpt), packed_dir=str(off))).close()
     assert os.stat(off / "weights.bin").st_mtime_ns == first       # reused
     ref = tiny_model("opt", torch.float32, seed=5)
     ref.save_pretrained(ckpt)
-    model = inf.load_offloaded(str(ckpt), offload_dir=str(off))
+    model = inf.load_streamed(str(ckpt), packed_dir=str(off))
     assert os.stat(off / "weights.bin").st_mtime_ns != first       # rewritten
     ids = prompt()
     assert torch.equal(greedy(model, ids), greedy(ref, ids))
@@ -146,12 +146,12 @@ def test_aligned_copy_is_prepared_once_and_redone_when_the_checkpoint_changes(tm
 
 def test_checkpoint_errors_tell_the_fix(tmp_path):
     tiny_model("llama", torch.float32).save_pretrained(tmp_path)
-    with pytest.raises(DeepNVMeError, match="offload_dir"):
-        inf.load_offloaded(str(tmp_path), dtype=torch.bfloat16)
+    with pytest.raises(DeepNVMeError, match="packed_dir"):
+        inf.load_streamed(str(tmp_path), dtype=torch.bfloat16)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(DeepNVMeError, match="safetensors"):
-        inf.load_offloaded(str(empty))
+        inf.load_streamed(str(empty))
     index = tmp_path / "model.safetensors.index.json"
     for f in tmp_path.glob("*.safetensors"):
         from safetensors.torch import load_file, save_file
@@ -160,7 +160,7 @@ def test_checkpoint_errors_tell_the_fix(tmp_path):
         save_file(tensors, f, metadata={"format": "pt"})
     assert not index.exists()
     with pytest.raises(DeepNVMeError, match="up_proj"):
-        inf.load_offloaded(str(tmp_path))
+        inf.load_streamed(str(tmp_path))
 
 
 def test_inference_mode_and_ties_inside_and_across_blocks(tmp_path):
@@ -168,7 +168,7 @@ def test_inference_mode_and_ties_inside_and_across_blocks(tmp_path):
     for m in (model, ref):
         m.blocks[1][0].weight = m.blocks[0][0].weight     # across blocks: stays resident
         m.blocks[2][2].weight = m.blocks[2][2].bias       # inside block 2: streamed once
-    inf.offload(model, str(tmp_path), prefetch=1)
+    inf.stream_weights(model, str(tmp_path), prefetch=1)
     assert model.blocks[1][0].weight is model.blocks[0][0].weight
     assert model.blocks[0][0].weight.untyped_storage().nbytes() == 32 * 32 * 4
     assert model.blocks[2][2].weight is model.blocks[2][2].bias

@@ -8,7 +8,7 @@ from torch import nn
 
 from deepnvme.errors import ConfigError, DeepNVMeError
 from deepnvme.inference import stream_stats
-from deepnvme.integrations._layer_stream import offload_options, stream_layers
+from deepnvme.integrations._layer_stream import stream_layers, stream_options
 
 from ...fakes import copy_named_weights
 
@@ -65,8 +65,8 @@ class Renamed(Toy):
 def _stream(model_dir, aligned, cls=Toy, **extra):
     torch.manual_seed(1)
     model = cls().eval()
-    options = offload_options({"offload_dir": aligned, "engine": "threads", "read_window": 4096, **extra},
-                              load_format="deepnvme_offload")
+    options = stream_options({"packed_dir": aligned, "engine": "threads", "read_window": 4096, **extra},
+                              load_format="deepnvme_stream")
     result = stream_layers(model, model_dir, options, load=model.load_weights, fingerprint={"engine": "toy"})
     return model, result
 

@@ -141,9 +141,9 @@ def _vllm_env():
     return env
 
 
-def test_the_entry_point_registers_both_formats_in_a_fresh_process():
-    """Installing deepnvme is all it takes: a process that never imports deepnvme gets both
-    formats from vLLM's plugin loading (as each of vLLM's processes does)."""
+def test_the_entry_point_registers_every_format_in_a_fresh_process():
+    """Installing deepnvme is all it takes: a process that never imports deepnvme gets every
+    format, the old ``deepnvme_offload`` too, from vLLM's plugin loading (as each of vLLM's processes does)."""
     code = textwrap.dedent("""
         import sys
         from vllm.config.load import LoadConfig
@@ -151,7 +151,8 @@ def test_the_entry_point_registers_both_formats_in_a_fresh_process():
         from vllm.plugins import load_general_plugins
         assert not any(m.startswith("deepnvme") for m in sys.modules)
         load_general_plugins()
-        for fmt, extra in (("deepnvme", {}), ("deepnvme_offload", {"offload_dir": "/x"})):
+        for fmt, extra in (("deepnvme", {}), ("deepnvme_stream", {"packed_dir": "/x"}),
+                           ("deepnvme_offload", {"offload_dir": "/x"})):
             loader = get_model_loader(LoadConfig(load_format=fmt, model_loader_extra_config=extra))
             print(fmt, type(loader).__module__, type(loader).__name__)
     """)
@@ -160,7 +161,8 @@ def test_the_entry_point_registers_both_formats_in_a_fresh_process():
     assert out.returncode == 0, out.stderr[-3000:]
     assert [line for line in out.stdout.splitlines() if line.startswith("deepnvme")] == [
         "deepnvme deepnvme.integrations.vllm DeepNVMeModelLoader",
-        "deepnvme_offload deepnvme.integrations.vllm DeepNVMeOffloadLoader"], out.stdout
+        "deepnvme_stream deepnvme.integrations.vllm DeepNVMeStreamLoader",
+        "deepnvme_offload deepnvme.integrations.vllm _OldFormatStreamLoader"], out.stdout   # old name
 
 
 def _free_port():

@@ -1,19 +1,19 @@
-"""Serving a model larger than its memory budget inside vLLM: ``load_format="deepnvme_offload"``
+"""Serving a model larger than its memory budget inside vLLM: ``load_format="deepnvme_stream"``
 against the same model in memory and vLLM's own ``cpu_offload_gb`` (issue 17, part 2).
 
 Usage (run with the python that has vLLM, e.g. /work/venv-vllm/bin/python):
-  python benchmarks/bench_vllm_offload.py --dir DIR [--budget 400M] [--prefetch 1] [--batch 8]
+  python benchmarks/bench_vllm_stream.py --dir DIR [--budget 400M] [--prefetch 1] [--batch 8]
          [--steps 8] [--reps 2] [--layers 10] [--hidden 2048] [--intermediate 5504]
          [--vocab 1024] [--json OUT] [--keep]
 
 The random bf16 Llama of bench_vllm_load.py (defaults: 1.02 GB, 10 layers) is written under
 DIR/llama and a 1-layer, hidden-64 one under DIR/tiny; the aligned copy goes to DIR/aligned
-(written once by a first, untimed ``deepnvme_offload`` run whose time and peak RSS are shown).
+(written once by a first, untimed ``deepnvme_stream`` run whose time and peak RSS are shown).
 Then for each repetition, in a rotated order, a fresh process after
 ``sync; echo 3 > /proc/sys/vm/drop_caches`` builds ``vllm.LLM`` (CPU, eager, in-process) and
 generates greedily for ``--batch`` prompts of 16 token ids: decode tokens/s is
 ``batch x steps / (t(1 + steps tokens) - t(1 token))`` (prefill cancels). Modes:
-  deepnvme_offload  extra config {offload_dir, memory_budget, prefetch}
+  deepnvme_stream   extra config {packed_dir, memory_budget, prefetch}
   memory            load_format "safetensors", the whole model in memory (the compute bound)
   memory_flinear    the same, with every Linear on torch.nn.functional.linear as streamed layers
                     run (vLLM's CPU GEMM dispatch replaced): the kernel's share of any gap
@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_vllm_load import _drop_caches, _hwm_bytes, make_model  # noqa: E402
 
-MODES = ("deepnvme_offload", "memory", "memory_flinear", "cpu_offload_gb", "footprint")
+MODES = ("deepnvme_stream", "memory", "memory_flinear", "cpu_offload_gb", "footprint")
 PROMPT_LEN = 16
 
 
@@ -55,9 +55,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     mode = spec["mode"]
     extra: dict[str, Any] = {}
-    if mode == "deepnvme_offload":
-        extra = {"load_format": "deepnvme_offload", "model_loader_extra_config": {
-            "offload_dir": spec["offload_dir"], "memory_budget": spec["budget"],
+    if mode == "deepnvme_stream":
+        extra = {"load_format": "deepnvme_stream", "model_loader_extra_config": {
+            "packed_dir": spec["packed_dir"], "memory_budget": spec["budget"],
             "prefetch": spec["prefetch"]}}
     elif mode == "cpu_offload_gb":
         extra = {"load_format": "safetensors", "cpu_offload_gb": spec["cpu_offload_gb"]}
@@ -88,7 +88,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
 
     gen(2)   # warm-up
-    streaming = mode == "deepnvme_offload"
+    streaming = mode == "deepnvme_stream"
     if streaming:
         from deepnvme.inference import stream_stats, streamer_of
         llm.apply_model(lambda m: streamer_of(m).reset_stats())
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"vLLM is not importable from {sys.executable} (tools/test_vllm.sh builds a venv)")
     from deepnvme.config import parse_size
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if set(modes) - set(MODES) or "deepnvme_offload" not in modes:
-        p.error(f"--modes must include deepnvme_offload and be among {list(MODES)}")
+    if set(modes) - set(MODES) or "deepnvme_stream" not in modes:
+        p.error(f"--modes must include deepnvme_stream and be among {list(MODES)}")
     budget = parse_size(args.budget)
     model = os.path.join(args.dir, "llama")
     tiny = os.path.join(args.dir, "tiny")
@@ -184,13 +184,13 @@ def main(argv: list[str] | None = None) -> int:
                           vocab=args.vocab, shard_size="300MB")
         make_model(tiny, layers=1, hidden=64, intermediate=128, vocab=args.vocab, shard_size="300MB")
         base = {"batch": args.batch, "steps": args.steps, "vocab": args.vocab, "budget": budget,
-                "prefetch": args.prefetch, "offload_dir": aligned,
+                "prefetch": args.prefetch, "packed_dir": aligned,
                 "cpu_offload_gb": max(size - budget, 0) / 2**30}
         specs = {m: {**base, "mode": m, "model": tiny if m == "footprint" else model} for m in modes}
         print(f"model: {size / 1e9:.3f} GB bf16, {args.layers} layers; budget {budget / 1e9:.3f} GB "
               f"({size / budget:.2f}x smaller than the weights); batch {args.batch}, {args.steps} decode steps")
         _drop_caches()
-        prep = _run_worker(specs["deepnvme_offload"])   # writes the aligned copy
+        prep = _run_worker(specs["deepnvme_stream"])   # writes the aligned copy
         print(f"aligned copy written: LLM() {prep['construct_s']:.1f} s, peak RSS "
               f"{prep['peak_rss'] / 2**20:.0f} MiB", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -217,7 +217,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], prep
     bw = statistics.median(bandwidth)
     med = {m: {k: _med(rs, k) for k in ("decode_tok_s", "peak_rss", "construct_s", "weight_bytes")}
            for m, rs in runs.items()}
-    ours = runs["deepnvme_offload"]
+    ours = runs["deepnvme_stream"]
     per_step = _med(ours, "bytes_per_step")
     io_roof = args.batch * bw * 1e9 / per_step
     bound = min(io_roof, med["memory"]["decode_tok_s"]) if "memory" in med else io_roof
@@ -228,17 +228,17 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], prep
     print(f"\nread bandwidth {bw:.2f} GB/s (runs {', '.join(f'{b:.2f}' for b in bandwidth)}); "
           f"streamed {per_step / 1e9:.3f} GB per step; I/O roofline {io_roof:.2f} tok/s")
     ratios: dict[str, Any] = {"io_roofline_tok_s": io_roof, "bound_tok_s": bound,
-                              "decode_vs_bound": med["deepnvme_offload"]["decode_tok_s"] / bound,
+                              "decode_vs_bound": med["deepnvme_stream"]["decode_tok_s"] / bound,
                               "stall_s": _med(ours, "stall_s"), "weights_over_budget": size / budget,
                               "staging_bytes": staging}
-    print(f"deepnvme_offload decode / min(I/O roofline, in-memory) = {ratios['decode_vs_bound']:.2f} "
+    print(f"deepnvme_stream decode / min(I/O roofline, in-memory) = {ratios['decode_vs_bound']:.2f} "
           f"(stall {ratios['stall_s']:.2f} s of {_med(ours, 'decode_s'):.2f} s)")
     if "footprint" in med:
         tiny = runs["footprint"]
         foot = _med(tiny, "peak_rss") - _med(tiny, "weight_bytes")
         limit = budget + staging + foot
-        ratios.update(footprint=foot, rss_limit=limit, rss_vs_limit=med["deepnvme_offload"]["peak_rss"] / limit)
-        print(f"peak RSS {med['deepnvme_offload']['peak_rss'] / 2**20:.0f} MiB vs budget + staging + vLLM "
+        ratios.update(footprint=foot, rss_limit=limit, rss_vs_limit=med["deepnvme_stream"]["peak_rss"] / limit)
+        print(f"peak RSS {med['deepnvme_stream']['peak_rss'] / 2**20:.0f} MiB vs budget + staging + vLLM "
               f"footprint = {budget / 2**20:.0f} + {staging / 2**20:.0f} + {foot / 2**20:.0f} = "
               f"{limit / 2**20:.0f} MiB ({ratios['rss_vs_limit']:.3f}x)")
     if "memory" in runs:

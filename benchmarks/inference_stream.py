@@ -4,16 +4,16 @@ Builds a random Llama from a config (saved once as a safetensors checkpoint unde
 runs greedy generation in a fresh subprocess per mode, so peak RSS is per mode:
 
   memory      the whole model loaded with from_pretrained (compute bound reference)
-  deepnvme    deepnvme.inference.load_offloaded: decoder layers streamed from the checkpoint
+  deepnvme    deepnvme.inference.load_streamed: decoder layers streamed from the checkpoint
               files with O_DIRECT, `prefetch` layers read ahead
   accelerate  from_pretrained(device_map={layers: "disk"}, offload_folder=...): accelerate's
               hooks load each layer from the checkpoint files (buffered reads)
 
 Cold cache: before every generate, and for accelerate before every forward pass, the page
-cache of the checkpoint and offload folder is dropped (posix_fadvise DONTNEED); deepnvme reads
+cache of the checkpoint and accelerate's offload folder is dropped (posix_fadvise DONTNEED); deepnvme reads
 with O_DIRECT. The I/O roofline is batch x read_GBps / streamed_bytes_per_forward, with
 read_GBps measured by deepnvme's own cold O_DIRECT read benchmark in the same run.
-Run:  flock /tmp/deepnvme-bench.lock python benchmarks/inference_offload.py
+Run:  flock /tmp/deepnvme-bench.lock python benchmarks/inference_stream.py
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def make_checkpoint(args: argparse.Namespace) -> str:
 def child(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
-    from deepnvme.inference import load_offloaded, stream_stats, streamer_of
+    from deepnvme.inference import load_streamed, stream_stats, streamer_of
     from deepnvme.inference._metrics import RssSampler, disk_read_bytes
     from deepnvme.inference.generate import time_generate
 
@@ -85,7 +85,7 @@ def child(args: argparse.Namespace) -> None:
                 for p in model.parameters():
                     p.data = p.data.clone()
         elif args.child == "deepnvme":
-            model = load_offloaded(ckpt, prefetch=args.prefetch, dtype=dtype, config=io_config(args))
+            model = load_streamed(ckpt, prefetch=args.prefetch, dtype=dtype, config=io_config(args))
         else:
             n = model_layers(ckpt)
             device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu",
@@ -151,7 +151,7 @@ def run_child(args: argparse.Namespace, mode: str, prefetch: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "deepnvme-bench-inference"),
-                    help="checkpoint and offload folder (same disk as the data under test)")
+                    help="checkpoint and accelerate's offload folder (same disk as the data under test)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--layers", type=int, default=24)

@@ -120,7 +120,7 @@ class CheckpointManager:
 
     @property
     def mode(self) -> str:
-        """The stager's name: ``"snapshot"``, ``"fenced"`` or ``"custom"``."""
+        """The stager's ``name``: ``"snapshot"``, ``"fenced"``, or a custom stager's own."""
         return self.stager.name
 
     # ---- saving -------------------------------------------------------------------------

@@ -11,8 +11,9 @@ other in each repetition (order rotated every repetition), each saving every ste
 directory under ``--dir`` that is deleted afterwards:
 
 * ``none``: no checkpointing (the baseline step time);
-* ``fenced``, ``snapshot``: ``deepnvme.CheckpointManager(mode=..., keep=1)``; ``snapshot2``
-  and ``fenced_pre`` (only when named in ``--configs``): ``snapshot_arenas=2``, ``fence_precopy=True``;
+* ``fenced``, ``snapshot``: ``deepnvme.CheckpointManager(staging=..., keep=1)``; ``snapshot2``
+  and ``fenced_pre`` (only when named in ``--configs``): ``SnapshotStager(arenas=2)``,
+  ``FencedStager(precopy=True)``;
 * ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (no process group: ``no_dist=True``)
   with ``DefaultStager(StagingOptions(use_pinned_memory=True, use_async_staging=True))``; the
   loop waits for the staging before ``optimizer.step()`` (a step pre-hook) and for the upload
@@ -118,9 +119,9 @@ class Saver:
         self._thread: threading.Thread | None = None
         self._resp: Any = None
         if kind in ("fenced", "fenced_pre", "snapshot", "snapshot2"):
-            self._mgr = deepnvme.CheckpointManager(directory, keep=1, mode=kind.split("_")[0].rstrip("2"),
-                                                   rng=False, snapshot_arenas=2 if kind == "snapshot2" else 1,
-                                                   fence_precopy=kind == "fenced_pre")
+            stager = (deepnvme.SnapshotStager(arenas=2 if kind == "snapshot2" else 1) if kind.startswith("snapshot")
+                      else deepnvme.FencedStager(precopy=kind == "fenced_pre"))
+            self._mgr = deepnvme.CheckpointManager(directory, keep=1, staging=stager, rng=False)
         if kind == "dcp_async":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.checkpoint._store import FILE, step_dir
 from deepnvme.checkpoint.manager import RNG_KEY
+from deepnvme.checkpoint.manager._store import FILE, step_dir
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu,
 def test_cuda_tensors_and_cuda_rng_states_round_trip(tmp_path):
     torch.cuda.manual_seed_all(3)
     w = torch.randn(100_000, device="cuda")  # CUDA is initialised: its generators are saved
-    with deepnvme.CheckpointManager(tmp_path, mode="snapshot") as mgr:
+    with deepnvme.CheckpointManager(tmp_path, staging="snapshot") as mgr:
         assert mgr.save(1, {"w": w, "n": 1})
         want = [torch.randn(8, device=f"cuda:{i}") for i in range(torch.cuda.device_count())]
         w.mul_(2)  # the snapshot holds the value at save()

@@ -8,6 +8,7 @@ from ..errors import (
     DistributedSaveError,
 )
 from ..io.durable import clean_temp_files, wait_for_releases
+from ._staging import FencedStager, SnapshotStager, Stager
 from .async_saver import AsyncCheckpointer, AsyncSaveHandle, async_save
 from .distributed import save_distributed
 from .inplace import LoadResult, load_into
@@ -25,8 +26,11 @@ __all__ = [
     "CheckpointManager",
     "CheckpointMismatchError",
     "DistributedSaveError",
+    "FencedStager",
     "LoadResult",
     "SaveStats",
+    "SnapshotStager",
+    "Stager",
     "async_save",
     "clean_temp_files",
     "load",

@@ -1,17 +1,19 @@
 """Fenced saves: write from the live tensors; at the fence, copy what is not written yet.
 
-A fenced save (``CheckpointManager(mode="fenced")``) writes each large storage straight from the
-live tensor. :class:`FencedWrite` tracks every such storage (waiting, in flight, done) under one
-lock shared by the writer thread and the training thread. When an optimizer's ``step()`` is
-about to change tensors, its step pre-hook calls :meth:`FencedWrite.protect`: every storage not
-done yet that this optimizer changes, or that no fenced optimizer owns, is copied into staging
-memory and the step goes on at once; the writer writes those from their copies. A storage in
-flight at the fence (being written or hashed from live memory) is copied too and written and
-hashed again from its copy once the first pass ends, so bytes the step tears never stay in the
-file. Storages under 256 KiB are gathered into regions copied when the save starts
-(:func:`~deepnvme.checkpoint.saver.gather_small`) and never read live later.
+A fenced save (:class:`~._staging.FencedStager`, ``CheckpointManager(staging="fenced")``) writes
+each large storage straight from the live tensor. :class:`FencedWrite` tracks every such storage
+(waiting, in flight, done) under one lock shared by the writer thread and the training thread.
+When an optimizer's ``step()`` is about to change tensors, its step pre-hook calls
+:meth:`FencedWrite.protect`: every storage not done yet that this optimizer changes, or that no
+fenced optimizer owns, is copied into staging memory and the step goes on at once; the writer
+writes those from their copies. A storage in flight at the fence (being written or hashed from
+live memory) is copied too and written and hashed again from its copy once the first pass ends,
+so bytes the step tears never stay in the file. Storages under 256 KiB are gathered into regions
+copied when the save starts (:func:`~deepnvme.checkpoint.saver.gather_small`) and never read
+live later.
 
-Staging (:class:`Staging`): one page-locked arena reused by every save, allocated at the first
+Staging (:class:`Staging`): one page-locked arena (an :class:`~._arena.ArenaPool` of one)
+reused by every save, allocated at the first
 fence that copies, of ``min(budget, sum of the save's large storages each rounded up to 4096)``
 bytes (``budget=None``: no cap, so never more than the save itself; ``budget=0``: never copy,
 the step waits for the write). When the arena cannot hold everything to protect, the fence
@@ -37,9 +39,8 @@ from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.plan import align_up
 from ..memory.copy import ParallelCopy, copy_bytes
-from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
-from ..memory.views import storage_bytes
-from ._checksums import checksum
+from ..memory.views import byte_view, storage_bytes
+from ._arena import ALIGN, ArenaPool, Lease
 from .saver import StorageLayout, gather_small
 
 __all__ = ["Entry", "FencedWrite", "Staging", "plan_fenced", "write_fenced", "optimizer_storages"]
@@ -47,7 +48,7 @@ __all__ = ["Entry", "FencedWrite", "Staging", "plan_fenced", "write_fenced", "op
 log = logging.getLogger(__name__)
 
 WAITING, IN_FLIGHT, DONE = 0, 1, 2
-_ALIGN = 4096
+_ALIGN = ALIGN
 _BATCH = 32 << 20
 """Bytes per write request of small-enough storages (a larger storage is a request alone): a
 storage in flight at the fence is written twice, so requests stay small."""
@@ -73,15 +74,22 @@ class Entry:
 
 class Staging:
     """The reused locked arena of copy-on-fence, held by one :class:`FencedWrite` at a time
-    (module docstring: size formula). Thread-safe."""
+    (module docstring: size formula), drawn from an :class:`~._arena.ArenaPool` of one arena.
+    Thread-safe."""
 
-    def __init__(self, budget: int | None) -> None:
+    def __init__(self, budget: int | None, pool: ArenaPool | None = None) -> None:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"CheckpointManager: fence_staging_bytes must be None or an int >= 0, got {budget!r}")
+            raise ValueError(f"FencedStager: staging_bytes must be None or an int >= 0, got {budget!r}")
         self.budget = budget
-        self._arena: torch.Tensor | None = None
+        self._pool = pool if pool is not None else ArenaPool(1)
         self._holder: FencedWrite | None = None
-        self._cond = threading.Condition()
+        self._lease: Lease | None = None
+        self._lock = threading.Lock()  # guards _holder and _lease
+        self._taking = threading.Lock()  # one save at a time waits for the pool
+
+    def _held_by(self, holder: FencedWrite) -> torch.Tensor | None:
+        with self._lock:
+            return self._lease.tensor if self._holder is holder and self._lease is not None else None
 
     def acquire(self, holder: FencedWrite, need: int) -> torch.Tensor | None:
         """The arena for ``holder`` (at most ``budget`` bytes; None when the budget is 0), waiting
@@ -89,31 +97,28 @@ class Staging:
         cap = need if self.budget is None else min(need, self.budget)
         if cap <= 0:
             return None
-        with self._cond:
-            if self._holder is not None and self._holder is not holder:
+        if (arena := self._held_by(holder)) is not None:
+            return arena
+        with self._taking:
+            if (arena := self._held_by(holder)) is not None:
+                return arena
+            if self._pool.busy():
                 log.debug("deepnvme.CheckpointManager: the fence waits for an earlier save to free "
                           "the staging arena")
-                while self._holder is not None:
-                    self._cond.wait()
-            self._holder = holder
-            if self._arena is None or (self._arena.numel() < cap and holder.staged == 0):
-                if self._arena is not None:
-                    free_cpu_locked_tensor(self._arena)
-                    self._arena = None
-                self._arena = new_cpu_locked_tensor(cap, torch.uint8)
-            return self._arena
+            lease = self._pool.take(cap)
+            with self._lock:
+                self._holder, self._lease = holder, lease
+            return lease.tensor
 
     def release(self, holder: FencedWrite) -> None:
-        with self._cond:
-            if self._holder is holder:
-                self._holder = None
-                self._cond.notify_all()
+        with self._lock:
+            if self._holder is not holder or self._lease is None:
+                return
+            lease, self._holder, self._lease = self._lease, None, None
+        lease.release()
 
     def close(self) -> None:
-        with self._cond:
-            if self._arena is not None:
-                free_cpu_locked_tensor(self._arena)
-                self._arena = None
+        self._pool.close()
 
 
 def optimizer_storages(optimizer: Any) -> list[torch.UntypedStorage]:
@@ -311,11 +316,11 @@ def write_fenced(handle: AioHandle, file: str, fw: FencedWrite,
     pending = handle.write_many(file, [(region, start) for region, start, _ in fw.small])
     if hash_fn is not None:
         for region, _, spans in fw.small:
-            sums.update({k: checksum(hash_fn, region[a:b]) for k, (a, b) in spans.items()})
+            sums.update({k: hash_fn(byte_view(region[a:b])) for k, (a, b) in spans.items()})
     pending.result()
     while batch := fw.take():
         pending = handle.write_many(file, [(src, e.offset) for e, src in batch])
-        got = {} if hash_fn is None else {e.key: checksum(hash_fn, src) for e, src in batch}
+        got = {} if hash_fn is None else {e.key: hash_fn(byte_view(src)) for e, src in batch}
         pending.result()
         fw.finish(batch, got)
     durable.fsync_path(file)

@@ -1,10 +1,10 @@
 """``deepnvme.async_save``: checkpoint without stopping training for the disk.
 
-The caller's thread only takes a snapshot: PyTorch writes the small zip skeleton to the
-temporary file, and every storage is copied (by parallel ``memmove``,
-:class:`deepnvme.memory.copy.ParallelCopy`) into a locked, 4096-aligned staging arena (so the
-file holds the values of the call's moment, whatever training does next). A background thread
-then writes the arena with O_DIRECT, fsyncs and atomically renames, as :func:`deepnvme.save`.
+The caller's thread only takes a snapshot (:class:`~._staging.SnapshotStager`): every storage is
+copied (by parallel ``memmove``) into a locked, 4096-aligned staging arena while PyTorch writes
+the zip skeleton to the temporary file, so the file holds the values of the call's moment,
+whatever training does next. The background writer (:mod:`._writer`) then writes the arena
+with O_DIRECT, fsyncs and atomically renames, as :func:`deepnvme.save`.
 
 Memory bound: ``max_in_flight`` arenas, each as large as the largest checkpoint saved so far
 (sum of its storages, each rounded up to 4096 bytes). Arenas are reused across saves; a save
@@ -16,41 +16,25 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import queue
 import threading
-from collections.abc import Iterable, Mapping
-from concurrent.futures import Future
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from ..config import IOConfig, checkpoint_config
-from ..handles.aio import AioHandle
 from ..io import durable
-from ..io.file import reserve
-from ..io.plan import align_up
-from ..memory.copy import ParallelCopy
-from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
-from ..memory.views import storage_bytes
 from ._paths import as_path
-from .saver import write_skeleton
+from ._staging import SnapshotStager
+from ._writer import Job, Ledger, SaveFuture, Writer, Written
 
-__all__ = ["AsyncCheckpointer", "AsyncSaveHandle", "async_save", "snapshot_storages", "ensure_arena"]
+__all__ = ["AsyncCheckpointer", "AsyncSaveHandle", "async_save"]
 
 log = logging.getLogger(__name__)
-_ALIGN = 4096
-
-
-class _SaveFuture(Future[None]):
-    """A save's future; ``collected`` once its error was raised to a caller by a wait."""
-
-    collected = False
 
 
 class AsyncSaveHandle:
     """The pending result of one asynchronous save (thread-safe)."""
 
-    def __init__(self, path: str, future: Future[None]) -> None:
+    def __init__(self, path: str, future: SaveFuture) -> None:
         self.path = path
         self._future = future
 
@@ -62,7 +46,7 @@ class AsyncSaveHandle:
         """Block until the save is durable; re-raise its error. ``TimeoutError`` after ``timeout`` s."""
         exc = self._future.exception(timeout)
         if exc is not None:
-            self._future.collected = True  # type: ignore[attr-defined]
+            self._future.collected = True
             raise exc
 
     def __repr__(self) -> str:
@@ -80,18 +64,15 @@ class AsyncCheckpointer:
 
     def __init__(self, *, max_in_flight: int = 1,
                  config: IOConfig | Mapping[str, Any] | None = None) -> None:
-        if max_in_flight < 1:
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.config = checkpoint_config(config)
         self.max_in_flight = max_in_flight
-        self._arenas: queue.Queue[torch.Tensor | None] = queue.Queue()
-        for _ in range(max_in_flight):
-            self._arenas.put(None)
-        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._handle: AioHandle | None = None
+        self._stager = SnapshotStager(arenas=max_in_flight)
+        self._writer: Writer | None = None
         self._lock = threading.Lock()
-        self._pending: list[_SaveFuture] = []
+        self._ledger = Ledger()
+        self._last: dict[str, SaveFuture] = {}  # the newest save to each path still in flight
         self._closed = False
 
     def save(self, obj: Any, path: str | os.PathLike[str], *, recycle: bool = False
@@ -105,70 +86,43 @@ class AsyncCheckpointer:
         with self._lock:
             if self._closed:
                 raise RuntimeError("AsyncCheckpointer is closed")
-            self._start()
+            if self._writer is None:
+                self._writer = Writer(self.config, name="deepnvme-async-save")
+            writer = self._writer
         durable.check_target_dir(path)
-        arena = held = self._arenas.get()  # waits while max_in_flight saves are pending
-        tmp = (durable.take_spare(path) if recycle else None) or durable.temp_name(path)
+        if recycle and (before := self._last.get(path)) is not None:
+            before.exception()  # its commit makes the spare this save overwrites
+        tmp = (durable.take_spare(path) if recycle else None) or durable.temp_name(path, clean=not recycle)
         try:
-            layout = write_skeleton(obj, tmp)
-            arena = None  # never hand back a freed arena if allocation fails
-            arena = ensure_arena(held, (span.size for _, span in layout.items.values()))
-            items = snapshot_storages(arena, layout)
+            staged = self._stager.stage(obj, tmp)  # waits while max_in_flight saves are pending
         except BaseException:
             durable.remove_quietly(tmp)
-            self._arenas.put(arena)
             raise
-        future = _SaveFuture()
+
+        def commit(written: Written) -> None:
+            durable.commit(tmp, path, fsync_file=False, keep_spare=recycle)
+
+        def abort(exc: BaseException) -> BaseException:
+            durable.remove_quietly(tmp)
+            return exc
+
+        job = Job(file=tmp, staged=staged, commit=commit, abort=abort)
         with self._lock:
             if self._closed:  # close() ran during the snapshot: the writer thread is gone
+                staged.release()
                 durable.remove_quietly(tmp)
-                del items
-                free_cpu_locked_tensor(arena)
                 raise RuntimeError("AsyncCheckpointer was closed while this save was starting")
-            # keep failed saves until a wait raised their error (wait_all/close report them)
-            self._pending = [f for f in self._pending if not _settled(f)] + [future]
-            self._jobs.put((tmp, path, recycle, arena, items, future))
-        return AsyncSaveHandle(path, future)
-
-    def _start(self) -> None:
-        if self._thread is None:
-            self._handle = AioHandle(config=self.config)
-            self._thread = threading.Thread(target=self._run, args=(self._handle,),
-                                            name="deepnvme-async-save", daemon=True)
-            self._thread.start()
-
-    def _run(self, handle: AioHandle) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            tmp, path, recycle, arena, items, future = job
-            try:
-                reserve(tmp, os.path.getsize(tmp))
-                handle.write_many(tmp, items, fsync=True).result()
-                durable.commit(tmp, path, fsync_file=False, keep_spare=recycle)
-            except BaseException as exc:  # delivered to wait()
-                durable.remove_quietly(tmp)
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-            finally:
-                del items
-                self._arenas.put(arena)
+            # failed saves stay until a wait raised their error (wait_all/close report them)
+            self._ledger.add(job.future)
+            self._last = {p: f for p, f in self._last.items() if not f.done()} | {path: job.future}
+            writer.submit(job)
+        return AsyncSaveHandle(path, job.future)
 
     def wait_all(self) -> None:
         """Block until every save started so far has finished; raise the first failure whose
         error no wait has raised yet (a later ``wait_all()`` or ``close()`` reports the others)."""
-        with self._lock:
-            pending = list(self._pending)
-        first: BaseException | None = None
-        for fut in pending:
-            exc = fut.exception()
-            if exc is not None and not fut.collected and first is None:
-                fut.collected = True
-                first = exc
-        if first is not None:
-            raise first
+        self._ledger.wait()
+        self._ledger.raise_first()
 
     def close(self) -> None:
         """Wait for pending saves (errors not waited for are logged), stop, free arenas."""
@@ -176,60 +130,19 @@ class AsyncCheckpointer:
             if self._closed:
                 return
             self._closed = True
-            thread, pending = self._thread, list(self._pending)
-        for fut in pending:
-            exc = fut.exception()
-            if exc is not None and not fut.collected:
-                log.error("deepnvme: asynchronous save failed and was never waited for: %s", exc)
-        if thread is not None:
-            self._jobs.put(None)
-            thread.join()
-        if self._handle is not None:
-            self._handle.close()
-        while not self._arenas.empty():
-            arena = self._arenas.get_nowait()
-            if arena is not None:
-                free_cpu_locked_tensor(arena)
+            writer = self._writer
+        self._ledger.wait()
+        for exc in self._ledger.unreported():
+            log.error("deepnvme: asynchronous save failed and was never waited for: %s", exc)
+        if writer is not None:
+            writer.stop()
+        self._stager.close()
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def ensure_arena(arena: torch.Tensor | None, sizes: Iterable[int]) -> torch.Tensor:
-    """``arena`` if it holds storages of ``sizes`` bytes in 4096-aligned slots, else a new locked
-    arena of that size (the old one is freed). Size: sum of the sizes, each rounded up to 4096."""
-    need = sum(align_up(size, _ALIGN) for size in sizes)
-    if arena is not None and arena.numel() >= need:
-        return arena
-    if arena is not None:  # outgrown: a new, larger arena
-        free_cpu_locked_tensor(arena)
-    return new_cpu_locked_tensor(max(need, 1), torch.uint8)
-
-
-def snapshot_storages(arena: torch.Tensor, layout: Any) -> list[tuple[torch.Tensor, int]]:
-    """Copy every storage into ``arena`` (4096-aligned slots); each one's (slice, file offset).
-
-    Copying while PyTorch was still pickling was tried and measured no faster on 2 vCPUs
-    (72 vs 75 ms median for 1.08 GB), so the copy starts after the skeleton is written.
-    """
-    copy = ParallelCopy()
-    items, pos = [], 0
-    for storage, span in layout.items.values():
-        dst = arena[pos:pos + span.size]
-        if span.size:
-            copy.add(dst, storage_bytes(storage))
-        items.append((dst, span.offset))
-        pos += align_up(span.size, _ALIGN)
-    copy.finish()
-    return items
-
-
-def _settled(fut: Future[None]) -> bool:
-    """Done, and either succeeded or its error was already raised by a wait."""
-    return fut.done() and (fut.exception() is None or getattr(fut, "collected", False))
 
 
 _default: AsyncCheckpointer | None = None

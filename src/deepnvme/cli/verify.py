@@ -14,8 +14,8 @@ import dataclasses
 import os
 from typing import Any
 
-from ..checkpoint._store import find_leftovers
-from ..checkpoint._verify import CheckResult, check_one, find_targets
+from ..checkpoint.manager._store import find_leftovers
+from ..checkpoint.manager._verify import CheckResult, check_one, find_targets
 from ..errors import UsageError
 from ._render import print_json, progress_bar
 

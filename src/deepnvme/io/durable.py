@@ -7,8 +7,9 @@ Temporary files are named ``.<final name>.deepnvme-tmp-<pid>-<host>-<random>`` (
 digits naming this machine's pid namespace, so a directory shared between machines is safe).
 They are removed after success and after any exception, KeyboardInterrupt included; only a
 crash (SIGKILL, power loss) can leave one behind. :func:`clean_temp_files` removes those whose
-writing process, on this machine, no longer exists; the first temporary name a process makes
-in a directory cleans that directory (so the next save, bench or tune there removes them).
+writing process, on this machine, no longer exists; every save, bench or tune cleans its
+directory when it names its temporary file (a directory listing, cheap next to the write), so a
+long-running writer also clears what a process killed after its first save left there.
 The ``deepnvme`` command's bench, tune and report files use the same names.
 
 Replacing a file frees the old file's blocks, which is slow on filesystems mounted with
@@ -53,8 +54,6 @@ log = logging.getLogger(__name__)
 # <host> is absent from names written before it was added: those are judged by pid alone
 _TMP_RE = re.compile(r"^\.(?P<final>.+)\.deepnvme-tmp-(?P<pid>\d+)-(?:(?P<host>[0-9a-f]{8})-)?"
                      r"[0-9a-f]+$")
-_cleaned_dirs: set[str] = set()
-_cleaned_lock = threading.Lock()
 
 
 @functools.cache
@@ -74,14 +73,16 @@ def host_tag() -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
 
 
-def temp_name(path: str) -> str:
+def temp_name(path: str, *, clean: bool = True) -> str:
     """A fresh temporary path next to ``path`` (same directory, so rename is atomic).
 
-    The first call for a directory also removes temporary files that dead processes left
-    there (:func:`clean_temp_files`); a failure to clean is logged, never raised.
+    With ``clean`` (a save starting), also removes the temporary files that dead processes left
+    in that directory (:func:`clean_temp_files`; a live process's files are kept); a failure
+    to clean is logged, never raised.
     """
     directory, base = os.path.split(os.path.abspath(path))
-    _clean_once(directory)
+    if clean:
+        _clean(directory)
     return os.path.join(directory, f".{base}.deepnvme-tmp-{os.getpid()}-{host_tag()}-"
                                    f"{secrets.token_hex(4)}")
 
@@ -106,11 +107,7 @@ def resolve_target(path: str) -> str:
     return os.path.realpath(path) if os.path.islink(path) else path
 
 
-def _clean_once(directory: str) -> None:
-    with _cleaned_lock:
-        if directory in _cleaned_dirs:
-            return
-        _cleaned_dirs.add(directory)
+def _clean(directory: str) -> None:
     try:
         removed = clean_temp_files(directory)
     except OSError as exc:
@@ -161,7 +158,7 @@ def take_spare(path: str) -> str | None:
 
     The next save then overwrites blocks that are already allocated and written, which is
     faster than filling a new file (see BENCHMARKS.md). None when there is no spare (or a
-    concurrent save took it first).
+    concurrent save took it first). Cleans the directory as :func:`temp_name` does.
     """
     tmp = temp_name(path)
     try:
@@ -181,7 +178,7 @@ def _keep_as_spare(path: str) -> bool:
             return False
     except FileNotFoundError:
         return False
-    link = temp_name(path)
+    link = temp_name(path, clean=False)
     try:
         os.link(path, link)
     except OSError as exc:  # e.g. a filesystem without hard links: save without recycling
@@ -303,7 +300,7 @@ def atomic_target(path: str, *, recycle: bool = False) -> Iterator[str]:
     """
     path = resolve_target(path)
     check_target_dir(path)
-    tmp = (take_spare(path) if recycle else None) or temp_name(path)
+    tmp = (take_spare(path) if recycle else None) or temp_name(path, clean=not recycle)
     try:
         yield tmp
         commit(tmp, path, keep_spare=recycle)

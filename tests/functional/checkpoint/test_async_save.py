@@ -34,7 +34,7 @@ def test_checkpointer_reuses_arenas_and_bounds_in_flight(tmp_path):
         for i in range(5):
             t.fill_(i)
             handles.append(ck.save({"t": t, "i": i}, tmp_path / f"ck{i}.pt"))
-            assert ck._arenas.qsize() <= 2
+            assert len(ck._stager._pool.arenas()) == 2
         ck.wait_all()
         for i, h in enumerate(handles):
             assert h.done()
@@ -83,8 +83,8 @@ def test_background_thread_does_the_writing(tmp_path):
 
 def _enospc_once(monkeypatch):
     """The first background reserve fails with ENOSPC; later ones work."""
-    from deepnvme.checkpoint import async_saver
-    real, calls = async_saver.reserve, []
+    from deepnvme.checkpoint import _writer
+    real, calls = _writer.reserve, []
 
     def reserve(path, size, **kwargs):
         calls.append(path)
@@ -92,7 +92,7 @@ def _enospc_once(monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         return real(path, size, **kwargs)
 
-    monkeypatch.setattr(async_saver, "reserve", reserve)
+    monkeypatch.setattr(_writer, "reserve", reserve)
 
 
 def _wait_done(handle, timeout=10.0):
@@ -126,7 +126,7 @@ def test_close_logs_a_failure_nobody_waited_for(tmp_path, monkeypatch, caplog):
 
 def test_close_during_a_snapshot_fails_that_save_cleanly(tmp_path, monkeypatch):
     import sys
-    module = sys.modules["deepnvme.checkpoint.async_saver"]
+    module = sys.modules["deepnvme.checkpoint._staging"]
     real = module.write_skeleton
     entered, release = threading.Event(), threading.Event()
 
@@ -185,14 +185,14 @@ def test_snapshot_reuses_the_arena_and_grows_it(tmp_path, monkeypatch):
                     v.fill_(-7)  # training mutates right after the call
             h.wait()
             _check(tmp_path / f"c{i}.pt", expected)
-            arena = ck._arenas.queue[0]
+            arena = ck._stager._pool.arenas()[0]
             arenas.append((arena.data_ptr(), arena.numel()))
         assert arenas[1] == arenas[0] and arenas[3] == arenas[2]  # reused
         assert arenas[2][1] > arenas[1][1]  # grown for the larger checkpoint
 
 
 def test_failed_arena_growth_gives_back_no_freed_arena(tmp_path, monkeypatch):
-    module = __import__("sys").modules["deepnvme.checkpoint.async_saver"]
+    module = __import__("sys").modules["deepnvme.checkpoint._arena"]
     with deepnvme.AsyncCheckpointer() as ck:
         ck.save(_state(1000, 1.0), tmp_path / "small.pt").wait()
         real_new = module.new_cpu_locked_tensor
@@ -203,7 +203,7 @@ def test_failed_arena_growth_gives_back_no_freed_arena(tmp_path, monkeypatch):
         monkeypatch.setattr(module, "new_cpu_locked_tensor", no_memory)
         with pytest.raises(MemoryError, match="injected"):
             ck.save(_state(200_000, 2.0), tmp_path / "big.pt")
-        assert list(ck._arenas.queue) == [None]  # the freed arena is not handed out again
+        assert ck._stager._pool.arenas() == [None]  # the freed arena is not handed out again
         monkeypatch.setattr(module, "new_cpu_locked_tensor", real_new)
         big = _state(200_000, 3.0)
         ck.save(big, tmp_path / "big.pt").wait()

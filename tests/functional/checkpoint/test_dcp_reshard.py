@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-import deepnvme.checkpoint._dcp_read as dread
-import deepnvme.checkpoint.dcp as ddcp
+import deepnvme.checkpoint.dcp._read as dread
+import deepnvme.checkpoint.dcp._storage as ddcp
 from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter
 from deepnvme.handles.aio import AioHandle
 

@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-import deepnvme.checkpoint.dcp as ddcp
-from deepnvme.checkpoint._dcp_io import coalesce, copy_saved, parse_saved_tensor
-from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter, _EngineFileSystem
+import deepnvme.checkpoint.dcp._storage as ddcp
+from deepnvme.checkpoint.dcp._io import coalesce, copy_saved, parse_saved_tensor
+from deepnvme.checkpoint.dcp._storage import NVMeStorageReader, NVMeStorageWriter, _EngineFileSystem
 from deepnvme.config import checkpoint_config
 from deepnvme.handles.aio import AioHandle
 from deepnvme.io.posix import Posix

@@ -22,6 +22,7 @@ from deepnvme.io import durable as atomic
 from deepnvme.memory import pinned
 
 async_mod = importlib.import_module("deepnvme.checkpoint.async_saver")
+staging_mod = importlib.import_module("deepnvme.checkpoint._staging")
 SRC = str(pathlib.Path(__file__).resolve().parents[3] / "src")
 
 
@@ -43,7 +44,7 @@ def test_keyboard_interrupt_during_a_save_removes_the_temporary_file(tmp_path, m
     deepnvme.save(_state(1.0), path)
     before = path.read_bytes()
     if kind == "async_save":  # Ctrl-C while the tensors are copied to the staging arena
-        monkeypatch.setattr(async_mod, "snapshot_storages", _interrupt)
+        monkeypatch.setattr(staging_mod.SnapshotStager, "_copy", _interrupt)
         with async_mod.AsyncCheckpointer() as saver, pytest.raises(KeyboardInterrupt):
             saver.save(_state(2.0), path)
     else:  # Ctrl-C while the tensor bytes are written
@@ -85,6 +86,44 @@ def test_a_killed_saving_process_leaves_files_the_next_save_removes(tmp_path):
     assert len(_temps(tmp_path)) == 1
     deepnvme.save(_state(1.0), tmp_path / "b.pt")  # the first save of this process here
     assert _temps(tmp_path) == []
+
+
+_MAKE_TEMP = textwrap.dedent("""
+    import os, sys
+    from deepnvme.io import durable
+    print(os.path.basename(durable.create_temp(sys.argv[1], sys.argv[2])), flush=True)
+    if sys.argv[3] == "die":
+        os.kill(os.getpid(), 9)  # killed mid-save, like kill -9
+    sys.stdin.read()  # a live writer: runs until the test closes its stdin
+""")
+
+
+@pytest.mark.parametrize("kind", ["save", "async_save"])
+def test_a_long_running_writer_removes_what_a_later_killed_process_left(tmp_path, kind):
+    def save(i: int) -> None:
+        if kind == "save":
+            deepnvme.save(_state(float(i)), tmp_path / "ck.pt")
+        else:
+            deepnvme.async_save(_state(float(i)), tmp_path / "ck.pt").wait()
+
+    def spawn(stem: str, fate: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", _MAKE_TEMP, str(tmp_path), stem, fate],
+                                env={**os.environ, "PYTHONPATH": SRC}, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+
+    save(1)  # this process's first save in the directory: nothing to clean yet
+    live = spawn("eval.pt", "live")
+    try:
+        kept = live.stdout.readline().strip()  # type: ignore[union-attr]
+        killed = spawn("eval.pt", "die")
+        gone = killed.stdout.readline().strip()  # type: ignore[union-attr]
+        assert killed.wait(60) == -9
+        assert _temps(tmp_path) == sorted([kept, gone])
+        save(2)  # a later save of the same long-running process
+        assert _temps(tmp_path) == [kept]  # the dead process's file is removed, the live one's kept
+    finally:
+        live.communicate("", timeout=60)
+    assert torch.equal(torch.load(tmp_path / "ck.pt", weights_only=True)["w"], _state(2.0)["w"])
 
 
 def test_load_mmap_maps_the_file_like_torch(tmp_path):

@@ -58,7 +58,7 @@ def test_round_trip_is_bitwise_and_torch_loadable(tmp_path, mode):
     model, opt, sched = _setup()
     _train(model, opt, sched, steps=3)
     extra = torch.arange(10, dtype=torch.int16)
-    with deepnvme.CheckpointManager(tmp_path, mode=mode) as mgr:
+    with deepnvme.CheckpointManager(tmp_path, staging=mode) as mgr:
         state = {"model": model, "opt": opt, "sched": sched, "extra": extra, "epoch": 7,
                  "notes": {"name": "run", "lrs": [0.1, 0.2]}}
         want = {"model": _bits(model.state_dict()), "opt": _bits(opt.state_dict()),
@@ -100,8 +100,8 @@ def test_numpy_rng_state_is_restored(tmp_path):
 
 
 def test_fenced_refuses_non_cpu_tensors(tmp_path):
-    with deepnvme.CheckpointManager(tmp_path, mode="fenced") as mgr:
-        with pytest.raises(ValueError, match="mode='snapshot'"):
+    with deepnvme.CheckpointManager(tmp_path, staging="fenced") as mgr:
+        with pytest.raises(ValueError, match="staging='snapshot'"):
             mgr.save(0, {"w": torch.zeros(2, device="meta")})
 
 
@@ -186,7 +186,7 @@ class _FullDisk(Posix):
 def test_enospc_fails_that_save_and_keeps_earlier_ones(tmp_path, mode):
     disk = _FullDisk()
     with injected(disk):
-        mgr = deepnvme.CheckpointManager(tmp_path, mode=mode, keep=1)
+        mgr = deepnvme.CheckpointManager(tmp_path, staging=mode, keep=1)
         mgr.save(1, {"w": torch.ones(1 << 18)})
         mgr.wait()
         disk.full = True
@@ -235,8 +235,8 @@ def test_restore_mismatch_changes_nothing(tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="mode"):
-        deepnvme.CheckpointManager(tmp_path, mode="eager")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="staging"):
+        deepnvme.CheckpointManager(tmp_path, staging="eager")
     with pytest.raises(ValueError, match="checksums"):
         deepnvme.CheckpointManager(tmp_path, checksums="md5")
     with deepnvme.CheckpointManager(tmp_path) as mgr:
@@ -262,15 +262,15 @@ def test_wait_from_another_thread_sees_commits(tmp_path):
 @pytest.mark.parametrize("arenas", [1, 2])
 def test_snapshot_second_arena_saves_without_waiting_for_the_previous_write(tmp_path, monkeypatch, arenas):
     from deepnvme.checkpoint import _writer
-    real = _writer.Writer._write_items
+    real = _writer.Writer._write
 
-    def slow(self, job, file):
+    def slow(self, job):
         time.sleep(0.5)
-        return real(self, job, file)
+        return real(self, job)
 
-    monkeypatch.setattr(_writer.Writer, "_write_items", slow)
+    monkeypatch.setattr(_writer.Writer, "_write", slow)
     w = torch.arange(100_000, dtype=torch.float32)
-    with deepnvme.CheckpointManager(tmp_path, mode="snapshot", snapshot_arenas=arenas, keep=None) as mgr:
+    with deepnvme.CheckpointManager(tmp_path, staging=deepnvme.SnapshotStager(arenas=arenas), keep=None) as mgr:
         for step in range(3):
             mgr.save(step, {"w": w})
             w.add_(1)  # the snapshot holds the values of each save() call
@@ -281,8 +281,8 @@ def test_snapshot_second_arena_saves_without_waiting_for_the_previous_write(tmp_
     assert (waited > 0.7) if arenas == 1 else (0.2 < waited < 0.7)
     for step, t in enumerate(got):
         assert torch.equal(t, torch.arange(100_000, dtype=torch.float32) + step)
-    with pytest.raises(ValueError, match="snapshot_arenas"):
-        deepnvme.CheckpointManager(tmp_path, snapshot_arenas=0)
+    with pytest.raises(ValueError, match="arenas"):
+        deepnvme.SnapshotStager(arenas=0)
 
 
 class _SlowState:
@@ -301,14 +301,15 @@ class _SlowState:
 
 def test_every_seconds_counts_from_the_start_of_the_last_save(tmp_path, monkeypatch):
     from deepnvme.checkpoint import _writer
-    real = _writer.Writer._write_items
+    real = _writer.Writer._write
 
-    def slow(self, job, file):
+    def slow(self, job):
         time.sleep(0.6)
-        return real(self, job, file)
+        return real(self, job)
 
-    monkeypatch.setattr(_writer.Writer, "_write_items", slow)
-    with deepnvme.CheckpointManager(tmp_path, every_seconds=0.4, keep=None, snapshot_arenas=2) as mgr:
+    monkeypatch.setattr(_writer.Writer, "_write", slow)
+    with deepnvme.CheckpointManager(tmp_path, every_seconds=0.4, keep=None,
+                                     staging=deepnvme.SnapshotStager(arenas=2)) as mgr:
         assert mgr.save(1, {"s": _SlowState(0.5)})  # first: due; its state_dict() takes 0.5 s
         # 0.5 s since save 1 started, though it returned just now: due
         assert mgr.save(2, {"s": _SlowState(0.0)})
@@ -326,14 +327,14 @@ def test_every_seconds_counts_from_the_start_of_the_last_save(tmp_path, monkeypa
 
 @pytest.mark.parametrize("mode", ["snapshot", "fenced"])
 def test_a_full_disk_at_save_names_the_step_and_the_step_can_be_saved_again(tmp_path, monkeypatch, mode):
-    from deepnvme.checkpoint import manager as manager_mod
+    from deepnvme.checkpoint import _staging as manager_mod
     real = manager_mod.write_skeleton
 
     def full(obj, file):  # the disk fills while the training thread writes the skeleton
         real(obj, file)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file)
 
-    with deepnvme.CheckpointManager(tmp_path, mode=mode, keep=1) as mgr:
+    with deepnvme.CheckpointManager(tmp_path, staging=mode, keep=1) as mgr:
         assert mgr.save(1, {"w": torch.ones(1 << 16)})
         mgr.wait()
         monkeypatch.setattr(manager_mod, "write_skeleton", full)
@@ -349,7 +350,7 @@ def test_a_full_disk_at_save_names_the_step_and_the_step_can_be_saved_again(tmp_
 
 
 def test_a_writer_waits_for_a_manager_that_is_removing_leftovers(tmp_path):
-    from deepnvme.checkpoint._lock import try_lock
+    from deepnvme.checkpoint.manager._lock import try_lock
     tidy = try_lock(str(tmp_path), tidying=True)  # what opening a manager (a reader's too) holds briefly
     with deepnvme.CheckpointManager(tmp_path) as mgr:
         timer = threading.Timer(1.0, tidy.release)
@@ -382,8 +383,8 @@ def test_directory_is_created_and_a_reopened_manager_knows_the_newest_step(tmp_p
 
 
 def test_a_failed_removal_by_retention_is_logged_and_retried_not_a_failed_save(tmp_path, monkeypatch, caplog):
-    from deepnvme.checkpoint import _writer
-    real, calls = _writer.delete_step, []
+    from deepnvme.checkpoint.manager import _commit
+    real, calls = _commit.delete_step, []
 
     def refuse_once(directory, step):
         calls.append(step)
@@ -391,7 +392,7 @@ def test_a_failed_removal_by_retention_is_logged_and_retried_not_a_failed_save(t
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), directory)
         real(directory, step)
 
-    monkeypatch.setattr(_writer, "delete_step", refuse_once)
+    monkeypatch.setattr(_commit, "delete_step", refuse_once)
     with deepnvme.CheckpointManager(tmp_path, keep=1) as mgr:
         mgr.save(1, {"w": torch.ones(10)})
         with caplog.at_level(logging.ERROR, logger="deepnvme"):
@@ -415,7 +416,7 @@ def test_plain_data_that_restore_cannot_read_fails_the_save_not_the_restore(tmp_
     if not scan:  # a torch without the globals scan: the check unpickles the skeleton instead
         monkeypatch.delattr(torch.serialization, "get_unsafe_globals_in_checkpoint", raising=False)
     w = torch.ones(1 << 17)
-    with deepnvme.CheckpointManager(tmp_path, mode=mode, keep=None) as mgr:
+    with deepnvme.CheckpointManager(tmp_path, staging=mode, keep=None) as mgr:
         mgr.save(1, {"w": w, "best": 0.5})
         for step, value in ((2, np.float64(0.25)), (3, _Config())):  # torch.load(weights_only) refuses both
             mgr.save(step, {"w": w, "best": value})
@@ -470,7 +471,7 @@ def test_config_reaches_the_writes_and_the_reads(tmp_path):
     with deepnvme.CheckpointManager(tmp_path, config=cfg) as mgr:
         mgr.save(1, {"w": torch.arange(1 << 18, dtype=torch.float32)})
         mgr.wait()
-        got = mgr._handle.config  # the writer's handle
+        got = mgr._writer._handle.config  # the writer's handle
         assert (got.block_size, got.o_direct, got.engine) == (1 << 16, False, "threads")
     with pytest.raises(deepnvme.ConfigError, match="block_size"):
         deepnvme.CheckpointManager(tmp_path, config={"block_size": -1})

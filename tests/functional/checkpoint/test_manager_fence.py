@@ -89,7 +89,7 @@ def test_copied_path_lets_the_step_go_on_and_saves_the_state_at_save(tmp_path, m
     model, opt = _setup()
     extra = torch.randn(300_000)  # no optimizer changes it: copied at the fence too
     want = _want(model, opt, extra)
-    with deepnvme.CheckpointManager(tmp_path, mode="fenced", checksums=checksums) as mgr:
+    with deepnvme.CheckpointManager(tmp_path, staging="fenced", checksums=checksums) as mgr:
         mgr.save(1, {"model": model, "opt": opt, "extra": extra})
         _train(model, opt, steps=3)  # the first step() copies what is not written and goes on
         with torch.no_grad():
@@ -109,7 +109,7 @@ def test_waited_path_without_staging(tmp_path, monkeypatch):
     extra = torch.randn(300_000)
     want = _want(model, opt, extra)
     opt.register_step_post_hook(lambda *a: events.append("stepped"))
-    with deepnvme.CheckpointManager(tmp_path, mode="fenced", fence_staging_bytes=0) as mgr:
+    with deepnvme.CheckpointManager(tmp_path, staging=deepnvme.FencedStager(staging_bytes=0)) as mgr:
         mgr.save(1, {"model": model, "opt": opt, "extra": extra})
         _train(model, opt)  # step() waits until every storage is written
         assert events[:2] == ["written", "stepped"]
@@ -127,7 +127,7 @@ def test_partial_staging_copies_the_last_and_waits_for_the_first(tmp_path, monke
     want = _want(model, opt, extra)
     budget = 3 * 384 * 384 * 4 + 4096  # room for three 384 x 384 float32 storages, not four
     with caplog.at_level(logging.DEBUG, logger="deepnvme.checkpoint._fence"):
-        with deepnvme.CheckpointManager(tmp_path, mode="fenced", fence_staging_bytes=budget) as mgr:
+        with deepnvme.CheckpointManager(tmp_path, staging=deepnvme.FencedStager(staging_bytes=budget)) as mgr:
             mgr.save(1, {"model": model, "opt": opt, "extra": extra})
             _train(model, opt, steps=2)
             assert mgr.stats.fence_copied_bytes == 3 * 384 * 384 * 4  # the last three in write order
@@ -156,7 +156,7 @@ def test_a_storage_in_flight_at_the_fence_is_written_again_from_its_copy(tmp_pat
 
     monkeypatch.setattr(_fence, "_BATCH", 1)
     monkeypatch.setattr(AioHandle, "write_many", write_many)
-    with deepnvme.CheckpointManager(tmp_path, mode="fenced", checksums="xxh64") as mgr:
+    with deepnvme.CheckpointManager(tmp_path, staging="fenced", checksums="xxh64") as mgr:
         mgr.save(1, {"model": model, "opt": opt, "extra": extra})
         assert in_flight.wait(10)
         first = written[0]
@@ -181,7 +181,7 @@ def test_optimizer_storages_are_written_first(tmp_path, monkeypatch):
         return real(self, path, items, **kw)
 
     monkeypatch.setattr(AioHandle, "write_many", write_many)
-    with deepnvme.CheckpointManager(tmp_path, mode="fenced") as mgr:
+    with deepnvme.CheckpointManager(tmp_path, staging="fenced") as mgr:
         mgr.save(1, {"extra": extra, "model": model, "opt": opt})  # extra comes first in the file
         mgr.wait()
     assert order[-1] == extra.data_ptr() and len(order) == 7  # 2 weights, 4 Adam moments, extra
@@ -189,8 +189,8 @@ def test_optimizer_storages_are_written_first(tmp_path, monkeypatch):
 
 def test_fence_staging_bytes_is_checked(tmp_path):
     for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="fence_staging_bytes"):
-            deepnvme.CheckpointManager(tmp_path, mode="fenced", fence_staging_bytes=bad)
+        with pytest.raises(ValueError, match="staging_bytes"):
+            deepnvme.FencedStager(staging_bytes=bad)
 
 
 @pytest.mark.parametrize("settle", [0.0, 0.5])
@@ -200,7 +200,8 @@ def test_precopy_copies_in_the_background_before_the_fence(tmp_path, monkeypatch
     model, opt = _setup()
     extra = torch.randn(300_000)
     want = _want(model, opt, extra)
-    with deepnvme.CheckpointManager(tmp_path, mode="fenced", fence_precopy=True, checksums="crc32c") as mgr:
+    with deepnvme.CheckpointManager(tmp_path, staging=deepnvme.FencedStager(precopy=True),
+                                    checksums="crc32c") as mgr:
         for step in (1, 2):
             mgr.save(step, {"model": model, "opt": opt, "extra": extra})
             time.sleep(settle)  # 0.5 s: forward and backward long enough to copy everything
@@ -227,7 +228,8 @@ def test_saving_every_step_while_the_writer_lags_ends_and_is_exact(tmp_path, mon
 
     def loop() -> None:
         try:
-            with deepnvme.CheckpointManager(tmp_path, mode="fenced", fence_precopy=precopy, keep=None) as mgr:
+            with deepnvme.CheckpointManager(tmp_path, staging=deepnvme.FencedStager(precopy=precopy),
+                                            keep=None) as mgr:
                 for step in range(1, 7):
                     wants[step] = {"model": _bits(model.state_dict()), "opt": _bits(opt.state_dict())}
                     mgr.save(step, {"model": model, "opt": opt})

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.checkpoint._lock import LOCK_NAME
-from deepnvme.checkpoint._store import FILE, step_dir
 from deepnvme.checkpoint.manager import RNG_KEY
+from deepnvme.checkpoint.manager._lock import LOCK_NAME
+from deepnvme.checkpoint.manager._store import FILE, step_dir
 from deepnvme.cli.main import main
 
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.checkpoint._store import FILE, read_manifest, step_dir
 from deepnvme.checkpoint._stored import torch_layout
+from deepnvme.checkpoint.manager._store import FILE, read_manifest, step_dir
 from deepnvme.cli.main import main
 
 _CHILD = textwrap.dedent("""
     import sys, torch, deepnvme
-    mgr = deepnvme.CheckpointManager(sys.argv[1], keep=2, mode=sys.argv[2], checksums=True)
+    mgr = deepnvme.CheckpointManager(sys.argv[1], keep=2, staging=sys.argv[2], checksums=True)
     step = (mgr.latest_step() or 0) + 1
     w = torch.nn.Parameter(torch.full((1 << 20,), float(step)))
     w.grad = torch.full_like(w, -1.0)
@@ -156,23 +156,24 @@ def test_plan_json_and_measure(tmp_path, capsys):
 
 _KILL_AT = textwrap.dedent("""
     import os, sys, types, torch, deepnvme
-    from deepnvme.checkpoint import _store, _writer, manager
+    from deepnvme.checkpoint import _staging
+    from deepnvme.checkpoint.manager import _commit, _store
     directory, mode, point = sys.argv[1:4]
 
     def die(*args, **kwargs):
         print("dying", flush=True)
         os.kill(os.getpid(), 9)
 
-    mgr = deepnvme.CheckpointManager(directory, keep=1, mode=mode, checksums=True)
+    mgr = deepnvme.CheckpointManager(directory, keep=1, staging=mode, checksums=True)
     w = torch.nn.Parameter(torch.full((1 << 18,), 1.0))
     opt = torch.optim.SGD([w], lr=1.0)
     mgr.save(1, {"w": w, "opt": opt, "step": 1})
     mgr.wait()
     if point == "skeleton":  # on the training thread: skeleton written, no tensor bytes yet
-        real = manager.write_skeleton
-        manager.write_skeleton = lambda obj, file: (real(obj, file), die())
+        real = _staging.write_skeleton
+        _staging.write_skeleton = lambda obj, file: (real(obj, file), die())
     elif point == "publish":  # every byte and the manifest written, not yet renamed into place
-        _writer.durable = types.SimpleNamespace(publish_dir=die)
+        _commit.durable = types.SimpleNamespace(publish_dir=die)
     else:  # "retire": step 2 committed, step 1 renamed away and being deleted
         _store.shutil = types.SimpleNamespace(rmtree=die)
     with torch.no_grad():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.checkpoint._store import FILE, step_dir
 from deepnvme.checkpoint._stored import torch_skeleton
+from deepnvme.checkpoint.manager._store import FILE, step_dir
 
 
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -49,7 +49,7 @@ def test_restore_fills_existing_tensors_in_place(tmp_path, checksums, caplog):
     before = _ptrs(_tensors(other, other_opt))
     state = {"model": other, "opt": other_opt, "extra": target_extra, "n": 0}
     extra_ptr = target_extra.data_ptr()
-    with caplog.at_level(logging.DEBUG, logger="deepnvme.checkpoint._restore"):
+    with caplog.at_level(logging.DEBUG, logger="deepnvme.checkpoint.manager._restore"):
         assert mgr.restore(state) == 5
     assert "new memory" not in caplog.text  # every record went straight into its tensor
     got = _tensors(other, other_opt)
@@ -68,7 +68,7 @@ def test_restore_falls_back_for_missing_optimizer_state(tmp_path, caplog):
     fresh = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)  # no state before its first step
     before = _ptrs({f"m/{k}": v for k, v in fresh.state_dict().items()})
-    with caplog.at_level(logging.DEBUG, logger="deepnvme.checkpoint._restore"):
+    with caplog.at_level(logging.DEBUG, logger="deepnvme.checkpoint.manager._restore"):
         mgr.restore({"model": fresh, "opt": fresh_opt})
     assert "read into new memory" in caplog.text
     assert _ptrs({f"m/{k}": v for k, v in fresh.state_dict().items()}) == before

@@ -7,8 +7,8 @@ import io
 import pytest
 import torch
 
-from deepnvme.checkpoint._dcp_io import TensorLayout, parse_layout, slice_extent
-from deepnvme.checkpoint._dcp_read import PROBE, SpanPool
+from deepnvme.checkpoint.dcp._io import TensorLayout, parse_layout, slice_extent
+from deepnvme.checkpoint.dcp._read import PROBE, SpanPool
 
 
 def _saved(tensor: torch.Tensor) -> bytes:

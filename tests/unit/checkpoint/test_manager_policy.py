@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepnvme.checkpoint._policy import check_policy, is_due, retention_victims
+from deepnvme.checkpoint.manager._policy import check_policy, is_due, retention_victims
 
 
 def _due(step, *, first=False, every_steps=None, every_seconds=None, since=0.0):

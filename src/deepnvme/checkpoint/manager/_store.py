@@ -24,8 +24,8 @@ import secrets
 import shutil
 from typing import Any
 
-from ..errors import CheckpointCorruptError
-from ..io import durable
+from ...errors import CheckpointCorruptError
+from ...io import durable
 
 __all__ = ["FILE", "MANIFEST", "FORMAT", "step_dir", "find_step_dirs", "list_steps", "new_building", "delete_step",
            "remove_leftovers", "find_leftovers", "read_manifest"]

@@ -12,12 +12,13 @@ that reaches it in :func:`named_storages`' walk order, which loading reproduces.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from ..memory.views import byte_view, storage_bytes
+from ...memory.views import byte_view, storage_bytes
+from .._tree import named_storages
 
 __all__ = ["ALGORITHMS", "resolve_algorithm", "hasher", "named_storages", "record_names", "checksum"]
 
@@ -48,25 +49,6 @@ def hasher(name: str) -> Callable[[Any], int]:
                           "(or pip install deepnvme[checksums])") from None
     fn: Callable[[Any], int] = getattr(mod, func)
     return fn
-
-
-def named_storages(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.UntypedStorage]]:
-    """Every tensor storage in nested dicts, lists and tuples, once, named by its key path
-    (``"model/fc.weight"``, ``"optim/state/0/exp_avg"``), in iteration order."""
-    seen: set[int] = set()
-    stack: list[tuple[str, Any]] = [(prefix, obj)]
-    while stack:
-        name, value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            if storage._cdata not in seen:
-                seen.add(storage._cdata)
-                yield name, storage
-        elif isinstance(value, dict):
-            stack.extend((f"{name}/{k}" if name else str(k), v) for k, v in reversed(value.items()))
-        elif isinstance(value, (list, tuple)):
-            stack.extend((f"{name}/{i}" if name else str(i), v)
-                         for i, v in reversed(list(enumerate(value))))
 
 
 def checksum(fn: Callable[[Any], int], data: torch.UntypedStorage | torch.Tensor) -> int:

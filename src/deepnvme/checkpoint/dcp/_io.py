@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from ..handles.aio import AioHandle
-from ..io import durable
-from ..io.plan import Span, coalesce
-from ..memory.copy import copy_bytes
-from ..memory.views import aligned_empty, byte_view
+from ...handles.aio import AioHandle
+from ...io import durable
+from ...io.plan import Span, coalesce
+from ...memory.copy import copy_bytes
+from ...memory.views import aligned_empty, byte_view
 
 __all__ = ["Span", "coalesce", "SavedTensor", "TensorLayout", "parse_layout", "parse_saved_tensor",
            "slice_extent", "contiguous_run", "copy_saved", "StreamingWriteStream"]

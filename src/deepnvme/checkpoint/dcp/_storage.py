@@ -13,7 +13,7 @@ save names its data files afresh so that saving over a checkpoint is all-or-noth
   plan asks for is read, straight into the planner's target when it is one contiguous run;
   other items are read whole, neighbours coalesced into spans (up to ``_READ_SPAN`` bytes) in
   reused buffers, and each tensor is copied from its span into the target (``torch.load`` only
-  for items the parser in :mod:`._dcp_io` does not know); up to ``_READ_AHEAD`` bytes in
+  for items the parser in :mod:`._io` does not know); up to ``_READ_AHEAD`` bytes in
   flight. Memory bound: ``_READ_BUFFERS x _READ_SPAN`` bytes plus the largest item read whole.
 
 Use with ``dcp.save(state, storage_writer=NVMeStorageWriter(path))`` and
@@ -52,12 +52,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
-from ..config import IOConfig, checkpoint_config
-from ..errors import CheckpointFormatError
-from ..handles.aio import AioHandle
-from ..io import durable
-from ..memory.views import byte_view
-from ._dcp_io import (
+from ...config import IOConfig, checkpoint_config
+from ...errors import CheckpointFormatError
+from ...handles.aio import AioHandle
+from ...io import durable
+from ...memory.views import byte_view
+from ._io import (
     SavedTensor,
     StreamingWriteStream,
     TensorLayout,
@@ -65,7 +65,7 @@ from ._dcp_io import (
     copy_saved,
     parse_saved_tensor,
 )
-from ._dcp_read import PROBE_MIN, Job, SliceJob, SpanJob, SpanPool, probe_layouts, run_jobs
+from ._read import PROBE_MIN, Job, SliceJob, SpanJob, SpanPool, probe_layouts, run_jobs
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 
@@ -206,7 +206,7 @@ class NVMeStorageReader(FileSystemReader):
         """Read the plan's items with the engine and load each into the planner's target:
         large tensor items by probing their layout and reading only the slice asked for (into
         the target itself where it is one contiguous run), the rest whole, neighbours coalesced
-        into spans; ``_READ_AHEAD`` bytes in flight, span buffers reused (see ``._dcp_read``)."""
+        into spans; ``_READ_AHEAD`` bytes in flight, span buffers reused (see ``._read``)."""
         try:
             handle = self.fs.handle()
             jobs: list[Job] = []

@@ -20,10 +20,10 @@ from typing import Protocol
 
 import torch
 
-from ..handles.aio import AioHandle, wait_all
-from ..io.plan import Span, coalesce
-from ..memory.views import aligned_empty
-from ._dcp_io import TensorLayout, _item_bytes, contiguous_run, parse_layout, slice_extent
+from ...handles.aio import AioHandle, wait_all
+from ...io.plan import Span, coalesce
+from ...memory.views import aligned_empty
+from ._io import TensorLayout, _item_bytes, contiguous_run, parse_layout, slice_extent
 
 __all__ = ["PROBE", "PROBE_MIN", "probe_layouts", "SpanPool", "Job", "SliceJob", "SpanJob",
            "run_jobs"]

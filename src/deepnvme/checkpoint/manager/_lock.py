@@ -17,7 +17,7 @@ import os
 import socket
 import time
 
-from ..errors import CheckpointLockedError
+from ...errors import CheckpointLockedError
 from ._store import remove_leftovers
 
 __all__ = ["LOCK_NAME", "DirectoryLock", "tidy", "try_lock"]

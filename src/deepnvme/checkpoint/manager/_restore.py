@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ..config import IOConfig
-from ..errors import CheckpointMismatchError
-from ..handles.aio import AioHandle
-from ..memory.views import aligned_empty, cast_to_byte_tensor
+from ...config import IOConfig
+from ...errors import CheckpointMismatchError
+from ...handles.aio import AioHandle
+from ...memory.views import aligned_empty, cast_to_byte_tensor
 from ._checksums import named_storages
 from ._verify import check_sums, checked_skeleton, open_checked
 

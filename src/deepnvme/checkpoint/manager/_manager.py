@@ -1,0 +1,374 @@
+"""``deepnvme.CheckpointManager``: the checkpoint loop of a training job in one object.
+
+Where checkpoints go (``DIR/step-N``, see :mod:`._store`), which are due (orbax's interval
+rule), how many stay (``keep``), the newest complete one after a crash, bit-exact resume
+(state dicts, tensors, plain data and RNG states) and optional per-tensor checksums. Saves are
+asynchronous: a stager (:mod:`.._staging`: ``"snapshot"`` copies the tensors at ``save()``,
+``"fenced"`` copies them only at the next optimizer step where needed) makes the image, the
+background writer (:mod:`.._writer`) writes and fsyncs it, and the step commit
+(:mod:`._commit`) writes the manifest, publishes the step and applies retention.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...config import IOConfig, checkpoint_config
+from ...errors import CheckpointMismatchError, FileNotFoundIOError
+from .._paths import as_path
+from .._staging import FencedStager, SnapshotStager, Staged, Stager, resolve_stager
+from .._writer import Job, Ledger, Writer
+from ._checksums import hasher, record_names, resolve_algorithm
+from ._commit import PendingStep, StepCommit, explain_failure
+from ._lock import DirectoryLock, tidy, try_lock
+from ._policy import check_policy, is_due
+from ._restore import restore_state
+from ._rng import capture_rng, restore_rng
+from ._store import FILE, list_steps, remove_leftovers, step_dir
+from ._verify import load_checked
+
+__all__ = ["CheckpointManager", "SaveStats", "RNG_KEY"]
+
+log = logging.getLogger(__name__)
+
+RNG_KEY = "_deepnvme_rng"  # the reserved entry holding RNG states in a saved checkpoint
+_LEGACY_DEFAULTS: dict[str, Any] = {"mode": "snapshot", "snapshot_arenas": 1, "fence_staging_bytes": None,
+                                    "fence_precopy": False}
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What this manager's saves cost the training thread so far (seconds, cumulative)."""
+
+    saves: int
+    blocked_seconds: float  # inside save() plus fenced optimizer steps waiting
+    fence_wait_seconds: float  # the fenced optimizer steps' part of blocked_seconds
+    arena_wait_seconds: float  # snapshot: save() waiting for the previous write to free the arena
+    last_write_seconds: float  # background: the newest finished save's write + fsync
+    fence_copied_bytes: int = 0  # fenced: bytes the optimizer step pre-hooks copied into staging
+    fence_precopied_bytes: int = 0  # fenced with precopy: bytes copied in the background
+
+
+class CheckpointManager:
+    """Saves ``state`` dicts of a training loop into ``directory`` asynchronously and restores them.
+
+    ``state`` (for :meth:`save` and :meth:`restore`) maps names to modules, optimizers, LR
+    schedulers (anything with ``state_dict()``), tensors and plain data that
+    ``torch.load(weights_only=True)`` reads back (builtins, containers; other classes once
+    registered with ``torch.serialization.add_safe_globals``); a save holding anything else fails
+    at its ``wait()``. One thread drives a manager; one manager may write a directory at a time
+    (:class:`CheckpointLockedError` for a second); reading needs no lock and creates nothing (the
+    directory and its lock file are made at the first save). Steps are committed as
+    ``directory/step-<N, 12 digits>``; :meth:`steps` lists a step once its background write
+    committed (:meth:`wait` for the save in flight).
+
+    Args:
+        directory: where the steps live (created, with missing parents, at the first save).
+        keep: newest committed steps kept; older ones are removed after a newer one commits
+            (None: keep all).
+        every_steps: ``save()`` writes when ``step % every_steps == 0`` (None: no step rule).
+        every_seconds: ``save()`` writes when this many seconds passed since the last save
+            started (None: no time rule). Neither rule: every call writes; both: either one.
+        staging: how a save gets its image of the tensors: ``"snapshot"`` (copy every tensor at
+            ``save()``; the loop may change them at once), ``"fenced"`` (no copy at ``save()``;
+            the next optimizer step copies what is not written yet; CPU tensors only), or a
+            :class:`~deepnvme.checkpoint.SnapshotStager` / :class:`~deepnvme.checkpoint.FencedStager`
+            with its own options. The manager closes it.
+        checksums: per-tensor checksums in the manifest, checked on every read: False, True
+            (``"crc32c"``), ``"crc32c"`` or ``"xxh64"``.
+        rng: save the RNG states (torch, CUDA when initialised, Python, NumPy) and restore them.
+        config: I/O settings of the writer and readers (default: the checkpoint profile).
+
+    ``mode``, ``snapshot_arenas``, ``fence_staging_bytes`` and ``fence_precopy`` are still
+    accepted, with a ``DeprecationWarning``: they map onto ``staging`` (``SnapshotStager(arenas=)``,
+    ``FencedStager(staging_bytes=, precopy=)``).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3,
+                 every_steps: int | None = None, every_seconds: float | None = None,
+                 staging: str | Stager | None = None, checksums: bool | str = False,
+                 rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None,
+                 **legacy: Any) -> None:
+        check_policy(keep=keep, every_steps=every_steps, every_seconds=every_seconds)
+        stager = _stager(staging, legacy)
+        self.directory = os.path.abspath(as_path(directory, "CheckpointManager"))
+        self.keep, self.every_steps, self.every_seconds = keep, every_steps, every_seconds
+        self.stager, self.rng = stager, rng
+        self._algorithm = resolve_algorithm(checksums)
+        self._hash_fn = None if self._algorithm is None else hasher(self._algorithm)
+        self._config = checkpoint_config(config)
+        self._lock: DirectoryLock | None = None
+        self._writer: Writer | None = None
+        self._commit = StepCommit(self.directory, keep=keep, algorithm=self._algorithm)
+        self._ledger = Ledger()
+        self._pending: list[Job] = []
+        self._last_step: int | None = None
+        self._last_start = time.monotonic()
+        self._closed = False
+        self._saves, self._blocked, self._last_write = 0, 0.0, 0.0
+        tidy(self.directory)  # leftovers of killed runs, if no writer holds the directory
+
+    @property
+    def mode(self) -> str:
+        """The stager's ``name``: ``"snapshot"``, ``"fenced"``, or a custom stager's own."""
+        return self.stager.name
+
+    # ---- saving -------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False) -> bool:
+        """Start saving ``state`` as ``step`` if it is due (or ``force``); False if not due.
+
+        Returns once the loop may go on (snapshot: after the copy; fenced: at once). Raises
+        ``ValueError`` for a step not greater than the newest saved or started one, the error of
+        an earlier failed save not yet reported, and a :class:`DeepNVMeIOError` naming the step
+        when writing the file's skeleton fails here (a full disk); a save that fails here is not
+        counted (its step may be saved again; ``every_seconds`` still counts from the last save
+        that started writing, timed from the start of its ``save()`` call).
+        """
+        start, started = time.perf_counter(), time.monotonic()
+        self._check_open()
+        self._raise_failures()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"CheckpointManager.save: step must be an int >= 0, got {step!r}")
+        committed = list_steps(self.directory)
+        newest = max([*committed[-1:], *([] if self._last_step is None else [self._last_step])], default=None)
+        if newest is not None and step <= newest:
+            raise ValueError(f"CheckpointManager.save: step {step} is not greater than the newest saved "
+                             f"step {newest} in {self.directory!r}")
+        due = is_due(step, first=newest is None, every_steps=self.every_steps,
+                     every_seconds=self.every_seconds, seconds_since_last=started - self._last_start)
+        if not (due or force):
+            return False
+        saved = self._collect(state)
+        writer = self._start_writer()
+        pending, staged = self._stage(step, saved, state)
+        # only a save that got this far counts: a failed one neither blocks its step nor the clock
+        self._last_start, self._last_step = started, step
+        job = Job(file=pending.file, staged=staged, hash_fn=self._hash_fn,
+                  commit=functools.partial(self._commit.commit, pending),
+                  abort=functools.partial(self._commit.abort, step, pending.building),
+                  check=lambda _file: self._commit.check(pending))
+        self._pending.append(job)
+        self._ledger.add(job.future)
+        writer.submit(job)
+        self._saves += 1
+        self._blocked += time.perf_counter() - start
+        return True
+
+    def _collect(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """What is saved: state dicts of objects, tensors (detached), plain data, RNG states."""
+        saved: dict[str, Any] = {}
+        for name, value in state.items():
+            if not isinstance(name, str) or name == RNG_KEY:
+                raise ValueError(f"CheckpointManager.save: state keys must be str other than {RNG_KEY!r}, "
+                                 f"got {name!r}")
+            if isinstance(value, torch.Tensor):
+                saved[name] = value.detach()
+            elif callable(getattr(value, "state_dict", None)):
+                saved[name] = value.state_dict()
+            else:
+                saved[name] = value
+        if self.rng:
+            saved[RNG_KEY] = capture_rng()
+        return saved
+
+    def _start_writer(self) -> Writer:
+        if self._writer is None:
+            self._lock = try_lock(self.directory)
+            remove_leftovers(self.directory)
+            self._writer = Writer(self._config, name="deepnvme-checkpoint-writer")
+        return self._writer
+
+    def _stage(self, step: int, saved: Mapping[str, Any], state: Mapping[str, Any]
+               ) -> tuple[PendingStep, Staged]:
+        """On the caller's thread: the step's building directory, its skeleton and staged image."""
+        building: str | None = None
+        staged: Staged | None = None
+        try:
+            building = self._commit.begin(step)
+            staged = self.stager.stage(saved, os.path.join(building, FILE), state=state)
+            names, order = record_names(saved, staged.layout)
+        except BaseException as exc:
+            if staged is not None:
+                staged.release()
+            if building is not None:
+                shutil.rmtree(building, ignore_errors=True)
+            if isinstance(exc, OSError):  # e.g. ENOSPC while writing the skeleton: name the step
+                raise explain_failure(exc, step, self.directory) from exc
+            raise
+        return PendingStep(step, building, staged.layout, names, order), staged
+
+    # ---- completion -----------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until every save started so far is committed; raise the first failure not
+        reported yet (the next ``wait()`` or ``save()`` raises the others)."""
+        self._ledger.wait()
+        self._raise_failures()
+
+    def _raise_failures(self) -> None:
+        done = [job for job in self._pending if job.future.done()]
+        self._pending = [job for job in self._pending if not job.future.done()]
+        for job in done:
+            self._last_write = job.write_seconds or self._last_write
+        try:
+            self._ledger.raise_first()
+        except BaseException:
+            self._last_step = max(list_steps(self.directory), default=None)
+            raise
+
+    def close(self) -> None:
+        """Wait for pending saves, then release the thread, staging memory, hooks and lock
+        (idempotent). Raises the first failure not reported yet, after releasing everything;
+        the others are logged."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._writer is not None:
+                self._writer.stop()
+            self.wait()
+        finally:
+            for exc in self._ledger.unreported():
+                log.error("deepnvme.CheckpointManager: a save failed and was never reported: %s", exc)
+            self.stager.close()
+            if self._lock is not None:
+                self._lock.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as err:  # the body's exception is the one to see
+            log.error("deepnvme.CheckpointManager: a save failed while closing: %s", err)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager({self.directory!r}) is closed")
+
+    @property
+    def stats(self) -> SaveStats:
+        """Cumulative cost of this manager's saves to the caller (see :class:`SaveStats`)."""
+        st = self.stager.stats()
+        return SaveStats(saves=self._saves, blocked_seconds=self._blocked + st.fence_wait_seconds,
+                         fence_wait_seconds=st.fence_wait_seconds, arena_wait_seconds=st.arena_wait_seconds,
+                         last_write_seconds=self._last_write, fence_copied_bytes=st.copied_bytes,
+                         fence_precopied_bytes=st.precopied_bytes)
+
+    # ---- reading --------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending. A step is listed once its background write committed
+        (only complete checkpoints are ever listed): call :meth:`wait` first to see a save still
+        in flight."""
+        return list_steps(self.directory)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        return max(self.steps(), default=None)
+
+    def load(self, step: int | None = None, *, map_location: Any = None) -> dict[str, Any]:
+        """The saved entries of ``step`` (default: the newest) by name: state dicts for objects,
+        tensors and plain data, as passed to ``save`` (the RNG states are :meth:`restore`'s).
+        Verifies sizes and any stored checksums (:class:`CheckpointCorruptError`). Blocks; waits
+        for this manager's pending saves."""
+        if self._writer is not None and not self._closed:
+            self.wait()
+        chosen = self._resolve(step)
+        obj, _ = load_checked(step_dir(self.directory, chosen), chosen, map_location=map_location,
+                              config=self._config)
+        if not isinstance(obj, dict):
+            raise CheckpointMismatchError(f"step {chosen} in {self.directory!r} holds a {type(obj).__name__}")
+        obj.pop(RNG_KEY, None)
+        return obj
+
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, strict: bool = True) -> int:
+        """Load ``step`` (default: the newest) into ``state`` in place and return the step.
+
+        Objects get ``load_state_dict``, tensors ``copy_``, plain data replaces ``state[name]``;
+        RNG states are restored when saved and ``rng=True``. The names of ``state`` and the
+        checkpoint must match, and so must the names and shapes of a module's state dict
+        (:class:`CheckpointMismatchError` before anything changes). ``strict=False`` restores
+        part of a checkpoint: names (and module state dict keys) on one side only are left
+        out, e.g. a model restored without its optimizer; shapes must still match. Bytes are read straight
+        into the existing tensors (parameters, buffers, optimizer state, tensors in ``state``)
+        where dtype and shape match, else into new memory (:mod:`._restore`); O_DIRECT lands
+        in a tensor directly only when it is page-aligned, as PyTorch makes allocations of 2 MiB
+        and more when the process runs with ``THP_MEM_ALLOC_ENABLE=1``. Stored checksums
+        are checked on the bytes read: a :class:`CheckpointCorruptError` then comes after the
+        state's tensors were overwritten, as can an I/O error.
+        """
+        if self._writer is not None and not self._closed:
+            self.wait()
+        chosen = self._resolve(step)
+        saved = restore_state(step_dir(self.directory, chosen), chosen, state, self._config,
+                              what=f"step {chosen} in {self.directory!r}", rng_key=RNG_KEY, strict=strict)
+        if self.rng and RNG_KEY in saved:
+            restore_rng(saved[RNG_KEY])
+        return chosen
+
+    def _resolve(self, step: int | None) -> int:
+        steps = self.steps()
+        if step is None and steps:
+            return steps[-1]
+        if step is not None and step in steps:
+            return step
+        want = "no checkpoint" if step is None else f"no checkpoint of step {step}"
+        raise FileNotFoundIOError(f"{want} in {self.directory!r} (committed steps: {steps})",
+                                  path=self.directory, offset=None, size=None, errno=2)
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({self.directory!r}, mode={self.mode!r}, keep={self.keep}, "
+                f"steps={self.steps()})")
+
+
+def _stager(staging: str | Stager | None, legacy: dict[str, Any]) -> Stager:
+    """The manager's stager from ``staging`` and the deprecated mode keywords (mapped, with a
+    ``DeprecationWarning``); ``TypeError`` for an unknown keyword."""
+    unknown = sorted(k for k in legacy if k not in _LEGACY_DEFAULTS)
+    if unknown:
+        raise TypeError(f"CheckpointManager() got unexpected keyword arguments {unknown}")
+    if not legacy:
+        return resolve_stager("snapshot" if staging is None else staging, "CheckpointManager")
+    if staging is not None:
+        raise ValueError(f"CheckpointManager: pass staging=... alone; {sorted(legacy)} are its "
+                         "deprecated spellings")
+    mode = legacy.get("mode", "snapshot")
+    if mode not in ("snapshot", "fenced"):
+        raise ValueError(f"CheckpointManager: mode must be 'snapshot' or 'fenced', got {mode!r}")
+    wrong = [k for k, v in legacy.items() if k.startswith("fence_" if mode == "snapshot" else "snapshot_")
+             and v != _LEGACY_DEFAULTS[k]]  # the other mode's options at their defaults are ignored
+    if wrong:
+        raise ValueError(f"CheckpointManager: {wrong} do not apply to mode={mode!r}")
+    try:
+        if mode == "snapshot":
+            stager: Stager = SnapshotStager(arenas=legacy.get("snapshot_arenas", 1))
+            new = f"staging=SnapshotStager(arenas={legacy.get('snapshot_arenas', 1)!r})"
+        else:
+            stager = FencedStager(staging_bytes=legacy.get("fence_staging_bytes"),
+                                  precopy=legacy.get("fence_precopy", False))
+            new = (f"staging=FencedStager(staging_bytes={legacy.get('fence_staging_bytes')!r}, "
+                   f"precopy={legacy.get('fence_precopy', False)!r})")
+    except ValueError as exc:
+        raise ValueError(f"CheckpointManager({', '.join(f'{k}={v!r}' for k, v in legacy.items())}): "
+                         f"{exc}") from None
+    if list(legacy) == ["mode"]:
+        new = f"staging={mode!r}"
+    warnings.warn(f"CheckpointManager({', '.join(sorted(legacy))}=...) is deprecated; pass {new} "
+                  "(from deepnvme.checkpoint)", DeprecationWarning, stacklevel=3)
+    return stager

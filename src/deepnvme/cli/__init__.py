@@ -8,8 +8,9 @@ The measuring functions that used to be imported from here (``run_bench``, ``Ben
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
+
+from .._deprecation import warn_once
 
 __all__: list[str] = []
 
@@ -18,7 +19,6 @@ _MOVED = ("BenchOptions", "BenchResult", "Check", "DataBenchResult", "DataOption
           "LoadBenchResult", "LoadOptions", "OpStats", "Report", "Trial", "TuneResult",
           "TuneSpace", "default_space", "load_space", "run_bench", "run_data_bench",
           "run_load_bench", "run_report", "run_tune")
-_warned: set[str] = set()
 
 
 def __getattr__(name: str) -> Any:
@@ -26,8 +26,6 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from .. import bench
 
-    if name not in _warned:
-        _warned.add(name)
-        warnings.warn(f"deepnvme.cli.{name} moved to deepnvme.bench.{name}; import it from there "
-                      "(the old name goes in the next release)", DeprecationWarning, stacklevel=2)
+    warn_once(f"deepnvme.cli.{name}", f"deepnvme.cli.{name} moved to deepnvme.bench.{name}; import it from "
+              "there (the old name goes in the next release)", stacklevel=2)
     return getattr(bench, name)

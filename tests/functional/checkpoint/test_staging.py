@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import deepnvme
+from deepnvme import _deprecation
 from deepnvme.checkpoint import Stager, _writer
 from deepnvme.checkpoint._staging import Staged
 
@@ -96,7 +97,8 @@ def test_every_failure_is_reported_once_none_is_lost(tmp_path, monkeypatch):
     assert mgr.steps() == [1]
 
 
-def test_the_deprecated_mode_keywords_map_onto_the_stagers(tmp_path):
+def test_the_deprecated_mode_keywords_map_onto_the_stagers(tmp_path, monkeypatch):
+    monkeypatch.setattr(_deprecation, "_warned", set())  # each spelling warns once per process
     with pytest.warns(DeprecationWarning, match=r"staging='fenced'"):
         mgr = deepnvme.CheckpointManager(tmp_path, mode="fenced")
     assert isinstance(mgr.stager, deepnvme.FencedStager) and mgr.mode == "fenced"
@@ -116,6 +118,7 @@ def test_the_deprecated_mode_keywords_map_onto_the_stagers(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new spelling does not warn
         deepnvme.CheckpointManager(tmp_path, staging=deepnvme.FencedStager(staging_bytes=0)).close()
+        deepnvme.CheckpointManager(tmp_path, snapshot_arenas=2).close()  # an old spelling warns once
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

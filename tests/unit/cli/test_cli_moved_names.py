@@ -9,10 +9,11 @@ import pytest
 
 import deepnvme.bench
 import deepnvme.cli
+from deepnvme import _deprecation
 
 
 def test_old_names_are_the_new_objects_and_warn_once(monkeypatch) -> None:
-    monkeypatch.setattr(deepnvme.cli, "_warned", set())
+    monkeypatch.setattr(_deprecation, "_warned", set())
     for name in ("run_bench", "BenchOptions", "LoadOptions", "run_load_bench", "run_tune",
                  "run_report", "run_data_bench"):
         with pytest.warns(DeprecationWarning, match=f"deepnvme.cli.{name} moved to deepnvme.bench.{name}"):
@@ -24,7 +25,7 @@ def test_old_names_are_the_new_objects_and_warn_once(monkeypatch) -> None:
 
 
 def test_from_import_still_works_and_unknown_names_fail(monkeypatch) -> None:
-    monkeypatch.setattr(deepnvme.cli, "_warned", set())
+    monkeypatch.setattr(_deprecation, "_warned", set())
     with pytest.warns(DeprecationWarning):
         from deepnvme.cli import LoadBenchResult
     assert LoadBenchResult is deepnvme.bench.LoadBenchResult

@@ -16,13 +16,13 @@ import logging
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..._deprecation import warn_once
 from ...config import IOConfig, checkpoint_config
 from ...errors import CheckpointMismatchError, FileNotFoundIOError
 from .._paths import as_path
@@ -369,6 +369,7 @@ def _stager(staging: str | Stager | None, legacy: dict[str, Any]) -> Stager:
                          f"{exc}") from None
     if list(legacy) == ["mode"]:
         new = f"staging={mode!r}"
-    warnings.warn(f"CheckpointManager({', '.join(sorted(legacy))}=...) is deprecated; pass {new} "
-                  "(from deepnvme.checkpoint)", DeprecationWarning, stacklevel=3)
+    names = ", ".join(sorted(legacy))
+    warn_once(f"CheckpointManager({names})", f"CheckpointManager({names}=...) is deprecated; pass {new} "
+              "(from deepnvme.checkpoint)", stacklevel=3)
     return stager

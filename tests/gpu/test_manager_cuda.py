@@ -12,7 +12,7 @@ import torch
 
 import deepnvme
 from deepnvme.checkpoint.manager import RNG_KEY
-from deepnvme.checkpoint.manager._store import FILE, step_dir
+from deepnvme.checkpoint.manager._steps import FILE, step_dir
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

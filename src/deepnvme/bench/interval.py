@@ -19,7 +19,7 @@ import os
 import statistics
 from typing import Any
 
-from ..checkpoint.manager._store import find_step_dirs, list_steps
+from ..checkpoint.manager._steps import find_step_dirs, list_steps
 from ..config import checkpoint_config
 from ..errors import UsageError
 from ..io.durable import create_temp, remove_quietly

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 
 from ..errors import CheckpointMismatchError
-from ._stored import StoredTensor
+from ..formats.safetensors import StoredTensor
 
 __all__ = ["TargetSpec", "Fill", "FillPlan", "Chunk", "plan_fill", "route", "chunks",
            "mismatch_error", "convertible", "Route"]

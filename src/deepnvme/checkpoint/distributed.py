@@ -7,6 +7,9 @@ all ranks, cut at 4096-byte boundaries) with O_DIRECT and fsyncs; after an all-g
 that every rank succeeded, rank 0 renames the file into place and fsyncs the directory. If any
 rank fails, the temporary file is removed and every rank raises. The directory must be on a
 filesystem all ranks of the group can write (one host, or a shared parallel filesystem).
+
+"Distributed" here means the writing, not the format: the result is one plain torch.save file,
+not torch.distributed.checkpoint's sharded folder (that is :mod:`deepnvme.checkpoint.dcp`).
 """
 
 from __future__ import annotations

@@ -18,12 +18,12 @@ import torch
 from ..config import IOConfig, checkpoint_config
 from ..errors import UnsupportedBufferError
 from ..formats.index import tensor_index
+from ..formats.safetensors import StoredTensor
 from ..handles.aio import AioHandle, wait_all
 from ..memory import pinned
 from ..memory.views import aligned_empty, cast_to_byte_tensor
 from ._fill_plan import Fill, FillPlan, TargetSpec, chunks, mismatch_error, plan_fill
 from ._paths import as_path
-from ._stored import StoredTensor
 
 __all__ = ["LoadResult", "load_into", "BOUNCE_SLOTS", "BOUNCE_CHUNK"]
 

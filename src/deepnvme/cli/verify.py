@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any
 
-from ..checkpoint.manager._store import find_leftovers
+from ..checkpoint.manager._steps import find_leftovers
 from ..checkpoint.manager._verify import CheckResult, check_one, find_targets
 from ..errors import UsageError
 from ._render import print_json, progress_bar

@@ -13,7 +13,7 @@ long-running writer also clears what a process killed after its first save left 
 The ``deepnvme`` command's bench, tune and report files use the same names.
 
 Replacing a file frees the old file's blocks, which is slow on filesystems mounted with
-``discard`` (0.25-0.3 s for 1 GiB on the development machine's ext4). :func:`commit` keeps the
+``discard`` (a fraction of a second per GiB). :func:`commit` keeps the
 old file open across the rename and closes it on a background thread, so the blocks are freed
 after the new file is already durable and the caller has moved on; :func:`wait_for_releases`
 waits for that clean-up (benchmarks use it so one save's clean-up is not timed in the next).
@@ -157,7 +157,7 @@ def take_spare(path: str) -> str | None:
     """Rename ``path``'s spare file, if there is one, to a fresh temporary name and return that.
 
     The next save then overwrites blocks that are already allocated and written, which is
-    faster than filling a new file (see BENCHMARKS.md). None when there is no spare (or a
+    faster than filling a new file. None when there is no spare (or a
     concurrent save took it first). Cleans the directory as :func:`temp_name` does.
     """
     tmp = temp_name(path)

@@ -13,7 +13,7 @@ import torch
 import deepnvme
 from deepnvme.checkpoint.manager import RNG_KEY
 from deepnvme.checkpoint.manager._lock import LOCK_NAME
-from deepnvme.checkpoint.manager._store import FILE, step_dir
+from deepnvme.checkpoint.manager._steps import FILE, step_dir
 from deepnvme.cli.main import main
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.checkpoint._stored import torch_layout
-from deepnvme.checkpoint.manager._store import FILE, read_manifest, step_dir
+from deepnvme.checkpoint.manager._steps import FILE, read_manifest, step_dir
 from deepnvme.cli.main import main
+from deepnvme.formats.torchsave import torch_layout
 
 _CHILD = textwrap.dedent("""
     import sys, torch, deepnvme
@@ -157,7 +157,7 @@ def test_plan_json_and_measure(tmp_path, capsys):
 _KILL_AT = textwrap.dedent("""
     import os, sys, types, torch, deepnvme
     from deepnvme.checkpoint import _staging
-    from deepnvme.checkpoint.manager import _commit, _store
+    from deepnvme.checkpoint.manager import _commit, _steps
     directory, mode, point = sys.argv[1:4]
 
     def die(*args, **kwargs):
@@ -175,7 +175,7 @@ _KILL_AT = textwrap.dedent("""
     elif point == "publish":  # every byte and the manifest written, not yet renamed into place
         _commit.durable = types.SimpleNamespace(publish_dir=die)
     else:  # "retire": step 2 committed, step 1 renamed away and being deleted
-        _store.shutil = types.SimpleNamespace(rmtree=die)
+        _steps.shutil = types.SimpleNamespace(rmtree=die)
     with torch.no_grad():
         w.fill_(2.0)
     mgr.save(2, {"w": w, "opt": opt, "step": 2})

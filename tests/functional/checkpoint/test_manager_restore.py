@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import deepnvme
-from deepnvme.checkpoint._stored import torch_skeleton
-from deepnvme.checkpoint.manager._store import FILE, step_dir
+from deepnvme.checkpoint.manager._steps import FILE, step_dir
+from deepnvme.formats.torchsave import torch_skeleton
 
 
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

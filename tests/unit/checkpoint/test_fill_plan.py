@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from deepnvme.checkpoint._fill_plan import Chunk, TargetSpec, chunks, convertible, mismatch_error, plan_fill, route
-from deepnvme.checkpoint._stored import StoredTensor
 from deepnvme.errors import CheckpointMismatchError, DeepNVMeError
+from deepnvme.formats.safetensors import StoredTensor
 
 
 def _src(name: str, shape=(4, 3), dtype=torch.float32, offset=100, stride=None) -> StoredTensor:

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import CheckpointFormatError, DeepNVMeIOError
+from ...formats.torchsave import torch_skeleton
 from ...io import durable
-from .._stored import torch_skeleton
 from .._writer import Written
 from ..saver import StorageLayout
 from ._policy import retention_victims
-from ._store import FILE, FORMAT, MANIFEST, delete_step, list_steps, new_building, step_dir
+from ._steps import FILE, FORMAT, MANIFEST, delete_step, list_steps, new_building, step_dir
 
 __all__ = ["PendingStep", "StepCommit", "check_restorable", "explain_failure"]
 

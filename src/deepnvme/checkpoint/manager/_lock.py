@@ -18,7 +18,7 @@ import socket
 import time
 
 from ...errors import CheckpointLockedError
-from ._store import remove_leftovers
+from ._steps import remove_leftovers
 
 __all__ = ["LOCK_NAME", "DirectoryLock", "tidy", "try_lock"]
 

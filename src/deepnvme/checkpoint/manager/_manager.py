@@ -1,6 +1,6 @@
 """``deepnvme.CheckpointManager``: the checkpoint loop of a training job in one object.
 
-Where checkpoints go (``DIR/step-N``, see :mod:`._store`), which are due (orbax's interval
+Where checkpoints go (``DIR/step-N``, see :mod:`._steps`), which are due (orbax's interval
 rule), how many stay (``keep``), the newest complete one after a crash, bit-exact resume
 (state dicts, tensors, plain data and RNG states) and optional per-tensor checksums. Saves are
 asynchronous: a stager (:mod:`.._staging`: ``"snapshot"`` copies the tensors at ``save()``,
@@ -34,7 +34,7 @@ from ._lock import DirectoryLock, tidy, try_lock
 from ._policy import check_policy, is_due
 from ._restore import restore_state
 from ._rng import capture_rng, restore_rng
-from ._store import FILE, list_steps, remove_leftovers, step_dir
+from ._steps import FILE, list_steps, remove_leftovers, step_dir
 from ._verify import load_checked
 
 __all__ = ["CheckpointManager", "SaveStats", "RNG_KEY"]

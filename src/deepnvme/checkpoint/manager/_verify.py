@@ -16,11 +16,11 @@ import torch
 
 from ...config import IOConfig
 from ...errors import CheckpointCorruptError, CheckpointFormatError
+from ...formats.torchsave import torch_skeleton
 from ...formats.torchzip import RecordSpan
-from .._stored import torch_skeleton
 from ..loader import load as load_file
 from ._checksums import checksum, hasher, named_storages
-from ._store import FILE, MANIFEST, find_step_dirs, read_manifest
+from ._steps import FILE, MANIFEST, find_step_dirs, read_manifest
 
 __all__ = ["load_checked", "open_checked", "checked_skeleton", "check_tensors", "check_structure",
            "check_sums", "CheckResult", "find_targets", "check_one"]

@@ -113,12 +113,17 @@ def replicated(rank: int, world: int, directory: str) -> None:
     plain = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
     dcp.load(plain, checkpoint_id=path)
     assert same(plain["model"], expected["model"])
+
+    # retention (keep=2) after a newer step committed
+    assert mgr.save(4, state)
     mgr.close()
+    assert sorted(n for n in os.listdir(directory) if n.startswith("step-")) == [
+        "step-000000000002", "step-000000000004"]
 
 
-def sharded(rank: int, world: int, directory: str) -> None:
-    """DTensor shards on a 1-D CPU mesh: each rank writes its shard; bitwise restore; a rank that
-    does not answer is named in the timeout."""
+def sharded(rank: int, world: int, directory: str, single: str) -> None:
+    """DTensor shards on a 1-D CPU mesh: each rank writes its shard; bitwise restore; a step saved
+    by one process restores into every rank; a rank that does not answer is named in the timeout."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -137,6 +142,10 @@ def sharded(rank: int, world: int, directory: str) -> None:
         with open(os.path.join(directory, "step-000000000005", "manifest.json")) as f:
             shares = [r["bytes"] for r in json.load(f)["ranks"]]
         assert min(shares) >= full.numel() * full.element_size() / world  # each rank wrote its shard
+    with deepnvme.CheckpointManager(single, timeout=30) as mgr:
+        got = {"t": torch.zeros(5), "note": ""}
+        assert mgr.restore(got) == 1
+        assert torch.equal(got["t"], torch.arange(5.0)) and got["note"] == "one process"
     lonely = deepnvme.CheckpointManager(directory, timeout=3)
     if rank == 0:
         try:

@@ -17,6 +17,7 @@ import io
 import json
 import os
 import time
+import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -196,6 +197,8 @@ def read_step(path: str, saved: dict[str, Any], *, group: Any, config: IOConfig,
               partial: bool = False) -> None:
     """Load the step directory ``path`` into ``saved`` in place, DCP resharding where the saving
     world differs. ``group``: the process group of the readers (None: this process alone)."""
-    dcp_load(saved, storage_reader=NVMeStorageReader(path, config=config),
-             planner=DefaultLoadPlanner(allow_partial_load=partial), process_group=group,
-             no_dist=group is None)
+    with warnings.catch_warnings():  # without a group, DCP warns that it assumes one process: it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp_load(saved, storage_reader=NVMeStorageReader(path, config=config),
+                 planner=DefaultLoadPlanner(allow_partial_load=partial), process_group=group,
+                 no_dist=group is None)

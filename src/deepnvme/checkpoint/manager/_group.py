@@ -30,9 +30,7 @@ class RankGroup:
         self.ranks = ranks  # global ranks, ascending; group rank i is ranks[i]
         self.timeout = timeout
         td = datetime.timedelta(seconds=timeout)
-        self._groups = {name: dist.new_group(ranks=ranks, backend="gloo", timeout=td,
-                                             use_local_synchronization=True)
-                        for name in ("main", "writer")}
+        self._groups = {name: _new_group(ranks, td) for name in ("main", "writer")}
         self.rank = ranks.index(dist.get_rank())
         self.world = len(ranks)
 
@@ -66,7 +64,8 @@ class RankGroup:
 def rank_group(group: Any, timeout: float) -> RankGroup | None:
     """The manager's :class:`RankGroup` over ``group`` (None: the world), or None when
     torch.distributed is not initialised or the group has one rank (single-process mode).
-    Collective over ``group``'s ranks when it returns a group."""
+    Collective over the whole world (``torch.distributed.new_group``'s rule) unless it returns
+    None; a rank outside ``group`` takes part, then gets ``ValueError``."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise ValueError("CheckpointManager(group=...): torch.distributed is not initialised")
@@ -74,8 +73,17 @@ def rank_group(group: Any, timeout: float) -> RankGroup | None:
     ranks = sorted(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     if len(ranks) == 1:
         return None
-    if dist.get_rank() not in ranks:
-        raise ValueError(f"CheckpointManager(group=...): rank {dist.get_rank()} is not in the group {ranks}")
     if timeout <= 0:
         raise ValueError(f"CheckpointManager: timeout must be > 0 seconds, got {timeout!r}")
+    if dist.get_rank() not in ranks:
+        for _ in range(2):  # new_group is a collective of the whole world: take part, then refuse
+            _new_group(ranks, datetime.timedelta(seconds=timeout))
+        raise ValueError(f"CheckpointManager(group=...): rank {dist.get_rank()} is not in the group {ranks}")
     return RankGroup(ranks, timeout)
+
+
+def _new_group(ranks: list[int], timeout: datetime.timedelta) -> Any:
+    """A gloo group of ``ranks``; every rank of the world calls it. (Not
+    ``use_local_synchronization``: that names groups by their ranks alone, so the manager's two
+    groups, or a later manager's, would share one rendezvous prefix.)"""
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)

@@ -90,7 +90,8 @@ class CheckpointManager:
             (``"crc32c"``), ``"crc32c"`` or ``"xxh64"``.
         rng: save the RNG states (torch, CUDA when initialised, Python, NumPy) and restore them.
         config: I/O settings of the writer and readers (default: the checkpoint profile).
-        group: the torch.distributed group whose ranks share this manager (None: the world).
+        group: the torch.distributed group whose ranks share this manager (None: the world;
+            every rank of the world constructs its manager, as ``new_group`` requires).
             With torch.distributed initialised and more than one rank, ``save``, ``restore``,
             ``steps``, ``latest_step`` and ``close`` are collectives that every rank calls in
             the same order, ``directory`` is one directory all ranks see, and a step is a

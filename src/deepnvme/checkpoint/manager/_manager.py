@@ -98,7 +98,7 @@ class CheckpointManager:
             ``torch.distributed.checkpoint`` checkpoint (see docs/checkpoints.md, "Several
             ranks"); snapshot staging only, no ``checksums`` yet.
         timeout: seconds a rank waits for the others in the manager's own collectives before a
-            :class:`~deepnvme.errors.RanksTimeoutError` naming the ranks that did not arrive.
+            :class:`~deepnvme.RanksTimeoutError` naming the ranks that did not arrive.
 
     ``mode``, ``snapshot_arenas``, ``fence_staging_bytes`` and ``fence_precopy`` are still
     accepted, with a ``DeprecationWarning``: they map onto ``staging`` (``SnapshotStager(arenas=)``,

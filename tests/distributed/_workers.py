@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,10 +64,22 @@ def replicated(rank: int, world: int, directory: str) -> None:
     assert mgr.save(1, state)
     train(model, opt)
     torch.manual_seed(100 + rank)  # RNG differs per rank
-    assert mgr.save(2, state)
+    real, gate = _ranks.write_share, threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(20)
+        return real(*args, **kwargs)
+
+    _ranks.write_share = held
+    assert mgr.save(2, state)  # returns while the write is held: this rank's share is staged
     expected = snapshot(model, opt)
     draw = torch.rand(3)
+    with torch.no_grad():  # training goes on; the step keeps what save() saw
+        for p in model.parameters():
+            p.add_(1.0)
+    gate.set()
     mgr.wait()
+    _ranks.write_share = real
     assert mgr.steps() == [1, 2] and mgr.latest_step() == 2
     path = os.path.join(directory, "step-000000000002")
     with open(os.path.join(path, "manifest.json")) as f:
@@ -78,21 +92,20 @@ def replicated(rank: int, world: int, directory: str) -> None:
         torch.save(expected, os.path.join(directory, "expected.pt"))
 
     # a write failure on rank 1 fails step 3 on every rank; steps 1 and 2 stay
-    real = _ranks.write_share
-
     def failing(*args: object, **kwargs: object) -> object:
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-    _ranks.write_share = failing if rank == 1 else real  # type: ignore[assignment]
+    _ranks.write_share = failing if rank == 1 else real
     train(model, opt)
     assert mgr.save(3, state)
     try:
-        mgr.wait()
+        mgr.save(4, state)  # a due save waits for the previous one: every rank raises its error here
     except DeepNVMeIOError as exc:
         assert "rank 1" in str(exc) and exc.errno == errno.ENOSPC, exc
     else:
         raise AssertionError("the failed save was not reported")
-    _ranks.write_share = real  # type: ignore[assignment]
+    _ranks.write_share = real
+    mgr.wait()
     assert mgr.steps() == [1, 2]
     dist.barrier()
     assert not [n for n in os.listdir(directory) if n.startswith(".step-")]

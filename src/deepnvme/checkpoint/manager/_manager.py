@@ -158,11 +158,11 @@ class CheckpointManager:
         """
         start, started = time.perf_counter(), time.monotonic()
         self._check_open()
-        self._raise_failures()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save: step must be an int >= 0, got {step!r}")
         if self._ranks is not None:
             return self._save_ranks(self._ranks, step, state, force, start, started)
+        self._raise_failures()
         committed = list_steps(self.directory)
         newest = max([*committed[-1:], *([] if self._last_step is None else [self._last_step])], default=None)
         if newest is not None and step <= newest:
@@ -191,13 +191,11 @@ class CheckpointManager:
     def _save_ranks(self, ranks: RankSteps, step: int, state: Mapping[str, Any], force: bool, start: float,
                     started: float) -> bool:
         """``save`` over several ranks (:mod:`._ranks`): the ranks agree on the step and plan
-        together; this rank stages its share and its writer thread writes and commits it."""
-
-        def due(newest: int | None, since_last: float) -> bool:
-            return is_due(step, first=newest is None, every_steps=self.every_steps,
-                          every_seconds=self.every_seconds, seconds_since_last=since_last)
-
-        call = ranks.save(step, state, force=force, rng=self.rng, rule=due,
+        together; this rank stages its share and its writer thread writes and commits it. A due
+        save first waits for the previous one, so every rank raises its error at the same call."""
+        call = ranks.save(step, state, force=force, rng=self.rng, settle=self.wait,
+                          rule=lambda newest, since: is_due(step, first=newest is None, every_steps=self.every_steps,
+                                                            every_seconds=self.every_seconds, seconds_since_last=since),
                           since_last=started - self._last_start, last_step=self._last_step)
         if call is None:
             return False

@@ -91,11 +91,13 @@ class RankSteps:
     # ---- saving ---------------------------------------------------------------------------
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool, rng: bool,
-             rule: Callable[[int | None, float], bool], since_last: float, last_step: int | None
-             ) -> Call | None:
+             rule: Callable[[int | None, float], bool], settle: Callable[[], None], since_last: float,
+             last_step: int | None) -> Call | None:
         """Collective: plan and stage this rank's share of ``step``; the writer-thread call that
         writes and commits it, already submitted (None: not due). ``rule(newest, since_last)``
-        says whether the step is due; rank 0's answer holds for all."""
+        says whether the step is due; rank 0's answer holds for all. ``settle()`` runs once the
+        save is known to be due, before anything else: it waits for the previous save and raises
+        its error (the same on every rank, as the ranks agreed on it)."""
         g = self.group
         vote: Any = (step, force)
         if g.rank == 0:
@@ -114,6 +116,7 @@ class RankSteps:
             raise ValueError(f"CheckpointManager.save: {refused} in {self.directory!r}")
         if not due:
             return None
+        settle()
         own: BaseException | None = None
         plan: SavePlan | None = None
         try:

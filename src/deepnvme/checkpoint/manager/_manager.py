@@ -391,4 +391,4 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, mode={self.mode!r}, keep={self.keep}, "
-                f"steps={self.steps()})")
+                f"steps={list_steps(self.directory)})")  # no collective

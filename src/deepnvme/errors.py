@@ -21,6 +21,7 @@ __all__ = [
     "FileNotFoundIOError",
     "GdsUnavailableError",
     "PermissionIOError",
+    "RanksTimeoutError",
     "ShortTransferError",
     "SwapBufferError",
     "SwapError",
@@ -195,6 +196,11 @@ class GdsUnavailableError(DeepNVMeError, RuntimeError):
 
 class DistributedSaveError(DeepNVMeError, RuntimeError):
     """A data-parallel save failed on at least one rank (the previous file is untouched)."""
+
+
+class RanksTimeoutError(DeepNVMeError, TimeoutError):
+    """Ranks of a multi-rank checkpoint manager did not reach one of its collectives in time (the
+    message names them)."""
 
 
 class UsageError(DeepNVMeError):

@@ -30,7 +30,7 @@ from ..handles.aio import AioHandle
 from ..io.file import reserve
 from ._staging import HashFn, Staged
 
-__all__ = ["Job", "Ledger", "SaveFuture", "Writer", "Written"]
+__all__ = ["Call", "Job", "Ledger", "SaveFuture", "Writer", "Written"]
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +67,27 @@ class Job:
     write_seconds: float = 0.0
 
 
+@dataclass
+class Call:
+    """Run ``fn`` on the writer thread, in order with the other jobs (a save whose writing and
+    agreement the caller's function does itself, e.g. a step of several ranks); its error
+    fails the future."""
+
+    fn: Callable[[], None]
+    future: SaveFuture = field(default_factory=SaveFuture)
+
+
 class Writer:
     """Runs :class:`Job` s in order on one daemon thread through one :class:`AioHandle` (made
     from ``config`` when the thread starts). ``submit`` and ``stop`` from any thread."""
 
     def __init__(self, config: IOConfig, *, name: str) -> None:
         self._handle = AioHandle(config=config)
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | Call | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> SaveFuture:
+    def submit(self, job: Job | Call) -> SaveFuture:
         self._jobs.put(job)
         return job.future
 
@@ -93,6 +103,14 @@ class Writer:
             job = self._jobs.get()
             if job is None:
                 return
+            if isinstance(job, Call):
+                try:
+                    job.fn()
+                except BaseException as exc:  # delivered by the saver's wait() / next save
+                    job.future.set_exception(exc)
+                else:
+                    job.future.set_result(None)
+                continue
             try:
                 self._write(job)
             except BaseException as exc:  # delivered by the saver's wait() / next save

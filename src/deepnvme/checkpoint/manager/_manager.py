@@ -18,32 +18,34 @@ import shutil
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..._deprecation import warn_once
 from ...config import IOConfig, checkpoint_config
-from ...errors import CheckpointMismatchError, FileNotFoundIOError
+from ...errors import CheckpointFormatError, CheckpointMismatchError, FileNotFoundIOError
 from .._paths import as_path
-from .._staging import FencedStager, SnapshotStager, Staged, Stager, resolve_stager
+from .._staging import SnapshotStager, Staged, Stager
 from .._writer import Job, Ledger, Writer
 from ._checksums import hasher, record_names, resolve_algorithm
 from ._commit import PendingStep, StepCommit, explain_failure
+from ._group import rank_group
 from ._lock import DirectoryLock, tidy, try_lock
+from ._options import resolve_manager_stager
 from ._policy import check_policy, is_due
 from ._restore import restore_state
 from ._rng import capture_rng, restore_rng
-from ._steps import FILE, list_steps, remove_leftovers, step_dir
+from ._steps import FILE, is_dcp_step, list_steps, remove_leftovers, step_dir
 from ._verify import load_checked
+
+if TYPE_CHECKING:
+    from ._ranks import RankSteps
 
 __all__ = ["CheckpointManager", "SaveStats", "RNG_KEY"]
 
 log = logging.getLogger(__name__)
 
 RNG_KEY = "_deepnvme_rng"  # the reserved entry holding RNG states in a saved checkpoint
-_LEGACY_DEFAULTS: dict[str, Any] = {"mode": "snapshot", "snapshot_arenas": 1, "fence_staging_bytes": None,
-                                    "fence_precopy": False}
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,15 @@ class CheckpointManager:
             (``"crc32c"``), ``"crc32c"`` or ``"xxh64"``.
         rng: save the RNG states (torch, CUDA when initialised, Python, NumPy) and restore them.
         config: I/O settings of the writer and readers (default: the checkpoint profile).
+        group: the torch.distributed group whose ranks share this manager (None: the world;
+            every rank of the world constructs its manager, as ``new_group`` requires).
+            With torch.distributed initialised and more than one rank, ``save``, ``restore``,
+            ``steps``, ``latest_step`` and ``close`` are collectives that every rank calls in
+            the same order, ``directory`` is one directory all ranks see, and a step is a
+            ``torch.distributed.checkpoint`` checkpoint (see docs/checkpoints.md, "Several
+            ranks"); snapshot staging only, no ``checksums`` yet.
+        timeout: seconds a rank waits for the others in the manager's own collectives before a
+            :class:`~deepnvme.RanksTimeoutError` naming the ranks that did not arrive.
 
     ``mode``, ``snapshot_arenas``, ``fence_staging_bytes`` and ``fence_precopy`` are still
     accepted, with a ``DeprecationWarning``: they map onto ``staging`` (``SnapshotStager(arenas=)``,
@@ -98,9 +109,9 @@ class CheckpointManager:
                  every_steps: int | None = None, every_seconds: float | None = None,
                  staging: str | Stager | None = None, checksums: bool | str = False,
                  rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None,
-                 **legacy: Any) -> None:
+                 group: Any = None, timeout: float = 600.0, **legacy: Any) -> None:
         check_policy(keep=keep, every_steps=every_steps, every_seconds=every_seconds)
-        stager = _stager(staging, legacy)
+        stager = resolve_manager_stager(staging, legacy)
         self.directory = os.path.abspath(as_path(directory, "CheckpointManager"))
         self.keep, self.every_steps, self.every_seconds = keep, every_steps, every_seconds
         self.stager, self.rng = stager, rng
@@ -116,7 +127,17 @@ class CheckpointManager:
         self._last_start = time.monotonic()
         self._closed = False
         self._saves, self._blocked, self._last_write = 0, 0.0, 0.0
-        tidy(self.directory)  # leftovers of killed runs, if no writer holds the directory
+        ranks = rank_group(group, timeout)
+        if ranks is not None and (self._algorithm is not None or not isinstance(stager, SnapshotStager)):
+            raise ValueError(f"CheckpointManager over {ranks.world} ranks: staging={stager.name!r} and "
+                             "checksums are single-process only for now; use the snapshot stager")
+        self._ranks: RankSteps | None = None
+        if ranks is not None:
+            from ._ranks import RankSteps  # imports torch.distributed.checkpoint
+
+            self._ranks = RankSteps(self.directory, ranks, keep=keep, config=self._config, rng_key=RNG_KEY)
+        else:
+            tidy(self.directory)  # leftovers of killed runs, if no writer holds the directory
 
     @property
     def mode(self) -> str:
@@ -137,9 +158,11 @@ class CheckpointManager:
         """
         start, started = time.perf_counter(), time.monotonic()
         self._check_open()
-        self._raise_failures()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save: step must be an int >= 0, got {step!r}")
+        if self._ranks is not None:
+            return self._save_ranks(self._ranks, step, state, force, start, started)
+        self._raise_failures()
         committed = list_steps(self.directory)
         newest = max([*committed[-1:], *([] if self._last_step is None else [self._last_step])], default=None)
         if newest is not None and step <= newest:
@@ -161,6 +184,23 @@ class CheckpointManager:
         self._pending.append(job)
         self._ledger.add(job.future)
         writer.submit(job)
+        self._saves += 1
+        self._blocked += time.perf_counter() - start
+        return True
+
+    def _save_ranks(self, ranks: RankSteps, step: int, state: Mapping[str, Any], force: bool, start: float,
+                    started: float) -> bool:
+        """``save`` over several ranks (:mod:`._ranks`): the ranks agree on the step and plan
+        together; this rank stages its share and its writer thread writes and commits it. A due
+        save first waits for the previous one, so every rank raises its error at the same call."""
+        call = ranks.save(step, state, force=force, rng=self.rng, settle=self.wait,
+                          rule=lambda newest, since: is_due(step, first=newest is None, every_steps=self.every_steps,
+                                                            every_seconds=self.every_seconds, seconds_since_last=since),
+                          since_last=started - self._last_start, last_step=self._last_step)
+        if call is None:
+            return False
+        self._last_start, self._last_step = started, step
+        self._ledger.add(call.future)
         self._saves += 1
         self._blocked += time.perf_counter() - start
         return True
@@ -237,6 +277,8 @@ class CheckpointManager:
         try:
             if self._writer is not None:
                 self._writer.stop()
+            if self._ranks is not None:
+                self._ranks.close()
             self.wait()
         finally:
             for exc in self._ledger.unreported():
@@ -276,7 +318,7 @@ class CheckpointManager:
         """The committed steps, ascending. A step is listed once its background write committed
         (only complete checkpoints are ever listed): call :meth:`wait` first to see a save still
         in flight."""
-        return list_steps(self.directory)
+        return list_steps(self.directory) if self._ranks is None else self._ranks.steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -290,6 +332,9 @@ class CheckpointManager:
         if self._writer is not None and not self._closed:
             self.wait()
         chosen = self._resolve(step)
+        if is_dcp_step(step_dir(self.directory, chosen)):
+            raise CheckpointFormatError(f"step {chosen} in {self.directory!r} was saved by several ranks (a "
+                                        "torch.distributed.checkpoint checkpoint): restore(state) reads it")
         obj, _ = load_checked(step_dir(self.directory, chosen), chosen, map_location=map_location,
                               config=self._config)
         if not isinstance(obj, dict):
@@ -313,14 +358,26 @@ class CheckpointManager:
         are checked on the bytes read: a :class:`CheckpointCorruptError` then comes after the
         state's tensors were overwritten, as can an I/O error.
         """
-        if self._writer is not None and not self._closed:
+        if (self._writer is not None or self._ranks is not None) and not self._closed:
             self.wait()
+        if self._ranks is not None:
+            return self._ranks.restore(state, step, rng=self.rng, strict=strict,
+                                       single=lambda chosen: self._restore_file(chosen, state, strict))
         chosen = self._resolve(step)
+        if is_dcp_step(step_dir(self.directory, chosen)):  # saved by several ranks: resharded into one
+            from ._ranks import restore_dcp
+
+            restore_dcp(step_dir(self.directory, chosen), chosen, state, group=None, rank=0, world=1,
+                        rng_key=RNG_KEY if self.rng else None, config=self._config, strict=strict)
+        else:
+            self._restore_file(chosen, state, strict)
+        return chosen
+
+    def _restore_file(self, chosen: int, state: MutableMapping[str, Any], strict: bool) -> None:
         saved = restore_state(step_dir(self.directory, chosen), chosen, state, self._config,
                               what=f"step {chosen} in {self.directory!r}", rng_key=RNG_KEY, strict=strict)
         if self.rng and RNG_KEY in saved:
             restore_rng(saved[RNG_KEY])
-        return chosen
 
     def _resolve(self, step: int | None) -> int:
         steps = self.steps()
@@ -334,42 +391,4 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, mode={self.mode!r}, keep={self.keep}, "
-                f"steps={self.steps()})")
-
-
-def _stager(staging: str | Stager | None, legacy: dict[str, Any]) -> Stager:
-    """The manager's stager from ``staging`` and the deprecated mode keywords (mapped, with a
-    ``DeprecationWarning``); ``TypeError`` for an unknown keyword."""
-    unknown = sorted(k for k in legacy if k not in _LEGACY_DEFAULTS)
-    if unknown:
-        raise TypeError(f"CheckpointManager() got unexpected keyword arguments {unknown}")
-    if not legacy:
-        return resolve_stager("snapshot" if staging is None else staging, "CheckpointManager")
-    if staging is not None:
-        raise ValueError(f"CheckpointManager: pass staging=... alone; {sorted(legacy)} are its "
-                         "deprecated spellings")
-    mode = legacy.get("mode", "snapshot")
-    if mode not in ("snapshot", "fenced"):
-        raise ValueError(f"CheckpointManager: mode must be 'snapshot' or 'fenced', got {mode!r}")
-    wrong = [k for k, v in legacy.items() if k.startswith("fence_" if mode == "snapshot" else "snapshot_")
-             and v != _LEGACY_DEFAULTS[k]]  # the other mode's options at their defaults are ignored
-    if wrong:
-        raise ValueError(f"CheckpointManager: {wrong} do not apply to mode={mode!r}")
-    try:
-        if mode == "snapshot":
-            stager: Stager = SnapshotStager(arenas=legacy.get("snapshot_arenas", 1))
-            new = f"staging=SnapshotStager(arenas={legacy.get('snapshot_arenas', 1)!r})"
-        else:
-            stager = FencedStager(staging_bytes=legacy.get("fence_staging_bytes"),
-                                  precopy=legacy.get("fence_precopy", False))
-            new = (f"staging=FencedStager(staging_bytes={legacy.get('fence_staging_bytes')!r}, "
-                   f"precopy={legacy.get('fence_precopy', False)!r})")
-    except ValueError as exc:
-        raise ValueError(f"CheckpointManager({', '.join(f'{k}={v!r}' for k, v in legacy.items())}): "
-                         f"{exc}") from None
-    if list(legacy) == ["mode"]:
-        new = f"staging={mode!r}"
-    names = ", ".join(sorted(legacy))
-    warn_once(f"CheckpointManager({names})", f"CheckpointManager({names}=...) is deprecated; pass {new} "
-              "(from deepnvme.checkpoint)", stacklevel=3)
-    return stager
+                f"steps={list_steps(self.directory)})")  # no collective

@@ -27,8 +27,8 @@ from typing import Any
 from ...errors import CheckpointCorruptError
 from ...io import durable
 
-__all__ = ["FILE", "MANIFEST", "FORMAT", "step_dir", "find_step_dirs", "list_steps", "new_building", "delete_step",
-           "remove_leftovers", "find_leftovers", "read_manifest"]
+__all__ = ["FILE", "MANIFEST", "FORMAT", "step_dir", "find_step_dirs", "list_steps", "is_dcp_step", "new_building",
+           "building_path", "delete_step", "remove_leftovers", "find_leftovers", "read_manifest"]
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,19 @@ def list_steps(directory: str) -> list[int]:
     return [step for step, path in find_step_dirs(directory) if os.path.isfile(os.path.join(path, MANIFEST))]
 
 
+def is_dcp_step(path: str) -> bool:
+    """Whether the step directory ``path`` holds a torch.distributed.checkpoint checkpoint (one
+    that several ranks saved: ``.metadata`` and data files instead of ``state.pt``)."""
+    return os.path.isfile(os.path.join(path, ".metadata"))
+
+
 def _hidden(directory: str, step: int, kind: str) -> str:
     return os.path.join(directory, f".step-{step:012d}.deepnvme-{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def building_path(directory: str, step: int) -> str:
+    """A fresh hidden building directory name for ``step`` (not created)."""
+    return _hidden(directory, step, "building")
 
 
 def new_building(directory: str, step: int) -> str:

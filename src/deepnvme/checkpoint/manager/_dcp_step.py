@@ -1,0 +1,204 @@
+"""A step saved by several ranks: a ``torch.distributed.checkpoint`` checkpoint in ``step-N/``.
+
+The layout is stock DCP (``.metadata`` plus ``__<rank>_<n>.distcp`` data files, written through
+:class:`~deepnvme.checkpoint.dcp.NVMeStorageWriter`), so ``torch.distributed.checkpoint.load``
+reads it, plus the manager's ``manifest.json`` (step, world size, files and bytes per rank).
+Planning is DCP's: :class:`DefaultSavePlanner` spreads tensors that several ranks hold
+(DDP replicas) over those ranks, each item to the rank with the fewest bytes planned so far, so
+each rank writes about 1/W of them; DTensor shards are written by their owners; plain data
+that several ranks hold is written once, by the lowest such rank. The helpers here run one
+phase each; :mod:`._ranks` runs the phases and the agreement between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import time
+import warnings
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ...config import IOConfig
+from ..dcp import NVMeStorageReader, NVMeStorageWriter
+from ._steps import FORMAT, MANIFEST
+
+__all__ = ["KIND", "state_dicts", "load_into", "local_plan", "global_plans", "stage",
+           "write_share", "finish_step", "read_step", "rng_entry"]
+
+KIND = "dcp"  # the manifest's "layout" of a multi-rank step
+Staged = dict[MetadataIndex, "torch.Tensor | io.BytesIO"]
+
+
+def rng_entry(rank: int) -> str:
+    """The name of rank ``rank``'s RNG states under the manager's RNG key."""
+    return f"rank{rank}"
+
+
+def _owner(optim: torch.optim.Optimizer, models: list[torch.nn.Module]) -> torch.nn.Module | None:
+    """The one module in ``models`` holding every parameter ``optim`` updates (None: none or several)."""
+    wanted = {id(p) for group in optim.param_groups for p in group["params"]}
+    found = [m for m in models if wanted <= {id(p) for p in m.parameters()}]
+    return found[0] if len(found) == 1 else None
+
+
+def state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What DCP saves of ``state`` (and loads into): modules' and their optimizers' state dicts by
+    parameter name (``get_model_state_dict``/``get_optimizer_state_dict``, so DTensor and
+    resharding work), other objects' ``state_dict()``, tensors (detached) and plain data."""
+    models = [v for v in state.values() if isinstance(v, torch.nn.Module)]
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = value.detach()
+        elif isinstance(value, torch.nn.Module):
+            out[name] = get_model_state_dict(value)
+        elif isinstance(value, torch.optim.Optimizer) and (model := _owner(value, models)) is not None:
+            out[name] = get_optimizer_state_dict(model, value)
+        elif callable(getattr(value, "state_dict", None)):
+            out[name] = value.state_dict()
+        else:
+            out[name] = value
+    return out
+
+
+def load_into(state: MutableMapping[str, Any], loaded: Mapping[str, Any], *, strict: bool) -> None:
+    """Put what DCP loaded into ``loaded`` (made by :func:`state_dicts`) back into ``state``."""
+    models = [v for v in state.values() if isinstance(v, torch.nn.Module)]
+    for name, value in list(state.items()):
+        if name not in loaded:
+            continue
+        if isinstance(value, torch.Tensor):
+            with torch.no_grad():
+                value.copy_(loaded[name])
+        elif isinstance(value, torch.nn.Module):
+            set_model_state_dict(value, loaded[name], options=StateDictOptions(strict=strict))
+        elif isinstance(value, torch.optim.Optimizer) and (model := _owner(value, models)) is not None:
+            set_optimizer_state_dict(model, value, loaded[name])
+        elif callable(getattr(value, "load_state_dict", None)):
+            value.load_state_dict(loaded[name])
+        else:
+            state[name] = loaded[name]
+
+
+class _Planner(DefaultSavePlanner):
+    """DCP's default save planner, except that plain data (not tensors) that several ranks hold
+    is written by the lowest of them rather than spread over them like tensors."""
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        owner: dict[MetadataIndex, int] = {}
+        for i, plan in enumerate(all_plans):
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    owner.setdefault(item.index, i)
+        trimmed = [dataclasses.replace(plan, items=[it for it in plan.items if it.type != WriteItemType.BYTE_IO
+                                                    or owner[it.index] == i])
+                   for i, plan in enumerate(all_plans)]
+        return super().create_global_plan(trimmed)
+
+
+def local_plan(saved: dict[str, Any], rank: int) -> tuple[DefaultSavePlanner, SavePlan]:
+    """This rank's planner over ``saved`` and its local plan (every item it could write)."""
+    planner = _Planner()
+    planner.set_up_planner(saved, is_coordinator=rank == 0)
+    return planner, planner.create_local_plan()
+
+
+def global_plans(planner: DefaultSavePlanner, plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+    """Every rank's final plan (deduplicated, files named ``__<rank>_<n>.distcp``) and the
+    checkpoint's metadata, from all ranks' local plans. Deterministic: every rank gets the same."""
+    final, metadata = planner.create_global_plan(plans)
+    final = [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(final)]
+    return final, metadata
+
+
+def stage(planner: DefaultSavePlanner, plan: SavePlan) -> Staged:
+    """A snapshot of this rank's share: a CPU copy of each tensor the plan assigns it (DTensor
+    shards: the local shard) and the pickled bytes of its plain items. Memory: this rank's share."""
+    staged: Staged = {}
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        if isinstance(data, torch.Tensor):
+            data = data.detach().to("cpu", copy=True)
+        staged[item.index] = data
+    return staged
+
+
+class _StagedPlanner(SavePlanner):
+    """Hands the staged copies to DCP's writer in place of the live state."""
+
+    def __init__(self, staged: Staged) -> None:
+        self.staged = staged
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        raise NotImplementedError("a staged share is written, not planned")
+
+    def create_local_plan(self) -> SavePlan:
+        raise NotImplementedError("a staged share is written, not planned")
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        raise NotImplementedError("a staged share is written, not planned")
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        raise NotImplementedError("a staged share is written, not planned")
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        data = self.staged.pop(write_item.index)  # each item is written once; its memory goes with it
+        if isinstance(data, io.BytesIO):
+            data.seek(0)
+        return data
+
+
+def _writer(building: str, rank: int, config: IOConfig) -> NVMeStorageWriter:
+    writer = NVMeStorageWriter(building, config=config)
+    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    return writer
+
+
+def write_share(building: str, plan: SavePlan, staged: Staged, *, rank: int,
+                config: IOConfig) -> list[WriteResult]:
+    """Write this rank's staged share into ``building`` (each file fsynced); its write results."""
+    return _writer(building, rank, config).write_data(plan, _StagedPlanner(staged)).wait()
+
+
+def finish_step(building: str, step: int, metadata: Metadata, results: list[list[WriteResult]],
+                config: IOConfig) -> None:
+    """Rank 0, after every rank wrote: ``.metadata`` (fsynced, renamed into place) and the
+    manifest (fsynced by the publish that follows) in the step's building directory."""
+    _writer(building, 0, config).finish(metadata, results)
+    files = sorted(n for n in os.listdir(building) if n != MANIFEST)
+    ranks = [{"rank": r, "files": sorted({os.fspath(w.storage_data.relative_path) for w in res}),
+              "bytes": sum(w.size_in_bytes for w in res)} for r, res in enumerate(results)]
+    manifest = {"format": FORMAT, "version": 1, "layout": KIND, "step": step, "time": time.time(),
+                "world_size": len(results), "files": {n: os.path.getsize(os.path.join(building, n)) for n in files},
+                "ranks": ranks}
+    with open(os.path.join(building, MANIFEST), "w", encoding="utf-8") as f:  # publish_dir fsyncs it
+        json.dump(manifest, f, indent=1)
+
+
+def read_step(path: str, saved: dict[str, Any], *, group: Any, config: IOConfig,
+              partial: bool = False) -> None:
+    """Load the step directory ``path`` into ``saved`` in place, DCP resharding where the saving
+    world differs. ``group``: the process group of the readers (None: this process alone)."""
+    with warnings.catch_warnings():  # without a group, DCP warns that it assumes one process: it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp_load(saved, storage_reader=NVMeStorageReader(path, config=config),
+                 planner=DefaultLoadPlanner(allow_partial_load=partial), process_group=group,
+                 no_dist=group is None)

@@ -1,0 +1,45 @@
+"""CheckpointManager across 2 gloo ranks on CPU: replicated and DTensor state, failures, resharding to 1."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import deepnvme
+from deepnvme.cli.main import main
+
+from . import _workers
+from ._ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
+
+
+def test_replicated_state_round_trip_failure_and_restore_into_one_process(tmp_path, caplog):
+    directory = str(tmp_path / "ck")
+    run_ranks(_workers.replicated, 2, str(tmp_path), directory)
+    expected = torch.load(os.path.join(directory, "expected.pt"), weights_only=True)
+    # W=2 -> 1 without torch.distributed: the same model, not wrapped, restored by DCP's resharding
+    model, opt = _workers.model_and_optim(ddp=False)
+    state = {"model": model, "optim": opt, "meta": {"epoch": 0, "name": ""}}
+    with caplog.at_level(logging.WARNING), deepnvme.CheckpointManager(directory) as mgr:
+        assert mgr.steps() == [2, 4]
+        assert mgr.restore(state, step=2) == 2
+        with pytest.raises(deepnvme.CheckpointFormatError, match="several ranks"):
+            mgr.load()
+    got = _workers.snapshot(model, opt)
+    assert _workers.same(got["model"], expected["model"]) and _workers.same(got["optim"], expected["optim"])
+    assert state["meta"] == {"epoch": 3, "name": "run"}
+    assert "RNG states are left as they are" in caplog.text
+    assert main(["verify", directory]) == 0
+    os.truncate(os.path.join(directory, "step-000000000004", "__1_0.distcp"), 100)
+    assert main(["verify", directory]) == 1
+
+
+def test_dtensor_shards_round_trip_and_timeout_names_the_rank(tmp_path):
+    single = str(tmp_path / "single")
+    with deepnvme.CheckpointManager(single) as mgr:   # one process: step-1/state.pt
+        mgr.save(1, {"t": torch.arange(5.0), "note": "one process"})
+    run_ranks(_workers.sharded, 2, str(tmp_path), str(tmp_path / "ck"), single)

@@ -46,6 +46,7 @@ def test_dtensor_shards_round_trip_and_timeout_names_the_rank(tmp_path):
 
 
 def test_checksums_and_rank_state_across_ranks(tmp_path, capsys):
+    pytest.importorskip("xxhash")
     directory, single = str(tmp_path / "ck"), str(tmp_path / "single")
     with deepnvme.CheckpointManager(single) as mgr:
         mgr.save(1, {"t": torch.ones(2)}, rank_state={"cursor": 5})

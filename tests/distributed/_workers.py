@@ -200,6 +200,12 @@ def checked(rank: int, world: int, directory: str, single: str) -> None:
         assert mgr.restore(state, step=2, rank_state=mine) == 2
         assert mine["pos"] == 10 * rank + 2 and torch.equal(mine["seen"], torch.full((3,), rank))
         assert mine["other"] == "kept"
+        try:
+            mgr.save(3, {**state, "_deepnvme_rank_state": 1})
+        except deepnvme.DistributedSaveError as exc:
+            assert "reserved" in str(exc) and "rank 0, 1" in str(exc), exc
+        else:
+            raise AssertionError("a reserved key was saved")
         # stock DCP still reads the step
         plain = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
         dcp.load(plain, checkpoint_id=os.path.join(directory, "step-000000000002"))

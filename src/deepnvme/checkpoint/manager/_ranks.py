@@ -133,6 +133,8 @@ class RankSteps:
         try:
             if g.rank == 0:
                 self._prepare(building)
+            if reserved := [k for k in (self.rng_key, RANK_STATE_KEY) if k in state]:
+                raise ValueError(f"CheckpointManager.save: state keys {reserved} are reserved for the manager")
             saved = state_dicts(state)
             if rng:
                 saved[self.rng_key] = {rng_entry(g.rank): capture_rng()}

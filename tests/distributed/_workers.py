@@ -167,3 +167,74 @@ def sharded(rank: int, world: int, directory: str, single: str) -> None:
             assert "1" in str(exc).split("gloo says:")[1], exc
         else:
             raise AssertionError("no timeout")
+
+
+def checked(rank: int, world: int, directory: str, single: str) -> None:
+    """checksums= and rank_state= across ranks: per-file sums in the manifest, each rank's own
+    state back, a flipped byte in one rank's file fails restore(step=N) on every rank and
+    restore() falls back to the previous step on every rank; a single-process step's rank_state
+    refused at another world size unless skipped."""
+    import logging
+
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("deepnvme").addHandler(Keep(logging.WARNING))
+    model, opt = model_and_optim(ddp=True)
+    state = {"model": model, "optim": opt}
+    with deepnvme.CheckpointManager(directory, checksums="xxh64", timeout=30) as mgr:
+        for step in (1, 2):
+            assert mgr.save(step, state, rank_state={"pos": 10 * rank + step, "seen": torch.full((3,), rank)})
+        mgr.wait()
+        expected = snapshot(model, opt)
+        with open(os.path.join(directory, "step-000000000002", "manifest.json")) as f:
+            manifest = json.load(f)
+        assert manifest["checksum"] == "xxh64" and sorted(manifest["file_checksums"]) == sorted(manifest["files"])
+        assert manifest["rank_state"] == {f"rank{r}": ["pos", "seen"] for r in range(world)}
+        mine: dict[str, Any] = {"pos": -1, "other": "kept"}
+        assert mgr.restore(state, step=2, rank_state=mine) == 2
+        assert mine["pos"] == 10 * rank + 2 and torch.equal(mine["seen"], torch.full((3,), rank))
+        assert mine["other"] == "kept"
+        try:
+            mgr.save(3, {**state, "_deepnvme_rank_state": 1})
+        except deepnvme.DistributedSaveError as exc:
+            assert "reserved" in str(exc) and "rank 0, 1" in str(exc), exc
+        else:
+            raise AssertionError("a reserved key was saved")
+        # stock DCP still reads the step
+        plain = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+        dcp.load(plain, checkpoint_id=os.path.join(directory, "step-000000000002"))
+        assert same(plain["model"], expected["model"])
+        if rank == 1:  # one byte of rank 1's file of step 2 flips
+            path = os.path.join(directory, "step-000000000002", "__1_0.distcp")
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        dist.barrier()
+        try:
+            mgr.restore(state, step=2)
+        except deepnvme.CheckpointCorruptError as exc:
+            assert "step 2" in str(exc) and "__1_0.distcp" in str(exc) and "xxh64" in str(exc), exc
+        else:
+            raise AssertionError("the corrupt step was restored")
+        mine = {}
+        assert mgr.restore(state, rank_state=mine) == 1  # the newest step is skipped on every rank
+        assert mine["pos"] == 10 * rank + 1
+        assert any("skipping checkpoint step 2" in r for r in records), records
+        assert get_model_state_dict(model).keys() == expected["model"].keys()
+    with deepnvme.CheckpointManager(single, timeout=30) as mgr:
+        target = {"t": torch.zeros(2)}
+        try:
+            mgr.restore(target, rank_state={})
+        except deepnvme.CheckpointMismatchError as exc:
+            assert "'cursor'" in str(exc) and "skip" in str(exc), exc
+        else:
+            raise AssertionError("a single-process rank_state was given to 2 ranks")
+        assert mgr.restore(target, rank_state="skip") == 1 and torch.equal(target["t"], torch.ones(2))

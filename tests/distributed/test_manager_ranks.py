@@ -43,3 +43,25 @@ def test_dtensor_shards_round_trip_and_timeout_names_the_rank(tmp_path):
     with deepnvme.CheckpointManager(single) as mgr:   # one process: step-1/state.pt
         mgr.save(1, {"t": torch.arange(5.0), "note": "one process"})
     run_ranks(_workers.sharded, 2, str(tmp_path), str(tmp_path / "ck"), single)
+
+
+def test_checksums_and_rank_state_across_ranks(tmp_path, capsys):
+    pytest.importorskip("xxhash")
+    directory, single = str(tmp_path / "ck"), str(tmp_path / "single")
+    with deepnvme.CheckpointManager(single) as mgr:
+        mgr.save(1, {"t": torch.ones(2)}, rank_state={"cursor": 5})
+    run_ranks(_workers.checked, 2, str(tmp_path), directory, single)
+    capsys.readouterr()
+    assert main(["verify", directory]) == 1
+    out = capsys.readouterr().out
+    assert "CORRUPT  step 2" in out and "__1_0.distcp" in out and "xxh64" in out, out
+    assert "ok       step 1" in out
+    # restored by one process (another world size): the saved rank_state is refused unless skipped
+    model, opt = _workers.model_and_optim(ddp=False)
+    state = {"model": model, "optim": opt}
+    with deepnvme.CheckpointManager(directory) as mgr:
+        with pytest.raises(deepnvme.CheckpointMismatchError, match=r"\['pos', 'seen'\].*2 rank"):
+            mgr.restore(state, step=1)
+        with pytest.raises(deepnvme.CheckpointCorruptError, match="__1_0.distcp"):
+            mgr.restore(state, step=2, rank_state="skip")
+        assert mgr.restore(state, step=1, rank_state="skip") == 1

@@ -20,7 +20,8 @@ import torch
 from ...memory.views import byte_view, storage_bytes
 from .._tree import named_storages
 
-__all__ = ["ALGORITHMS", "resolve_algorithm", "hasher", "named_storages", "record_names", "checksum"]
+__all__ = ["ALGORITHMS", "resolve_algorithm", "hasher", "named_storages", "record_names", "checksum",
+           "file_checksum"]
 
 # algorithm -> (module, function taking a buffer and returning an int)
 ALGORITHMS: dict[str, tuple[str, str]] = {"crc32c": ("crc32c", "crc32c"),
@@ -55,6 +56,28 @@ def checksum(fn: Callable[[Any], int], data: torch.UntypedStorage | torch.Tensor
     """``fn`` over the bytes of a storage (or a contiguous uint8 CPU tensor), without a copy."""
     tensor = storage_bytes(data) if isinstance(data, torch.UntypedStorage) else data
     return fn(byte_view(tensor))
+
+
+def file_checksum(algorithm: str, path: str, *, chunk: int = 8 << 20) -> int:
+    """The ``algorithm`` checksum of the whole file ``path``, read in ``chunk``-byte pieces (memory:
+    one chunk); the same value as hashing the file's bytes in one call."""
+    hasher(algorithm)  # the install hint, if the package is missing
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        if algorithm == "crc32c":
+            import crc32c
+
+            value = 0
+            while n := f.readinto(buf):
+                value = crc32c.crc32c(view[:n], value)
+            return int(value)
+        import xxhash
+
+        state = xxhash.xxh64()
+        while n := f.readinto(buf):
+            state.update(view[:n])
+        return int(state.intdigest())
 
 
 def record_names(saved: Mapping[str, Any], layout: Any) -> tuple[dict[str, str], list[str]]:

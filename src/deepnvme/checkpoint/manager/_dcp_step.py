@@ -2,7 +2,8 @@
 
 The layout is stock DCP (``.metadata`` plus ``__<rank>_<n>.distcp`` data files, written through
 :class:`~deepnvme.checkpoint.dcp.NVMeStorageWriter`), so ``torch.distributed.checkpoint.load``
-reads it, plus the manager's ``manifest.json`` (step, world size, files and bytes per rank).
+reads it, plus the manager's ``manifest.json`` (step, world size, files and bytes per rank, each
+file's checksum with ``checksums=``, the keys of each rank's ``rank_state``).
 Planning is DCP's: :class:`DefaultSavePlanner` spreads tensors that several ranks hold
 (DDP replicas) over those ranks, each item to the rank with the fewest bytes planned so far, so
 each rank writes about 1/W of them; DTensor shards are written by their owners; plain data
@@ -38,10 +39,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ...config import IOConfig
 from ..dcp import NVMeStorageReader, NVMeStorageWriter
+from ._checksums import file_checksum
 from ._steps import FORMAT, MANIFEST
 
 __all__ = ["KIND", "state_dicts", "load_into", "local_plan", "global_plans", "stage",
-           "write_share", "finish_step", "read_step", "rng_entry"]
+           "write_share", "finish_step", "file_sums", "read_step", "rng_entry"]
 
 KIND = "dcp"  # the manifest's "layout" of a multi-rank step
 Staged = dict[MetadataIndex, "torch.Tensor | io.BytesIO"]
@@ -179,18 +181,37 @@ def write_share(building: str, plan: SavePlan, staged: Staged, *, rank: int,
 
 
 def finish_step(building: str, step: int, metadata: Metadata, results: list[list[WriteResult]],
-                config: IOConfig) -> None:
+                config: IOConfig, *, algorithm: str | None = None, sums: Mapping[str, int] | None = None,
+                rank_state: Mapping[str, list[str]] | None = None) -> None:
     """Rank 0, after every rank wrote: ``.metadata`` (fsynced, renamed into place) and the
-    manifest (fsynced by the publish that follows) in the step's building directory."""
+    manifest (fsynced by the publish that follows) in the step's building directory. With
+    ``algorithm``: ``sums`` holds every data file's checksum (computed by the rank that wrote it);
+    ``.metadata``'s is added here. ``rank_state``: the keys of each rank's per-rank state."""
     _writer(building, 0, config).finish(metadata, results)
     files = sorted(n for n in os.listdir(building) if n != MANIFEST)
     ranks = [{"rank": r, "files": sorted({os.fspath(w.storage_data.relative_path) for w in res}),
               "bytes": sum(w.size_in_bytes for w in res)} for r, res in enumerate(results)]
-    manifest = {"format": FORMAT, "version": 1, "layout": KIND, "step": step, "time": time.time(),
-                "world_size": len(results), "files": {n: os.path.getsize(os.path.join(building, n)) for n in files},
-                "ranks": ranks}
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "version": 1, "layout": KIND, "step": step, "time": time.time(),
+        "world_size": len(results), "files": {n: os.path.getsize(os.path.join(building, n)) for n in files},
+        "ranks": ranks}
+    if algorithm is not None:
+        manifest["checksum"] = algorithm
+        manifest["file_checksums"] = {**(sums or {}),
+                                      ".metadata": file_checksum(algorithm, os.path.join(building, ".metadata"))}
+    if rank_state:
+        manifest["rank_state"] = dict(rank_state)
     with open(os.path.join(building, MANIFEST), "w", encoding="utf-8") as f:  # publish_dir fsyncs it
         json.dump(manifest, f, indent=1)
+
+
+def file_sums(building: str, results: list[WriteResult], algorithm: str | None) -> dict[str, int]:
+    """The ``algorithm`` checksum of each file this rank wrote into ``building`` (read back once,
+    after its fsync; memory: one read chunk). Empty without an algorithm."""
+    if algorithm is None:
+        return {}
+    names = sorted({os.fspath(w.storage_data.relative_path) for w in results})
+    return {n: file_checksum(algorithm, os.path.join(building, n)) for n in names}
 
 
 def read_step(path: str, saved: dict[str, Any], *, group: Any, config: IOConfig,

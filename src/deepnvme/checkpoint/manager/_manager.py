@@ -17,7 +17,6 @@ import os
 import shutil
 import time
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,9 +32,11 @@ from ._group import rank_group
 from ._lock import DirectoryLock, tidy, try_lock
 from ._options import resolve_manager_stager
 from ._policy import check_policy, is_due
-from ._restore import restore_state
-from ._rng import capture_rng, restore_rng
-from ._steps import FILE, is_dcp_step, list_steps, remove_leftovers, step_dir
+from ._rank_state import check_restore_arg, check_save_arg
+from ._restore import restore_file
+from ._rng import capture_rng
+from ._stats import SaveStats
+from ._steps import FILE, RANK_STATE_KEY, is_dcp_step, list_steps, remove_leftovers, step_dir
 from ._verify import load_checked
 
 if TYPE_CHECKING:
@@ -46,19 +47,6 @@ __all__ = ["CheckpointManager", "SaveStats", "RNG_KEY"]
 log = logging.getLogger(__name__)
 
 RNG_KEY = "_deepnvme_rng"  # the reserved entry holding RNG states in a saved checkpoint
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """What this manager's saves cost the training thread so far (seconds, cumulative)."""
-
-    saves: int
-    blocked_seconds: float  # inside save() plus fenced optimizer steps waiting
-    fence_wait_seconds: float  # the fenced optimizer steps' part of blocked_seconds
-    arena_wait_seconds: float  # snapshot: save() waiting for the previous write to free the arena
-    last_write_seconds: float  # background: the newest finished save's write + fsync
-    fence_copied_bytes: int = 0  # fenced: bytes the optimizer step pre-hooks copied into staging
-    fence_precopied_bytes: int = 0  # fenced with precopy: bytes copied in the background
 
 
 class CheckpointManager:
@@ -96,7 +84,7 @@ class CheckpointManager:
             ``steps``, ``latest_step`` and ``close`` are collectives that every rank calls in
             the same order, ``directory`` is one directory all ranks see, and a step is a
             ``torch.distributed.checkpoint`` checkpoint (see docs/checkpoints.md, "Several
-            ranks"); snapshot staging only, no ``checksums`` yet.
+            ranks"; ``checksums`` are per file there); snapshot staging only.
         timeout: seconds a rank waits for the others in the manager's own collectives before a
             :class:`~deepnvme.RanksTimeoutError` naming the ranks that did not arrive.
 
@@ -128,14 +116,15 @@ class CheckpointManager:
         self._closed = False
         self._saves, self._blocked, self._last_write = 0, 0.0, 0.0
         ranks = rank_group(group, timeout)
-        if ranks is not None and (self._algorithm is not None or not isinstance(stager, SnapshotStager)):
-            raise ValueError(f"CheckpointManager over {ranks.world} ranks: staging={stager.name!r} and "
-                             "checksums are single-process only for now; use the snapshot stager")
+        if ranks is not None and not isinstance(stager, SnapshotStager):
+            raise ValueError(f"CheckpointManager over {ranks.world} ranks: staging={stager.name!r} is "
+                             "single-process only for now; use the snapshot stager")
         self._ranks: RankSteps | None = None
         if ranks is not None:
             from ._ranks import RankSteps  # imports torch.distributed.checkpoint
 
-            self._ranks = RankSteps(self.directory, ranks, keep=keep, config=self._config, rng_key=RNG_KEY)
+            self._ranks = RankSteps(self.directory, ranks, keep=keep, config=self._config, rng_key=RNG_KEY,
+                                    algorithm=self._algorithm)
         else:
             tidy(self.directory)  # leftovers of killed runs, if no writer holds the directory
 
@@ -146,8 +135,11 @@ class CheckpointManager:
 
     # ---- saving -------------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False) -> bool:
+    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
+             rank_state: Mapping[str, Any] | None = None) -> bool:
         """Start saving ``state`` as ``step`` if it is due (or ``force``); False if not due.
+        ``rank_state``: entries of this rank alone (a data loader's position, a generator's
+        state), kept per rank and given back by ``restore(rank_state=...)`` at the same world size.
 
         Returns once the loop may go on (snapshot: after the copy; fenced: at once). Raises
         ``ValueError`` for a step not greater than the newest saved or started one, the error of
@@ -160,8 +152,9 @@ class CheckpointManager:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"CheckpointManager.save: step must be an int >= 0, got {step!r}")
+        own = check_save_arg(rank_state)
         if self._ranks is not None:
-            return self._save_ranks(self._ranks, step, state, force, start, started)
+            return self._save_ranks(self._ranks, step, state, force, start, started, own)
         self._raise_failures()
         committed = list_steps(self.directory)
         newest = max([*committed[-1:], *([] if self._last_step is None else [self._last_step])], default=None)
@@ -173,6 +166,8 @@ class CheckpointManager:
         if not (due or force):
             return False
         saved = self._collect(state)
+        if own is not None:
+            saved[RANK_STATE_KEY] = own
         writer = self._start_writer()
         pending, staged = self._stage(step, saved, state)
         # only a save that got this far counts: a failed one neither blocks its step nor the clock
@@ -189,14 +184,15 @@ class CheckpointManager:
         return True
 
     def _save_ranks(self, ranks: RankSteps, step: int, state: Mapping[str, Any], force: bool, start: float,
-                    started: float) -> bool:
+                    started: float, rank_state: dict[str, Any] | None) -> bool:
         """``save`` over several ranks (:mod:`._ranks`): the ranks agree on the step and plan
         together; this rank stages its share and its writer thread writes and commits it. A due
         save first waits for the previous one, so every rank raises its error at the same call."""
         call = ranks.save(step, state, force=force, rng=self.rng, settle=self.wait,
                           rule=lambda newest, since: is_due(step, first=newest is None, every_steps=self.every_steps,
                                                             every_seconds=self.every_seconds, seconds_since_last=since),
-                          since_last=started - self._last_start, last_step=self._last_step)
+                          since_last=started - self._last_start, last_step=self._last_step,
+                          rank_state=rank_state)
         if call is None:
             return False
         self._last_start, self._last_step = started, step
@@ -209,8 +205,9 @@ class CheckpointManager:
         """What is saved: state dicts of objects, tensors (detached), plain data, RNG states."""
         saved: dict[str, Any] = {}
         for name, value in state.items():
-            if not isinstance(name, str) or name == RNG_KEY:
-                raise ValueError(f"CheckpointManager.save: state keys must be str other than {RNG_KEY!r}, "
+            if not isinstance(name, str) or name in (RNG_KEY, RANK_STATE_KEY):
+                raise ValueError(f"CheckpointManager.save: state keys must be str other than {RNG_KEY!r} and "
+                                 f"{RANK_STATE_KEY!r}, "
                                  f"got {name!r}")
             if isinstance(value, torch.Tensor):
                 saved[name] = value.detach()
@@ -340,10 +337,15 @@ class CheckpointManager:
         if not isinstance(obj, dict):
             raise CheckpointMismatchError(f"step {chosen} in {self.directory!r} holds a {type(obj).__name__}")
         obj.pop(RNG_KEY, None)
+        obj.pop(RANK_STATE_KEY, None)
         return obj
 
-    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, strict: bool = True) -> int:
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, strict: bool = True,
+                rank_state: MutableMapping[str, Any] | str | None = None) -> int:
         """Load ``step`` (default: the newest) into ``state`` in place and return the step.
+        ``rank_state``: a mapping updated in place with this rank's ``save(rank_state=...)``
+        entries when the world size is the saving one; at another world size a saved per-rank
+        state is a :class:`CheckpointMismatchError` naming its keys unless ``rank_state="skip"``.
 
         Objects get ``load_state_dict``, tensors ``copy_``, plain data replaces ``state[name]``;
         RNG states are restored when saved and ``rng=True``. The names of ``state`` and the
@@ -358,26 +360,28 @@ class CheckpointManager:
         are checked on the bytes read: a :class:`CheckpointCorruptError` then comes after the
         state's tensors were overwritten, as can an I/O error.
         """
+        check_restore_arg(rank_state)
         if (self._writer is not None or self._ranks is not None) and not self._closed:
             self.wait()
-        if self._ranks is not None:
-            return self._ranks.restore(state, step, rng=self.rng, strict=strict,
-                                       single=lambda chosen: self._restore_file(chosen, state, strict))
+        if (ranks := self._ranks) is not None:
+            return ranks.restore(state, step, rng=self.rng, strict=strict, rank_state=rank_state,
+                                 single=lambda n: self._restore_file(n, state, strict, rank_state, ranks.group.world))
         chosen = self._resolve(step)
         if is_dcp_step(step_dir(self.directory, chosen)):  # saved by several ranks: resharded into one
             from ._ranks import restore_dcp
 
             restore_dcp(step_dir(self.directory, chosen), chosen, state, group=None, rank=0, world=1,
-                        rng_key=RNG_KEY if self.rng else None, config=self._config, strict=strict)
+                        rng_key=RNG_KEY if self.rng else None, config=self._config, strict=strict,
+                        rank_state=rank_state, verify=True)
         else:
-            self._restore_file(chosen, state, strict)
+            self._restore_file(chosen, state, strict, rank_state, 1)
         return chosen
 
-    def _restore_file(self, chosen: int, state: MutableMapping[str, Any], strict: bool) -> None:
-        saved = restore_state(step_dir(self.directory, chosen), chosen, state, self._config,
-                              what=f"step {chosen} in {self.directory!r}", rng_key=RNG_KEY, strict=strict)
-        if self.rng and RNG_KEY in saved:
-            restore_rng(saved[RNG_KEY])
+    def _restore_file(self, chosen: int, state: MutableMapping[str, Any], strict: bool, rank_state: Any,
+                      world: int) -> None:
+        """Restore the single-process step ``chosen`` (into each of ``world`` ranks)."""
+        restore_file(step_dir(self.directory, chosen), chosen, state, self._config, rng_key=RNG_KEY, rng=self.rng,
+                     strict=strict, rank_state=rank_state, world=world)
 
     def _resolve(self, step: int | None) -> int:
         steps = self.steps()

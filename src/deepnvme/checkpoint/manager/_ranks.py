@@ -25,18 +25,17 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...config import IOConfig
-from ...errors import DeepNVMeIOError, DistributedSaveError, FileNotFoundIOError
+from ...errors import CheckpointCorruptError, DeepNVMeIOError, DistributedSaveError, FileNotFoundIOError
 from ...io import durable
 from .._writer import Call, Writer
-from ..dcp import NVMeStorageReader
 from ._commit import StepCommit
+from ._dcp_restore import restore_dcp
 from ._dcp_step import (
     Staged,
+    file_sums,
     finish_step,
     global_plans,
-    load_into,
     local_plan,
-    read_step,
     rng_entry,
     stage,
     state_dicts,
@@ -44,10 +43,20 @@ from ._dcp_step import (
 )
 from ._group import RankGroup
 from ._lock import DirectoryLock, tidy, try_lock
-from ._rng import capture_rng, restore_rng
-from ._steps import building_path, is_dcp_step, list_steps, read_manifest, remove_leftovers, step_dir
+from ._rank_state import pack
+from ._rng import capture_rng
+from ._steps import (
+    RANK_STATE_KEY,
+    building_path,
+    is_dcp_step,
+    list_steps,
+    read_manifest,
+    remove_leftovers,
+    step_dir,
+)
+from ._verify import check_step_files
 
-__all__ = ["RankSteps", "restore_dcp"]
+__all__ = ["RankSteps", "restore_dcp"]  # restore_dcp: re-exported for the single-process manager
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +89,9 @@ class RankSteps:
     module). One thread drives it; rank 0 holds the directory's writer lock while saving."""
 
     def __init__(self, directory: str, group: RankGroup, *, keep: int | None, config: IOConfig,
-                 rng_key: str) -> None:
+                 rng_key: str, algorithm: str | None = None) -> None:
         self.directory, self.group, self.config, self.rng_key = directory, group, config, rng_key
+        self.algorithm = algorithm  # per-file checksums (None: off), see _dcp_step.file_sums
         self._commit = StepCommit(directory, keep=keep, algorithm=None)  # retention
         self._lock: DirectoryLock | None = None
         self._writer: Writer | None = None
@@ -92,12 +102,13 @@ class RankSteps:
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool, rng: bool,
              rule: Callable[[int | None, float], bool], settle: Callable[[], None], since_last: float,
-             last_step: int | None) -> Call | None:
+             last_step: int | None, rank_state: Mapping[str, Any] | None = None) -> Call | None:
         """Collective: plan and stage this rank's share of ``step``; the writer-thread call that
         writes and commits it, already submitted (None: not due). ``rule(newest, since_last)``
         says whether the step is due; rank 0's answer holds for all. ``settle()`` runs once the
         save is known to be due, before anything else: it waits for the previous save and raises
-        its error (the same on every rank, as the ranks agreed on it)."""
+        its error (the same on every rank, as the ranks agreed on it). ``rank_state``: this
+        rank's own entries, kept apart (:mod:`._rank_state`)."""
         g = self.group
         vote: Any = (step, force)
         if g.rank == 0:
@@ -122,13 +133,19 @@ class RankSteps:
         try:
             if g.rank == 0:
                 self._prepare(building)
+            if reserved := [k for k in (self.rng_key, RANK_STATE_KEY) if k in state]:
+                raise ValueError(f"CheckpointManager.save: state keys {reserved} are reserved for the manager")
             saved = state_dicts(state)
             if rng:
                 saved[self.rng_key] = {rng_entry(g.rank): capture_rng()}
+            if rank_state is not None:
+                saved[RANK_STATE_KEY] = {rng_entry(g.rank): pack(rank_state)}
             planner, plan = local_plan(saved, g.rank)
         except BaseException as exc:  # reported to every rank below
             own = exc
-        plans = g.gather((plan, _describe(own)), thread="main", what=f"save({step}) planning")
+        keys = None if rank_state is None else sorted(rank_state)
+        plans = g.gather((plan, _describe(own), keys), thread="main", what=f"save({step}) planning")
+        rank_keys = {rng_entry(r): p[2] for r, p in enumerate(plans) if p[2] is not None}
         if any(p[1] is not None for p in plans):
             if g.rank == 0:
                 shutil.rmtree(building, ignore_errors=True)
@@ -140,7 +157,7 @@ class RankSteps:
             staged = stage(planner, mine)
         except BaseException as exc:  # the writer thread still votes, so no rank waits for this one
             own = exc
-        call = Call(fn=lambda: self._write(step, building, mine, staged, metadata, own))
+        call = Call(fn=lambda: self._write(step, building, mine, staged, metadata, own, rank_keys))
         self._start().submit(call)
         if own is not None:
             raise own
@@ -160,25 +177,30 @@ class RankSteps:
         return self._writer
 
     def _write(self, step: int, building: str, plan: SavePlan, staged: Staged, metadata: Metadata,
-               own: BaseException | None) -> None:
-        """The writer thread: write this rank's share, vote, rank 0 commits, everyone hears."""
+               own: BaseException | None, rank_keys: dict[str, list[str]]) -> None:
+        """The writer thread: write this rank's share (and checksum its files), vote, rank 0
+        commits, everyone hears."""
         g = self.group
         results: list[WriteResult] = []
+        sums: dict[str, int] = {}
         if own is None:
             try:
                 results = write_share(building, plan, staged, rank=g.rank, config=self.config)
+                sums = file_sums(building, results, self.algorithm)
             except BaseException as exc:
                 own = exc
         staged.clear()
         what = f"checkpoint step {step} in {self.directory!r} (earlier steps are intact)"
-        votes = g.gather((results, _describe(own)), thread="writer", what=f"step {step} vote")
-        if any(v[1] is not None for v in votes):
+        votes = g.gather((results, sums, _describe(own)), thread="writer", what=f"step {step} vote")
+        if any(v[2] is not None for v in votes):
             if g.rank == 0:
                 shutil.rmtree(building, ignore_errors=True)
-            raise _failed(what, [v[1] for v in votes], own)
+            raise _failed(what, [v[2] for v in votes], own)
         if g.rank == 0:
             try:
-                finish_step(building, step, metadata, [v[0] for v in votes], self.config)
+                finish_step(building, step, metadata, [v[0] for v in votes], self.config,
+                            algorithm=self.algorithm, sums={n: c for v in votes for n, c in v[1].items()},
+                            rank_state=rank_keys)
                 durable.publish_dir(building, step_dir(self.directory, step))
             except BaseException as exc:
                 own = exc
@@ -199,28 +221,56 @@ class RankSteps:
         return steps
 
     def restore(self, state: MutableMapping[str, Any], step: int | None, *, rng: bool, strict: bool,
-                single: Callable[[int], None]) -> int:
-        """Collective: load ``step`` (None: the newest, as rank 0 sees it) into ``state``.
-        ``single(step)`` restores a step saved by one process (each rank reads all of it)."""
+                single: Callable[[int], None], rank_state: Any = None) -> int:
+        """Collective: load ``step`` (None: the newest that verifies, as rank 0 lists them) into
+        ``state``; ``rank_state`` as in :func:`restore_dcp`. The ranks check a step's files
+        together first (:meth:`_check`): a corrupt ``step`` raises
+        :class:`CheckpointCorruptError` on every rank; with ``step=None`` a corrupt step is logged
+        and the next older one tried, on every rank alike. ``single(step)`` restores a step saved
+        by one process (each rank reads all of it and checks its checksums as it reads)."""
         g = self.group
-        pick: Any = None
-        if g.rank == 0:
-            steps = list_steps(self.directory)
-            chosen = steps[-1] if step is None and steps else step if step in steps else None
-            pick = (chosen, None if chosen is not None else
-                    f"{'no checkpoint' if step is None else f'no checkpoint of step {step}'} in "
-                    f"{self.directory!r} (committed steps: {steps})")
-        chosen, missing = g.gather(pick, thread="main", what="restore()")[0]
-        if missing is not None:
-            raise FileNotFoundIOError(missing, path=self.directory, offset=None, size=None,
-                                      errno=errno_mod.ENOENT)
-        path = step_dir(self.directory, chosen)
-        if not is_dcp_step(path):
-            single(chosen)
-            return int(chosen)
-        restore_dcp(path, chosen, state, group=g.group("main"), rank=g.rank, world=g.world,
-                    rng_key=self.rng_key if rng else None, config=self.config, strict=strict)
-        return int(chosen)
+        steps: list[int] = g.gather(list_steps(self.directory) if g.rank == 0 else None, thread="main",
+                                    what="restore()")[0]
+        candidates = steps[::-1] if step is None else [step] if step in steps else []
+        if not candidates:
+            want = "no checkpoint" if step is None else f"no checkpoint of step {step}"
+            raise FileNotFoundIOError(f"{want} in {self.directory!r} (committed steps: {steps})",
+                                      path=self.directory, offset=None, size=None, errno=errno_mod.ENOENT)
+        problems = []
+        for chosen in candidates:
+            path = step_dir(self.directory, chosen)
+            problem = self._check(path, chosen)
+            if problem is None:
+                if not is_dcp_step(path):
+                    single(chosen)
+                    return chosen
+                restore_dcp(path, chosen, state, group=g.group("main"), rank=g.rank, world=g.world,
+                            rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
+                            rank_state=rank_state)
+                return chosen
+            if step is not None:
+                raise CheckpointCorruptError(problem)
+            log.warning("deepnvme.CheckpointManager.restore: skipping %s; trying the previous step", problem)
+            problems.append(problem)
+        raise CheckpointCorruptError(f"no intact checkpoint in {self.directory!r}: {'; '.join(problems)}")
+
+    def _check(self, path: str, step: int) -> str | None:
+        """Collective: what is wrong with the multi-rank step at ``path`` (None: intact). Each
+        rank checks every W-th of the manifest's files (sizes, and checksums when stored) and the
+        ranks exchange their findings, so all reach the same verdict having read each file once.
+        A single-process step is checked as it is read."""
+        g = self.group
+        found: str | None = None
+        if is_dcp_step(path):
+            try:
+                manifest = read_manifest(path, step)
+                wrong = check_step_files(path, manifest, sorted(manifest.get("files", {}))[g.rank::g.world])
+                found = "; ".join(wrong) or None
+            except CheckpointCorruptError as exc:
+                found = str(exc)
+        verdicts = g.gather(found, thread="main", what=f"restore(step={step}) check")
+        bad = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v is not None]
+        return f"checkpoint step {step} in {self.directory!r} is corrupt ({'; '.join(bad)})" if bad else None
 
     def close(self) -> None:
         """Collective: stop the writer (after the queued saves), wait for every rank, release the
@@ -234,26 +284,3 @@ class RankSteps:
                 self._lock.release()
             self.group.close()
 
-
-def restore_dcp(path: str, step: int, state: MutableMapping[str, Any], *, group: Any, rank: int, world: int,
-                rng_key: str | None, config: IOConfig, strict: bool) -> None:
-    """Load the multi-rank step at ``path`` into ``state`` (DCP reshards when ``world`` differs
-    from the saving world), then this rank's RNG states when ``rng_key`` is given and the world
-    size is unchanged (otherwise they are left alone, with a warning)."""
-    manifest = read_manifest(path, step)
-    saved = state_dicts(state)
-    read_step(path, saved, group=group, config=config, partial=not strict)
-    load_into(state, saved, strict=strict)
-    if rng_key is None:
-        return
-    if manifest.get("world_size") != world:
-        log.warning("deepnvme.CheckpointManager: step %d was saved by %s ranks, restored by %d: RNG "
-                    "states are left as they are", step, manifest.get("world_size"), world)
-        return
-    entry = {rng_entry(rank): capture_rng()}
-    stored = NVMeStorageReader(path, config=config).read_metadata().state_dict_metadata
-    if not any(key.startswith(f"{rng_key}.{rng_entry(rank)}.") for key in stored):
-        return  # saved with rng=False
-    holder = {rng_key: entry}
-    read_step(path, holder, group=None, config=config)
-    restore_rng(holder[rng_key][rng_entry(rank)])

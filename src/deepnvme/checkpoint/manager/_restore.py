@@ -18,6 +18,7 @@ state before its first step, ...), each rounded up for O_DIRECT alignment.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Collection, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +30,12 @@ from ...errors import CheckpointMismatchError
 from ...handles.aio import AioHandle
 from ...memory.views import aligned_empty, cast_to_byte_tensor
 from ._checksums import named_storages
+from ._rank_state import fill, refuse_other_world
+from ._rng import restore_rng
+from ._steps import RANK_STATE_KEY
 from ._verify import check_sums, checked_skeleton, open_checked
 
-__all__ = ["Skeleton", "open_skeleton", "read_into", "check_fit", "restore_state"]
+__all__ = ["Skeleton", "open_skeleton", "read_into", "check_fit", "restore_state", "restore_file"]
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +155,7 @@ def check_fit(what: str, saved: Mapping[str, Any], state: Mapping[str, Any], des
     dicts (``saved`` may hold ``meta`` tensors): one :class:`CheckpointMismatchError`. Not
     ``strict``: names (and module state dict keys) on one side only are left out, shapes must
     still match, and at least one name must be shared. Returns the names of ``state`` to restore."""
-    names = [n for n in saved if n != rng_key]
+    names = [n for n in saved if n not in (rng_key, RANK_STATE_KEY)]
     missing = [n for n in state if n not in saved]
     extra = [n for n in names if n not in state]
     shapes = [(n, tuple(saved[n].shape), tuple(v.shape)) for n, v in state.items()
@@ -187,16 +191,20 @@ def check_fit(what: str, saved: Mapping[str, Any], state: Mapping[str, Any], des
 
 
 def restore_state(path: str, step: int, state: MutableMapping[str, Any], config: IOConfig, *,
-                  what: str, rng_key: str, strict: bool = True) -> dict[str, Any]:
+                  what: str, rng_key: str, strict: bool = True,
+                  check: Callable[[Mapping[str, Any]], None] | None = None) -> dict[str, Any]:
     """Load the checkpoint directory ``path`` into ``state`` in place (see
-    ``CheckpointManager.restore``); return the entries read, ``rng_key``'s among them if saved.
+    ``CheckpointManager.restore``); return the entries read, ``rng_key``'s and the per-rank
+    state's among them if saved. ``check(saved)`` sees the saved object (``meta`` tensors) first.
     Checks names and shapes before anything changes (:func:`check_fit`)."""
     sk = open_skeleton(path, step)
     if not isinstance(sk.obj, dict):
         raise CheckpointMismatchError(f"{what} holds a {type(sk.obj).__name__}")
     dests = {n: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for n, v in state.items()}
     names = check_fit(what, sk.obj, state, dests, rng_key=rng_key, strict=strict)
-    saved = read_into(sk, dests, config, names=None if strict else {*names, rng_key})
+    if check is not None:
+        check(sk.obj)
+    saved = read_into(sk, dests, config, names=None if strict else {*names, rng_key, RANK_STATE_KEY})
     for name in names:
         value = state[name]
         if isinstance(value, torch.Tensor):
@@ -209,3 +217,24 @@ def restore_state(path: str, step: int, state: MutableMapping[str, Any], config:
         else:
             state[name] = saved[name]
     return saved
+
+
+def restore_file(path: str, step: int, state: MutableMapping[str, Any], config: IOConfig, *,
+                 rng_key: str, rng: bool, strict: bool, rank_state: Any, world: int) -> None:
+    """Restore the single-process step at ``path`` into ``state`` (:func:`restore_state`) in each
+    of ``world`` processes: the RNG states (``rng_key``'s entry) when ``rng`` and saved, and the saved
+    per-rank state into ``rank_state`` (see :mod:`._rank_state`; checked before any data is read)."""
+    what = f"step {step} in {os.path.dirname(path)!r}"
+    mine: list[bool] = []
+
+    def check(obj: Mapping[str, Any]) -> None:
+        keys = sorted(obj[RANK_STATE_KEY]) if isinstance(obj.get(RANK_STATE_KEY), dict) else None
+        mine.append(refuse_other_world(keys, saved_world=1, world=world, rank_state=rank_state,
+                                       what=f"checkpoint {what}"))
+
+    saved = restore_state(path, step, state, config, what=what, rng_key=rng_key, strict=strict,
+                          check=check)
+    if mine and mine[0]:
+        fill(rank_state, saved.get(RANK_STATE_KEY))
+    if rng and rng_key in saved:
+        restore_rng(saved[rng_key])

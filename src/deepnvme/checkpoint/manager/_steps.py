@@ -27,14 +27,16 @@ from typing import Any
 from ...errors import CheckpointCorruptError
 from ...io import durable
 
-__all__ = ["FILE", "MANIFEST", "FORMAT", "step_dir", "find_step_dirs", "list_steps", "is_dcp_step", "new_building",
-           "building_path", "delete_step", "remove_leftovers", "find_leftovers", "read_manifest"]
+__all__ = ["FILE", "MANIFEST", "FORMAT", "RANK_STATE_KEY", "step_dir", "find_step_dirs", "list_steps",
+           "is_dcp_step", "new_building", "building_path", "delete_step", "remove_leftovers", "find_leftovers",
+           "read_manifest"]
 
 log = logging.getLogger(__name__)
 
 FILE = "state.pt"
 MANIFEST = "manifest.json"
 FORMAT = "deepnvme-checkpoint-manager"
+RANK_STATE_KEY = "_deepnvme_rank_state"  # the reserved entry holding save(rank_state=...)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _LEFTOVER_RE = re.compile(r"^\.step-\d+\.deepnvme-(building|deleting)-\d+-[0-9a-f]+$")
 

@@ -19,11 +19,11 @@ from ...errors import CheckpointCorruptError, CheckpointFormatError
 from ...formats.torchsave import torch_skeleton
 from ...formats.torchzip import RecordSpan
 from ..loader import load as load_file
-from ._checksums import checksum, hasher, named_storages
+from ._checksums import checksum, file_checksum, hasher, named_storages
 from ._steps import FILE, MANIFEST, find_step_dirs, is_dcp_step, read_manifest
 
 __all__ = ["load_checked", "open_checked", "checked_skeleton", "check_tensors", "check_structure",
-           "check_sums", "CheckResult", "find_targets", "check_one"]
+           "check_sums", "CheckResult", "find_targets", "check_one", "check_step_files"]
 
 
 def open_checked(path: str, step: int | None) -> tuple[dict[str, Any], str, str]:
@@ -142,19 +142,33 @@ def check_one(path: str, step: int | None, *,
                        checksum=manifest.get("checksum"), tensors=len(manifest["tensors"]))
 
 
+def check_step_files(path: str, manifest: Mapping[str, Any], names: list[str] | None = None) -> list[str]:
+    """What is wrong with the files of the multi-rank step at ``path`` (``names``: these of the
+    manifest's files; None: all): missing, of another size than the manifest says, or failing
+    their stored per-file checksum (when the step has them). Empty: intact. Reads each file."""
+    sizes: dict[str, int] = manifest.get("files", {})
+    sums: dict[str, int] = manifest.get("file_checksums") or {}
+    algorithm = manifest.get("checksum")
+    wrong = []
+    for name in sizes if names is None else names:
+        full = os.path.join(path, name)
+        have = os.path.getsize(full) if os.path.isfile(full) else None
+        if have != sizes[name]:
+            wrong.append(f"{name!r} is {'missing' if have is None else f'{have} bytes'}, the manifest "
+                         f"says {sizes[name]}")
+        elif algorithm and name in sums and file_checksum(algorithm, full) != sums[name]:
+            wrong.append(f"{name!r} fails its {algorithm} checksum (its bytes changed after the save)")
+    return wrong
+
+
 def _check_ranks_step(path: str, step: int | None) -> CheckResult:
     """A step saved by several ranks (a DCP checkpoint): every file the manifest names is there
-    with its size (no checksums are stored for these yet)."""
+    with its size and, when stored, its per-file checksum."""
     try:
         manifest = read_manifest(path, step)
-        wrong = []
-        for name, size in manifest.get("files", {}).items():
-            full = os.path.join(path, name)
-            have = os.path.getsize(full) if os.path.isfile(full) else None
-            if have != size:
-                wrong.append(f"{name!r} is {'missing' if have is None else f'{have} bytes'}, the manifest says {size}")
-        if wrong:
+        if wrong := check_step_files(path, manifest):
             raise CheckpointCorruptError(f"checkpoint step {manifest.get('step', step)}: {'; '.join(wrong)}")
     except CheckpointCorruptError as exc:
         return CheckResult(path=path, step=step, problem=str(exc), checksum=None, tensors=0)
-    return CheckResult(path=path, step=int(manifest["step"]), problem=None, checksum=None, tensors=0)
+    return CheckResult(path=path, step=int(manifest["step"]), problem=None, checksum=manifest.get("checksum"),
+                       tensors=0)

@@ -17,7 +17,7 @@ from ._ranks import run_ranks
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
 
 
-def test_replicated_state_round_trip_failure_and_restore_into_one_process(tmp_path, caplog):
+def test_replicated_state_round_trip_failure_and_restore_into_one_process(tmp_path, caplog, capsys):
     directory = str(tmp_path / "ck")
     run_ranks(_workers.replicated, 2, str(tmp_path), directory)
     expected = torch.load(os.path.join(directory, "expected.pt"), weights_only=True)
@@ -33,7 +33,9 @@ def test_replicated_state_round_trip_failure_and_restore_into_one_process(tmp_pa
     assert _workers.same(got["model"], expected["model"]) and _workers.same(got["optim"], expected["optim"])
     assert state["meta"] == {"epoch": 3, "name": "run"}
     assert "RNG states are left as they are" in caplog.text
+    capsys.readouterr()
     assert main(["verify", directory]) == 0
+    assert "files of several ranks" in capsys.readouterr().out
     os.truncate(os.path.join(directory, "step-000000000004", "__1_0.distcp"), 100)
     assert main(["verify", directory]) == 1
 

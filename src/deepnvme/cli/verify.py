@@ -43,7 +43,8 @@ def _line(result: CheckResult) -> str:
         return f"CORRUPT  {name}: {result.problem}"
     sums = (f"{result.checksum} checksums match" if result.checksum
             else "structure and sizes only: checksums were absent")
-    return f"ok       {name}: {result.tensors} tensors, {sums}"
+    what = f"{result.files} files of several ranks" if result.files is not None else f"{result.tensors} tensors"
+    return f"ok       {name}: {what}, {sums}"
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -118,6 +118,7 @@ class CheckResult:
     problem: str | None
     checksum: str | None  # the algorithm whose sums were checked; None: they were absent
     tensors: int
+    files: int | None = None  # a step saved by several ranks: its data files (tensors: not counted)
 
 
 def find_targets(path: str) -> list[tuple[str, int | None]]:
@@ -171,4 +172,4 @@ def _check_ranks_step(path: str, step: int | None) -> CheckResult:
     except CheckpointCorruptError as exc:
         return CheckResult(path=path, step=step, problem=str(exc), checksum=None, tensors=0)
     return CheckResult(path=path, step=int(manifest["step"]), problem=None, checksum=manifest.get("checksum"),
-                       tensors=0)
+                       tensors=0, files=len(manifest.get("files", {})))

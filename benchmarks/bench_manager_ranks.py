@@ -11,8 +11,8 @@ repetition, these savers for ``--warmup`` + ``--steps`` steps each:
 * ``dcp_async``: ``torch.distributed.checkpoint.async_save`` with ``FileSystemWriter``, a persistent
   ``DefaultStager(StagingOptions(True, True, True, False))`` (pinned memory, shared memory, async
   staging; torchtitan's non-blocking copy needs an accelerator), ``AsyncCheckpointerType.PROCESS``
-  and a gloo group of its own, as torchtitan's ``async_with_pinned_mem`` mode runs it: the optimizer
-  step waits for the previous staging, and a save waits for the previous one's upload first.
+  (``--dcp-checkpointer``) and a gloo group of its own, as torchtitan's ``async_with_pinned_mem`` mode
+  runs it: the optimizer step waits for the previous staging, and a save waits for the previous upload.
 
 Measured per saver (medians over steps and ranks' maxima): step time, time added over ``none``,
 time blocked in the loop per save (the save call plus waits), the bytes of one saved step in all
@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import sys
@@ -88,8 +89,8 @@ class Job:
 
 
 class Saver:
-    def __init__(self, kind: str, job: Job, directory: Path, world_group: Any) -> None:
-        self.kind, self.job, self.directory = kind, job, directory
+    def __init__(self, kind: str, job: Job, directory: Path, checkpointer: str) -> None:
+        self.kind, self.job, self.directory, self.checkpointer = kind, job, directory, checkpointer
         self.blocked: list[float] = []
         self._staging_wait = 0.0
         self._resp: Any = None
@@ -125,7 +126,7 @@ class Saver:
             self._resp = dcp.async_save(
                 {"model": self.job.module.state_dict(), "opt": self.job.opt.state_dict()},
                 storage_writer=dcp.FileSystemWriter(str(self.last)), process_group=self._pg,
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self._stager)
+                async_checkpointer_type=AsyncCheckpointerType(self.checkpointer), async_stager=self._stager)
         else:
             return
         self.blocked.append(time.perf_counter() - t0 + self._staging_wait)
@@ -178,7 +179,7 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, orde
                 shutil.rmtree(directory, ignore_errors=True)
                 directory.mkdir(parents=True)
             dist.barrier()
-            saver = Saver(kind, job, directory, None)
+            saver = Saver(kind, job, directory, args.dcp_checkpointer)
             steps: list[float] = []
             for i in range(args.warmup + args.steps):
                 t0 = time.perf_counter()
@@ -255,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dcp-checkpointer", choices=("process", "thread"), default="process",
+                    help="DCP's async_checkpointer_type (torchtitan: process; thread starts faster, for smoke tests)")
     ap.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
                     help="restore warm (no root needed): for smoke tests")
     ap.add_argument("--json", help="write the results here")
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         Path(args.json).write_text(json.dumps({
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": args.device,
+            "command": shlex.join([os.path.basename(sys.executable), *sys.argv]), "device": args.device,
             "machine": machine, "args": vars(args), "state_bytes": state, "configs": summary, "ratios": ratios,
             "targets": TARGETS, "targets_met": met, "reps": reps}, indent=1) + "\n")
     for kind in SAVERS:  # the checkpoints go; the folder too when nothing else is in it

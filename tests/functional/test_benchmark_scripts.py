@@ -131,7 +131,7 @@ def test_bench_manager(tmp_path):
 def test_bench_manager_ranks(tmp_path):
     out = run("bench_manager_ranks.py", "--dir", str(tmp_path / "ck"), "--state-mb", "1", "--width", "64",
               "--batch", "4", "--steps", "1", "--warmup", "0", "--reps", "1", "--no-drop-caches",
-              "--json", str(tmp_path / "out.json"), cwd=tmp_path)
+              "--dcp-checkpointer", "thread", "--json", str(tmp_path / "out.json"), cwd=tmp_path)
     for name in ("none", "deepnvme", "dcp_async", "restore (cold)", "restore_speedup_vs_dcp_load",
                  "target added_vs_dcp <= 0.5"):
         assert name in out

@@ -172,6 +172,26 @@ def restore(runs: Sequence[Run]) -> Rows:
     return out, f"State {gb(runs[0][1]['state_bytes'])}; {when(runs)}."
 
 
+def manager_ranks(runs: Sequence[Run]) -> Rows:
+    """Two gloo ranks, a save every step: deepnvme's manager beside DCP async_save / dcp.load."""
+    out = header("device", "saver", "step s", "added s", "blocked s per save", "GB per save (x state)",
+                 "largest rank / mean", "restore s, cold", "added: DCP / this", "restore: DCP / this")
+    notes = []
+    for src, data in runs:
+        c, state = data["configs"], data["state_bytes"]
+        for name, label in (("deepnvme", "CheckpointManager, snapshot"), ("dcp_async", "DCP `async_save` / `load`")):
+            x = c[name]
+            mine = name == "deepnvme"
+            added = ratio(c["dcp_async"]["added_s"] / x["added_s"]) if mine and x["added_s"] > 0 else ""
+            out.append(row(src.device, label, f"{x['step_s']:.3f}", f"{x['added_s']:.3f}", f"{x['blocked_s']:.3f}",
+                           f"{x['bytes_per_save'] / 1e9:.3f} ({x['bytes_per_save'] / state:.2f}x)",
+                           f"{x['largest_share_over_mean']:.3f}", f"{x['restore_s']:.3f}", added,
+                           ratio(c["dcp_async"]["restore_s"] / x["restore_s"]) if mine else ""))
+        notes.append(f"{src.device}: baseline step {c['none']['step_s']:.3f} s")
+    return out, (f"State {gb(runs[0][1]['state_bytes'])} per rank, replicated; " + "; ".join(notes)
+                 + f"; targets: added >= 2.00x, restore >= 1.20x; {when(runs)}.")
+
+
 # ----------------------------------------------------------------------------- loading
 
 LOAD_INPUTS = {  # bench_load.py case -> label
@@ -338,6 +358,9 @@ TABLES: dict[str, Table] = {
         Source(DISK, "2026-11-25-manager-restore-thp0-work.json", THP + "0"),
         Source(RAM, "2026-11-26-manager-restore-thp1-ramdev.json", THP + "1"),
         Source(RAM, "2026-11-26-manager-restore-thp0-ramdev.json", THP + "0"))),
+    # two gloo ranks of a DDP job, a save every step
+    "manager_ranks": Table(manager_ranks, (Source(DISK, "2026-11-27-manager-ranks-disk.json"),
+                                           Source(RAM, "2026-11-27-manager-ranks-ramdev.json"))),
     "load": Table(load, (Source(DISK, "2026-11-26-load-fresh-disk.json"),
                          Source(RAM, "2026-11-26-load-fresh-ramdev.json"))),
     # files and folders in the same repetitions on each device

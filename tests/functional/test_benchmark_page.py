@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "BENCHMARKS.md"
 LOG = ROOT / "benchmarks" / "LOG.md"
 TABLE_NAMES = ["engines", "manager", "manager_latest", "restore", "load", "load_into", "dcp", "offload", "vllm_load",
-               "vllm_stream", "data"]
+               "vllm_stream", "data", "manager_ranks"]
 
 
 @pytest.fixture(scope="module")

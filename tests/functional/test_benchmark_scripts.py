@@ -128,6 +128,18 @@ def test_bench_manager(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 
+def test_bench_manager_ranks(tmp_path):
+    out = run("bench_manager_ranks.py", "--dir", str(tmp_path / "ck"), "--state-mb", "1", "--width", "64",
+              "--batch", "4", "--steps", "1", "--warmup", "0", "--reps", "1", "--no-drop-caches",
+              "--dcp-checkpointer", "thread", "--json", str(tmp_path / "out.json"), cwd=tmp_path)
+    for name in ("none", "deepnvme", "dcp_async", "restore (cold)", "restore_speedup_vs_dcp_load",
+                 "target added_vs_dcp <= 0.5"):
+        assert name in out
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["configs"]["deepnvme"]["bytes_per_rank"][1] > 0  # both ranks wrote their share
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
 def test_bench_offload_params(tmp_path):
     out = run("bench_offload_params.py", "--dir", str(tmp_path), "--layers", "3", "--dim", "256",
               "--batch", "4", "--budget-mib", "0.75", "--steps", "1", "--reps", "1", cwd=tmp_path)

@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""CheckpointManager across gloo ranks vs stock DCP ``async_save``: a save every step of a DDP job.
+
+Each repetition spawns ``--world`` gloo ranks (``OMP_NUM_THREADS=1``, ``OMP_WAIT_POLICY=PASSIVE``).
+Every rank holds the same MLP under ``DistributedDataParallel`` plus its AdamW state (``--state-mb``
+per rank: parameters + two moments), trains on random batches and runs, in an order rotated each
+repetition, these savers for ``--warmup`` + ``--steps`` steps each:
+
+* ``none``: no checkpoint (the baseline step time);
+* ``deepnvme``: ``deepnvme.CheckpointManager(dir, staging="snapshot")`` over the world, a save every step;
+* ``dcp_async``: ``torch.distributed.checkpoint.async_save`` with ``FileSystemWriter``, a persistent
+  ``DefaultStager(StagingOptions(True, True, True, False))`` (pinned memory, shared memory, async
+  staging; torchtitan's non-blocking copy needs an accelerator), ``AsyncCheckpointerType.PROCESS``
+  (``--dcp-checkpointer``) and a gloo group of its own, as torchtitan's ``async_with_pinned_mem`` mode
+  runs it: the optimizer step waits for the previous staging, and a save waits for the previous upload.
+
+Measured per saver (medians over steps and ranks' maxima): step time, time added over ``none``,
+time blocked in the loop per save (the save call plus waits), the bytes of one saved step in all
+and per rank; then a cold restore of each saver's newest step at the same world size (page cache
+dropped before each: needs root; ``--no-drop-caches`` for a warm smoke test): ``restore`` vs
+``dcp.load`` + ``load_state_dict``. Results, the issue's target ratios included, go to ``--json``.
+
+    python -W ignore benchmarks/bench_manager_ranks.py --dir /work/tmpbench/mr --state-mb 256 \\
+        --json benchmarks/results/2026-11-27-manager-ranks-disk.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SAVERS = ("none", "deepnvme", "dcp_async")
+TARGETS = {"added_vs_dcp_max": 0.5, "restore_speedup_min": 1.2, "bytes_per_state": 1.0, "largest_share_max": 1.1}
+
+
+def _tree_bytes(path: Path) -> tuple[int, dict[str, int]]:
+    files = {str(p.relative_to(path)): p.stat().st_size for p in path.rglob("*") if p.is_file()}
+    return sum(files.values()), files
+
+
+def _rank_of(name: str, world: int) -> int | None:
+    """The rank that wrote a data file: DCP's ``__R_0.distcp``, deepnvme's per-rank names (``rank-R`` / ``__R_``)."""
+    base = os.path.basename(name)
+    for r in range(world):
+        if base.startswith(f"__{r}_") or f"rank-{r}." in base or f"rank{r}." in base or f"rank-{r}-" in base:
+            return r
+    return None
+
+
+def _drop_caches(enabled: bool) -> None:
+    os.sync()
+    if enabled:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+
+
+class Job:
+    """One rank's model, optimizer and data."""
+
+    def __init__(self, rank: int, args: argparse.Namespace) -> None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.manual_seed(0)
+        width = args.width
+        params = max(1, args.state_mb * 2**20 // 12 // (width * width + width))  # 4 B params + 8 B AdamW moments
+        self.module = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(params)])
+        self.ddp = DistributedDataParallel(self.module)
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-5)
+        self.batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(rank))
+        self.state_bytes = 3 * sum(p.numel() * p.element_size() for p in self.module.parameters())
+        self.step()  # AdamW state exists from here on
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=False)
+        self.ddp(self.batch).square().mean().backward()
+        self.opt.step()
+
+
+class Saver:
+    def __init__(self, kind: str, job: Job, directory: Path, checkpointer: str) -> None:
+        self.kind, self.job, self.directory, self.checkpointer = kind, job, directory, checkpointer
+        self.blocked: list[float] = []
+        self._staging_wait = 0.0
+        self._resp: Any = None
+        self._mgr: Any = None
+        self.last: Path | None = None
+        if kind == "deepnvme":
+            import deepnvme
+            self._mgr = deepnvme.CheckpointManager(directory, keep=2, staging="snapshot", rng=False)
+        elif kind == "dcp_async":
+            import torch.distributed as dist
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            self._pg = dist.new_group(backend="gloo")
+            # torchtitan's options but the non-blocking copy, which needs an accelerator
+            self._stager = DefaultStager(StagingOptions(True, True, True, False))
+            self._hook = job.opt.register_step_pre_hook(self._wait_staging)
+
+    def _wait_staging(self, *_: Any) -> None:
+        if self._resp is not None and not self._resp.staging_completion.done():
+            t0 = time.perf_counter()
+            self._resp.staging_completion.result()
+            self._staging_wait += time.perf_counter() - t0
+
+    def save(self, step: int) -> None:
+        t0 = time.perf_counter()
+        if self._mgr is not None:
+            self._mgr.save(step, {"model": self.job.module, "opt": self.job.opt})
+        elif self.kind == "dcp_async":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+            if self._resp is not None:
+                self._resp.upload_completion.result()
+            self.last = self.directory / f"step-{step}"
+            self._resp = dcp.async_save(
+                {"model": self.job.module.state_dict(), "opt": self.job.opt.state_dict()},
+                storage_writer=dcp.FileSystemWriter(str(self.last)), process_group=self._pg,
+                async_checkpointer_type=AsyncCheckpointerType(self.checkpointer), async_stager=self._stager)
+        else:
+            return
+        self.blocked.append(time.perf_counter() - t0 + self._staging_wait)
+        self._staging_wait = 0.0
+
+    def finish(self) -> Path | None:
+        """Wait for the last save; return the newest step's directory."""
+        if self._mgr is not None:
+            self._mgr.close()
+            steps = sorted(self.directory.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+            return steps[-1] if steps else None
+        if self.kind == "dcp_async":
+            if self._resp is not None:
+                self._resp.upload_completion.result()
+            self._hook.remove()
+            self._stager.close()
+            return self.last
+        return None
+
+    def restore(self, job: Job, step_dir: Path) -> None:
+        if self.kind == "deepnvme":
+            import deepnvme
+            mgr = deepnvme.CheckpointManager(self.directory, keep=2, staging="snapshot", rng=False)
+            try:
+                mgr.restore({"model": job.module, "opt": job.opt})
+            finally:
+                mgr.close()
+        else:
+            import torch.distributed.checkpoint as dcp
+            state = {"model": job.module.state_dict(), "opt": job.opt.state_dict()}
+            dcp.load(state, checkpoint_id=str(step_dir))
+            job.module.load_state_dict(state["model"])
+            job.opt.load_state_dict(state["opt"])
+
+
+def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, order: list[str], out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        job = Job(rank, args)
+        result: dict[str, Any] = {"state_bytes": job.state_bytes}
+        for kind in order:
+            directory = Path(args.dir) / f"{kind}"
+            if rank == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+                directory.mkdir(parents=True)
+            dist.barrier()
+            saver = Saver(kind, job, directory, args.dcp_checkpointer)
+            steps: list[float] = []
+            for i in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                job.step()
+                saver.save(i + 1)
+                if i >= args.warmup:
+                    steps.append(time.perf_counter() - t0)
+            last = saver.finish()
+            dist.barrier()
+            rec: dict[str, Any] = {"step_s": steps, "blocked_s": saver.blocked[args.warmup:]}
+            if last is not None:
+                total, files = _tree_bytes(last)
+                rec.update(step_dir=str(last), bytes=total, files=files)
+                if rank == 0:
+                    _drop_caches(args.drop_caches)
+                dist.barrier()
+                t0 = time.perf_counter()
+                saver.restore(job, last)
+                rec["restore_s"] = time.perf_counter() - t0
+                dist.barrier()
+            result[kind] = rec
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            Path(out).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_rep(args: argparse.Namespace, order: list[str]) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        out, store = os.path.join(tmp, "out.json"), os.path.join(tmp, "store")
+        mp.start_processes(_rank_main, args=(args.world, store, args, order, out), nprocs=args.world,
+                           start_method="spawn")
+        return list(json.loads(Path(out).read_text()))
+
+
+def _summary(reps: list[list[dict[str, Any]]], world: int) -> dict[str, Any]:
+    med = statistics.median
+    out: dict[str, Any] = {}
+    for kind in SAVERS:
+        # a step lasts as long as its slowest rank: per step the maximum over ranks, then the median
+        steps = [max(r[kind]["step_s"][i] for r in rep) for rep in reps for i in range(len(rep[0][kind]["step_s"]))]
+        c: dict[str, Any] = {"step_s": med(steps)}
+        if kind != "none":
+            blocked = [max(r[kind]["blocked_s"][i] for r in rep) for rep in reps
+                       for i in range(len(rep[0][kind]["blocked_s"]))]
+            restores = [max(r[kind]["restore_s"] for r in rep) for rep in reps]
+            last = reps[-1][0][kind]
+            per_rank = [0] * world
+            for name, size in last["files"].items():
+                owner = _rank_of(name, world)
+                if owner is not None:
+                    per_rank[owner] += size
+            c.update(blocked_s=med(blocked), restore_s=med(restores), restore_reps=restores,
+                     bytes_per_save=last["bytes"], bytes_per_rank=per_rank, files=last["files"],
+                     largest_share_over_mean=(max(per_rank) / statistics.mean(per_rank)) if any(per_rank) else None)
+        out[kind] = c
+    base = out["none"]["step_s"]
+    for kind in SAVERS[1:]:
+        out[kind]["added_s"] = out[kind]["step_s"] - base
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", required=True, help="folder on the device under test (its contents are replaced)")
+    ap.add_argument("--device", default="", help="the device's name in the JSON (e.g. 'development disk')")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--state-mb", type=int, default=256, help="parameters + AdamW state per rank, MiB")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dcp-checkpointer", choices=("process", "thread"), default="process",
+                    help="DCP's async_checkpointer_type (torchtitan: process; thread starts faster, for smoke tests)")
+    ap.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
+                    help="restore warm (no root needed): for smoke tests")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if args.drop_caches and os.geteuid() != 0:
+        ap.error("dropping the page cache needs root; run as root or pass --no-drop-caches")
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    reps = []
+    for rep in range(args.reps):
+        order = list(SAVERS[rep % len(SAVERS):] + SAVERS[:rep % len(SAVERS)])
+        t0 = time.perf_counter()
+        reps.append(_one_rep(args, order))
+        print(f"rep {rep + 1}/{args.reps} ({', '.join(order)}): {time.perf_counter() - t0:.1f} s", flush=True)
+    summary = _summary(reps, args.world)
+    state = reps[0][0]["state_bytes"]
+    d, n = summary["deepnvme"], summary["dcp_async"]
+    ratios = {
+        "added_vs_dcp": d["added_s"] / n["added_s"] if n["added_s"] > 0 else None,
+        "blocked_vs_dcp": d["blocked_s"] / n["blocked_s"],
+        "restore_speedup_vs_dcp_load": n["restore_s"] / d["restore_s"],
+        "bytes_per_save_over_state": d["bytes_per_save"] / state,
+        "dcp_bytes_per_save_over_state": n["bytes_per_save"] / state,
+        "largest_share_over_mean": d["largest_share_over_mean"],
+    }
+    met = {
+        "added_vs_dcp <= 0.5": ratios["added_vs_dcp"] is not None and ratios["added_vs_dcp"] <= 0.5,
+        "restore_speedup >= 1.2": ratios["restore_speedup_vs_dcp_load"] >= 1.2,
+        "bytes_per_save 1.0x state": abs(ratios["bytes_per_save_over_state"] - 1.0) <= 0.02,
+        "largest_share <= 1.1x mean": (d["largest_share_over_mean"] or 99) <= 1.1,
+    }
+    for kind in SAVERS:
+        c = summary[kind]
+        extra = "" if kind == "none" else (
+            f"  added {c['added_s']:.3f} s  blocked {c['blocked_s']:.3f} s  bytes {c['bytes_per_save'] / 1e6:.0f} MB "
+            f"per rank {[round(b / 1e6) for b in c['bytes_per_rank']]}  restore (cold) {c['restore_s']:.3f} s")
+        print(f"{kind:10s} step {c['step_s']:.3f} s{extra}")
+    for k, v in ratios.items():
+        print(f"{k}: {v if v is None else round(v, 3)}")
+    for k, v in met.items():
+        print(f"target {k}: {'met' if v else 'missed'}")
+    if args.json:
+        import torch
+        machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                   "torch": torch.__version__, "processor": platform.processor()}
+        try:
+            machine["model"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                                    if line.startswith("model name"))
+            machine["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+        except (OSError, StopIteration, ValueError):
+            pass
+        Path(args.json).write_text(json.dumps({
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            "command": shlex.join([os.path.basename(sys.executable), *sys.argv]), "device": args.device,
+            "machine": machine, "args": vars(args), "state_bytes": state, "configs": summary, "ratios": ratios,
+            "targets": TARGETS, "targets_met": met, "reps": reps}, indent=1) + "\n")
+    for kind in SAVERS:  # the checkpoints go; the folder too when nothing else is in it
+        shutil.rmtree(Path(args.dir) / kind, ignore_errors=True)
+    if not os.listdir(args.dir):
+        os.rmdir(args.dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -72,8 +72,26 @@ def kvikio_peer(buf: torch.Tensor) -> tuple[dict[str, Callable[[str], float]], s
                 f.pread(buf).get()
         return timed(go, cuda=True)
 
-    mode = "compat" if kvikio.defaults.compat_mode() else "GDS"
-    return {"write": write, "read": read}, f"kvikio {kvikio.__version__} ({mode})"
+    return {"write": write, "read": read}, f"kvikio {kvikio.__version__} ({kvikio_mode()})"
+
+
+def kvikio_mode() -> str:
+    """KvikIO's compatibility mode setting, across its API versions (``defaults.compat_mode()``
+    until 24.x, ``defaults.get("compat_mode")`` after)."""
+    try:
+        import kvikio.defaults as defaults  # type: ignore[import-not-found]
+    except ImportError as exc:
+        return f"mode unknown: {exc}"
+    for probe in ("compat_mode", "get"):
+        fn = getattr(defaults, probe, None)
+        if fn is None:
+            continue
+        try:
+            value = fn() if probe == "compat_mode" else fn("compat_mode")
+        except Exception:  # noqa: BLE001 - the label only
+            continue
+        return f"compat_mode={value}"
+    return "mode unknown"
 
 
 class ThreadCopier:

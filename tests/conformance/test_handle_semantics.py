@@ -14,6 +14,7 @@ from deepnvme.config import IOConfig
 
 from ..conftest import random_tensor, same_bytes, shm_dir
 from ..fakes import FakeStagedHandle, fake_gds_handle_class
+from ._cuda_mirror import backends as cuda_backends
 
 BACKENDS = {
     "direct-p1": lambda: deepnvme.AioHandle(block_size=64 * 1024, queue_depth=4, intra_op_parallelism=1),
@@ -25,6 +26,8 @@ BACKENDS = {
     # GdsHandle: CPU tensors fall back to the aio path; and its cuFile path over a fake binding
     "gds-cpu": lambda: deepnvme.GdsHandle(block_size=16384, queue_depth=8, intra_op_parallelism=2),
     "gds-fake-cufile": lambda: fake_gds_handle_class()(block_size=8192, intra_op_parallelism=3),
+    # with CUDA: the same suite through CUDA tensors (staging pipeline, and cuFile where usable)
+    **cuda_backends(),
 }
 
 

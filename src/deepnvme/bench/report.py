@@ -65,7 +65,7 @@ class Report:
                 "engines": [e.to_dict() for e in self.engines], "auto_engine": auto}
 
 
-def _software() -> list[Check]:
+def _software(directory: str) -> list[Check]:
     from .._version import __version__
 
     py = sys.version_info
@@ -85,7 +85,7 @@ def _software() -> list[Check]:
         checks.append(Check("cuda", WARN, f"not available (torch {torch.__version__})",
                             "CPU tensors work; for GPU tensors install a CUDA build of torch "
                             "and the NVIDIA driver", data={"cuda_devices": 0}))
-    checks.append(_gds_check())
+    checks.append(_gds_check(directory))
     checks.extend((_omp_check(), _alignment_check()))
     fio = shutil.which("fio")
     checks.append(Check("fio", OK if fio else WARN, fio or "not found",
@@ -94,11 +94,12 @@ def _software() -> list[Check]:
     return checks
 
 
-def _gds_check() -> Check:
-    """deepnvme's GdsHandle status (opens the cuFile driver where it can), with the fix."""
+def _gds_check(directory: str) -> Check:
+    """deepnvme's GdsHandle status (opens the cuFile driver where it can and registers a file
+    in ``directory``), with the fix."""
     from ..handles.gds import gds_status
 
-    status = gds_status()
+    status = gds_status(directory if os.path.isdir(directory) else None)
     data = {"gds": status.available}
     if not status.available:
         return Check("gpudirect storage", WARN, f"not available: {status.detail}",
@@ -321,5 +322,5 @@ def _device_checks(dev: str | None) -> list[Check]:
 def run_report(directory: str = ".") -> Report:
     """Collect every check for the environment and for ``directory``; blocking, a few ms."""
     engines = engine_statuses()
-    checks = _software() + _engine_checks(engines) + _memlock_checks() + _dir_checks(directory)
+    checks = _software(directory) + _engine_checks(engines) + _memlock_checks() + _dir_checks(directory)
     return Report(os.path.abspath(directory), tuple(checks), engines)

@@ -24,13 +24,14 @@ import contextlib
 import dataclasses
 import logging
 import os
+import tempfile
 import threading
 from typing import Any
 
 import torch
 
 from ..errors import DeepNVMeError, GdsUnavailableError
-from ..io.cufile import BufferRegistry, CudaOrder, CuFileIO, DeviceOrder
+from ..io.cufile import BufferRegistry, CudaOrder, CuFileIO, DeviceOrder, counted_binding
 from ._deepspeed_args import example_arg
 from .aio import AioHandle
 
@@ -100,19 +101,57 @@ class _Driver:
                     raise GdsUnavailableError(f"cuFileDriverOpen failed: {exc}; check "
                                               "/etc/cufile.json (allow_compat_mode) and "
                                               "`gdscheck -p`") from exc
-                cls._module = module
+                cls._module = counted_binding(module)
                 gds = nvidia_fs_loaded() and not _forced_compat(module)
                 cls._mode = "nvidia-fs" if gds else "compatibility"
                 log.info("deepnvme: cuFile driver open, %s mode", cls._mode)
             return cls._module, cls._mode  # type: ignore[return-value]
 
 
-def gds_status() -> GdsStatus:
-    """Probe GPUDirect Storage: opens the cuFile driver (once per process) if it can."""
+def _register_probe(cufile: Any, directory: str) -> str | None:
+    """Register a new file in ``directory`` with cuFile (and deregister it); None if that
+    works, else why not. The driver opening is not enough: a file system or configuration
+    that cuFile refuses fails at registration."""
+    fd, path = tempfile.mkstemp(prefix=".deepnvme-gds-probe-", dir=directory)
     try:
-        _, mode = _Driver.open()
+        direct = -1
+        with contextlib.suppress(OSError):
+            direct = os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
+        descr = cufile.Descr()
+        descr.type = cufile.FileHandleType.OPAQUE_FD
+        descr.handle.fd = direct if direct >= 0 else fd
+        descr.fs_ops = 0
+        try:
+            fh = cufile.handle_register(descr.ptr)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            return (f"cuFileHandleRegister refused a file in {directory}: {exc}; see cufile.log "
+                    "there or in the working directory, and cufile.json (allow_compat_mode)")
+        finally:
+            if direct >= 0:
+                os.close(direct)
+        with contextlib.suppress(Exception):
+            cufile.handle_deregister(fh)
+        return None
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def gds_status(directory: str | os.PathLike[str] | None = None) -> GdsStatus:
+    """Probe GPUDirect Storage: opens the cuFile driver (once per process) if it can, then
+    registers a scratch file in ``directory`` (default: the temporary directory), since a
+    file system cuFile refuses fails only there."""
+    try:
+        cufile, mode = _Driver.open()
     except GdsUnavailableError as exc:
         return GdsStatus(False, None, str(exc))
+    where = os.fspath(directory) if directory is not None else tempfile.gettempdir()
+    try:
+        refused = _register_probe(cufile, where)
+    except OSError as exc:
+        refused = f"cannot create a probe file in {where}: {exc}"
+    if refused is not None:
+        return GdsStatus(False, mode, refused)
     hint = ("nvidia-fs loaded: DMA between storage and GPU memory" if mode == "nvidia-fs" else
             "nvidia-fs not loaded: cuFile compatibility mode (POSIX I/O via host bounce buffers)")
     return GdsStatus(True, mode, hint)

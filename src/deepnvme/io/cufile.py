@@ -16,8 +16,11 @@ of device memory to the host at a time.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import logging
 import operator
+import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -40,7 +43,10 @@ __all__ = [
     "CudaOrder",
     "DeviceOrder",
     "DeviceTransfer",
+    "counted_binding",
 ]
+
+log = logging.getLogger(__name__)
 
 _CU_FILE_OP_ERROR_BASE = 5000  # CUfileOpError codes start here; cuFileRead/Write return -code
 
@@ -241,6 +247,65 @@ def _wrap(exc: BaseException, call: str, t: Transfer, offset: int, size: int
             errno.EIO)
     return DeepNVMeIOError(f"{call} failed: {exc}", path=t.name, offset=offset, size=size,
                            errno=code)
+
+
+class _CountedCalls:
+    """The binding with ``read``/``write`` replaced by direct calls of ``cuFileRead`` and
+    ``cuFileWrite`` that return their ``ssize_t`` result (the binding drops it); every other
+    attribute is the binding's. A result of -1 raises ``OSError`` with the call's errno."""
+
+    def __init__(self, binding: Any, lib: ctypes.CDLL) -> None:
+        self._binding = binding
+        self._calls: dict[str, Any] = {}
+        for name in ("cuFileRead", "cuFileWrite"):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64,
+                           ctypes.c_int64]
+            fn.restype = ctypes.c_ssize_t
+            self._calls[name] = fn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._binding, name)
+
+    def _call(self, name: str, fh: int, base: int, size: int, offset: int, buf_offset: int) -> int:
+        done = int(self._calls[name](fh, base, size, offset, buf_offset))
+        if done == -1:
+            code = ctypes.get_errno() or errno.EIO
+            raise OSError(code, f"{name}: {os.strerror(code)}")
+        return done
+
+    def read(self, fh: int, base: int, size: int, offset: int, buf_offset: int) -> int:
+        return self._call("cuFileRead", fh, base, size, offset, buf_offset)
+
+    def write(self, fh: int, base: int, size: int, offset: int, buf_offset: int) -> int:
+        return self._call("cuFileWrite", fh, base, size, offset, buf_offset)
+
+
+def _load_libcufile() -> ctypes.CDLL:
+    """libcufile as the binding loaded it: by soname (already in the process once the driver is
+    open), else where NVIDIA's path finder puts the wheel's copy."""
+    try:
+        return ctypes.CDLL("libcufile.so.0", use_errno=True)
+    except OSError as first:
+        try:
+            from cuda.pathfinder import load_nvidia_dynamic_lib  # type: ignore[import-not-found,unused-ignore]
+            return ctypes.CDLL(load_nvidia_dynamic_lib("cufile").abs_path, use_errno=True)
+        except Exception as exc:  # noqa: BLE001 - the caller logs why counts stay invisible
+            raise OSError(f"{first}; path finder: {exc}") from None
+
+
+def counted_binding(binding: Any, *, load: Any = _load_libcufile) -> Any:
+    """``binding`` with read/write results visible, so short and failed transfers are errors.
+
+    ``cuda.bindings.cufile`` returns None from ``read``/``write`` where the C calls return the
+    byte count. If libcufile cannot be loaded
+    here the binding is kept and a warning says that short transfers go unseen."""
+    try:
+        return _CountedCalls(binding, load())
+    except (OSError, AttributeError) as exc:
+        log.warning("deepnvme: cuFile byte counts are not visible (%s): a short cuFileRead/"
+                    "cuFileWrite cannot be detected on this machine", exc)
+        return binding
 
 
 class CuFileIO:

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-READERS = ["deepnvme", "deepnvme_into", "safetensors", "fastsafetensors", "fastsafetensors_gds"]
+READERS = ["deepnvme", "deepnvme_staged", "deepnvme_into", "safetensors", "fastsafetensors",
+           "fastsafetensors_gds"]
 #: also available with --readers: the torch.save file read by deepnvme.load and torch.load
 MORE_READERS = ["deepnvme_pt", "torch_pt"]
 
@@ -46,8 +47,11 @@ def _state(gb: float) -> dict[str, torch.Tensor]:
 
 def _read(reader: str, d: str) -> dict[str, torch.Tensor]:
     st, pt = os.path.join(d, "model.safetensors"), os.path.join(d, "model.pt")
-    if reader == "deepnvme":
+    if reader in ("deepnvme", "deepnvme_staged"):
         import deepnvme
+        from deepnvme.checkpoint import _fill_plan
+        # the other route for contiguous CUDA targets: one staging-pipeline request per tensor
+        _fill_plan.CUDA_ROUTE = "staged" if reader == "deepnvme_staged" else "bounce"
         return deepnvme.load_safetensors(st, device="cuda")
     if reader == "deepnvme_into":
         import deepnvme

@@ -42,7 +42,7 @@ def main() -> int:
             descr.type = cufile.FileHandleType.OPAQUE_FD
             descr.handle.fd = fd
             descr.fs_ops = 0
-            raw = bytes(memoryview(descr))
+            raw = descr._data.tobytes() if hasattr(descr, "_data") else b""
             try:
                 fh = cufile.handle_register(descr.ptr)
                 buf = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
@@ -55,7 +55,8 @@ def main() -> int:
             finally:
                 os.close(fd)
         os.unlink(path)
-    for log in glob.glob("cufile.log") + glob.glob(os.path.join(sys.argv[1], "cufile.log")):
+    logs = glob.glob("cufile.log") + glob.glob(os.path.join(os.path.dirname(sys.argv[1]), "cufile.log"))
+    for log in logs:
         print(f"--- {log} (last 25 lines)")
         with open(log, errors="replace") as f:
             print("".join(f.readlines()[-25:]))

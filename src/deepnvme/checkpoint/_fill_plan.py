@@ -3,8 +3,9 @@
 Targets that are the same view of the same memory (tied parameters) form one group, filled
 once, and a group member the file lacks is not missing when another member is present.
 Routes: ``direct`` (CPU, contiguous, same dtype: the engine reads into the tensor's memory),
-``staged`` (a CUDA tensor, contiguous, same dtype: the handle's staging pipeline) and
-``bounce`` (anything else: chunks through a few CPU buffers, then ``Tensor.copy_``). A dtype
+``staged`` (a CUDA tensor through the handle's staging pipeline, where :data:`CUDA_ROUTE` says
+so) and ``bounce`` (anything else: chunks through a few CPU buffers, pinned for device targets,
+then ``Tensor.copy_``). A dtype
 pair ``Tensor.copy_`` cannot convert (``float4_e2m1fn_x2`` to or from any other) is refused
 while planning, with the shape mismatches, rather than failing halfway through the copies.
 """
@@ -27,6 +28,12 @@ __all__ = ["TargetSpec", "Fill", "FillPlan", "Chunk", "plan_fill", "route", "chu
            "mismatch_error", "convertible", "Route"]
 
 Route = Literal["direct", "staged", "bounce"]
+
+#: how a contiguous CUDA target of the file's dtype is filled: "bounce" (chunks through a few
+#: pinned buffers, so reads of the next chunks, of any tensor, overlap each copy to the device)
+#: or "staged" (one request per tensor through the handle's staging pipeline, which drains at
+#: the end of each request). Chosen by measurement (``benchmarks/gpu/bench_load_cuda.py``).
+CUDA_ROUTE: Route = "bounce"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +104,7 @@ def route(spec: TargetSpec, src: StoredTensor) -> Route:
         return "bounce"
     if spec.device_type == "cpu":
         return "direct"
-    return "staged" if spec.device_type == "cuda" else "bounce"
+    return CUDA_ROUTE if spec.device_type == "cuda" else "bounce"
 
 
 def plan_fill(targets: Mapping[str, TargetSpec], sources: Mapping[str, StoredTensor]) -> FillPlan:

@@ -23,6 +23,7 @@ from ..io.mapped import populate as populate_mapping
 from ..memory.views import aligned_empty, storage_bytes
 from ._folders import load_folder
 from ._paths import as_path
+from .inplace import load_into
 
 __all__ = ["save_safetensors", "load_safetensors"]
 
@@ -98,6 +99,8 @@ def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = 
     header = read_header(path)
     if mmap:
         return _mapped(path, header, device, populate=populate, threads=cfg.intra_op_parallelism)
+    if torch.device(device).type == "cuda":
+        return _to_cuda(path, header, torch.device(device), cfg)
     out: dict[str, torch.Tensor] = {}
     items = []
     for name, e in header.tensors.items():
@@ -110,6 +113,16 @@ def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = 
     with AioHandle(config=cfg) as handle:
         handle.read_many(path, items).result()
     return _to_device(out, device)
+
+
+def _to_cuda(path: str, header: SafetensorsHeader, device: torch.device,
+             cfg: IOConfig) -> dict[str, torch.Tensor]:
+    """Read straight into new device tensors through pinned buffers (``load_into``'s fill), so
+    reads overlap the copies and no CPU copy of the model is made."""
+    out = {name: torch.empty(e.shape, dtype=e.dtype, device=device)
+           for name, e in header.tensors.items()}
+    load_into(out, path, config=cfg)
+    return out
 
 
 def _mapped(path: str, header: SafetensorsHeader, device: str | torch.device, *, populate: bool,

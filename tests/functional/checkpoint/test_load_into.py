@@ -348,14 +348,22 @@ def test_module_whose_state_dict_copies_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cuda_route", ["bounce", "staged"])
 @pytest.mark.parametrize("kind", ["safetensors", "torch"])
-def test_cuda_targets(tmp_path, kind):
+def test_cuda_targets(tmp_path, kind, cuda_route, monkeypatch):
+    from deepnvme.checkpoint import _fill_plan
+    monkeypatch.setattr(_fill_plan, "CUDA_ROUTE", cuda_route)
     src = _trained()
     path = str(tmp_path / ("m.safetensors" if kind == "safetensors" else "m.pt"))
     (st.save_file if kind == "safetensors" else torch.save)(src.state_dict(), path)
     target = _trained(seed=1).cuda()
-    deepnvme.load_into(target, path)                      # staged
+    deepnvme.load_into(target, path)                      # the CUDA route
     assert _snapshot(target) == _snapshot(src)
+    if kind == "safetensors":
+        fresh = deepnvme.load_safetensors(path, device="cuda")
+        assert all(t.is_cuda for t in fresh.values())
+        assert {k: v.cpu() for k, v in fresh.items()}.keys() == src.state_dict().keys()
+        assert all(torch.equal(fresh[k].cpu(), v) for k, v in src.state_dict().items())
     half = _trained(seed=1).cuda().half()
     deepnvme.load_into(half, path)                        # bounce + copy_ with conversion
     assert _snapshot(half) == _snapshot(src.half())

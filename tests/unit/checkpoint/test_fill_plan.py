@@ -7,6 +7,7 @@ import pickle
 import pytest
 import torch
 
+from deepnvme.checkpoint import _fill_plan
 from deepnvme.checkpoint._fill_plan import Chunk, TargetSpec, chunks, convertible, mismatch_error, plan_fill, route
 from deepnvme.errors import CheckpointMismatchError, DeepNVMeError
 from deepnvme.formats.safetensors import StoredTensor
@@ -26,7 +27,7 @@ def _tgt(shape=(4, 3), dtype=torch.float32, contiguous=True, device="cpu", alias
 def test_routes():
     s = _src("a")
     assert route(_tgt(), s) == "direct"
-    assert route(_tgt(device="cuda"), s) == "staged"
+    assert route(_tgt(device="cuda"), s) == _fill_plan.CUDA_ROUTE == "bounce"
     assert route(_tgt(device="mps"), s) == "bounce"        # no staging pipeline there: copy_
     assert route(_tgt(dtype=torch.bfloat16), s) == "bounce"
     assert route(_tgt(contiguous=False), s) == "bounce"

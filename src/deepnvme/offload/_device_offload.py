@@ -20,7 +20,7 @@ keep their identity and device; between uses each holds a one-element device pla
 Device memory: ``max_device_bytes`` of parameter copies (default ``(prefetch + 2) x`` the
 largest unit: the running module's, ``prefetch`` ahead, one for a parent module's or one that
 autograd still holds) + the resident small parameters + the gradients in flight back (at most
-the largest unit's bytes, or one gradient) + one placeholder element per dtype.
+twice the largest unit's bytes, or one gradient) + one placeholder element per dtype.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class DeviceParameterOffload(parameters.ParameterOffload):
                 self._modules.add(module, name, unit)
             self._copies.budget = (max_device_bytes if max_device_bytes is not None
                                    else max(1, (prefetch + 2) * largest))
-            self._grads.cap = max(1, largest)
+            self._grads.cap = max(1, 2 * largest)
             if largest > self._copies.budget:
                 raise OffloadMemoryError(
                     f"a module has {largest} bytes of parameters, more than max_device_bytes="

@@ -104,17 +104,20 @@ class DeviceParameterOffload(parameters.ParameterOffload):
         units = Units()
         self._modules = DeviceHooks(model, self._copies, self._grads, units, forward, backward)  # type: ignore[assignment]
         try:
-            largest = 0
+            largest, largest_name = 0, ""
             for module, name, unit in self._build(dtype, config, min_offload_bytes):
-                largest = max(largest, sum(e.nbytes for e in unit if not e.resident))
+                nbytes = sum(e.nbytes for e in unit if not e.resident)
+                if nbytes > largest:
+                    largest, largest_name = nbytes, name or type(module).__name__
                 self._modules.add(module, name, unit)
             self._copies.budget = (max_device_bytes if max_device_bytes is not None
                                    else max(1, (prefetch + 2) * largest))
             self._grads.cap = max(1, 2 * largest)
             if largest > self._copies.budget:
                 raise OffloadMemoryError(
-                    f"a module has {largest} bytes of parameters, more than max_device_bytes="
-                    f"{self._copies.budget}; raise it")
+                    f"module {largest_name!r} has {largest} bytes of parameters to copy to the "
+                    f"device, more than max_device_bytes={self._copies.budget}; raise it")
+            self._activate()
             self._modules.install_root()
         except BaseException:
             self.close()
@@ -122,36 +125,40 @@ class DeviceParameterOffload(parameters.ParameterOffload):
 
     def _build(self, dtype: torch.dtype | None, config: IOConfig | None,
                min_offload_bytes: int | None) -> list[tuple[torch.nn.Module, str, list[Entry]]]:
-        """Write every parameter to its file one at a time, off the device (see the module
-        doc), then give the model its own parameters back, holding device tensors; the units."""
-        model, device = self.model, self.device
+        """Write every parameter to its file one at a time, copied off the device (see the
+        module doc); the model keeps its own parameters, with their values (a failure leaves
+        it as it was); the units."""
+        model = self.model
         originals = _to_meta(model)
-        values = {name: p for name, p in originals.items()}
-
-        def init(name: str, out: torch.Tensor) -> None:
-            p = values[name]
-            out.copy_(p.detach())
-            p.data = device.placeholder(p.shape, p.dtype)   # its device memory can go
-
         min_offload = (parameters.MIN_OFFLOAD_BYTES if min_offload_bytes is None
                        else min_offload_bytes)
-        built = build(model, self._store, dtype=dtype, source=init, config=config,
-                      min_offload=min_offload, offload_gradients=self.offload_gradients)
-        fresh = _restore(model, originals)     # id(built parameter) -> the model's own
+        try:
+            built = build(model, self._store, dtype=dtype,
+                          source=lambda name, out: out.copy_(originals[name].detach()),
+                          config=config, min_offload=min_offload,
+                          offload_gradients=self.offload_gradients)
+        finally:
+            fresh = _restore(model, originals)     # id(built parameter) -> the model's own
         for pid, (d, g) in built.entries.items():
             p = fresh[pid]
             host = torch.nn.Parameter(placeholder(d.shape, d.dtype), requires_grad=False)
             d.param = g.param = host   # the store sets and clears this one's .data
             self._entries[id(p)] = (d, g)
             self._copies.params[d.key] = p
+        return built.units
+
+    def _activate(self) -> None:
+        """Hand the parameters over: device placeholders (resident ones: device copies) in
+        place of their values, marked as offloaded, their gradients taken as they come."""
+        for d, _ in self._entries.values():
+            p = self._copies.params[d.key]
             mark_offloaded(p, self)
             if d.resident:
                 self._copies.make_resident(d)
             else:
-                p.data = device.placeholder(d.shape, d.dtype)
+                p.data = self.device.placeholder(d.shape, d.dtype)
             if p.requires_grad:
                 self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        return built.units
 
     def _on_grad(self, p: torch.Tensor) -> None:
         grad, p.grad = p.grad, None

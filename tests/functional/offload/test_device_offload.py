@@ -139,10 +139,53 @@ def test_no_prefetch_copies_each_unit_when_needed(tmp_path, device):
     off.close()
 
 
-def test_a_module_larger_than_the_device_budget_is_refused(tmp_path, device):
+def test_a_module_larger_than_the_device_budget_is_refused_leaving_the_model_as_it_was(
+        tmp_path, device):
     model = Stack(n=2)
-    with pytest.raises(OffloadMemoryError, match="max_device_bytes=1000"):
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = list(model.parameters())
+    with pytest.raises(OffloadMemoryError, match=r"module 'layers.0' has 4224 bytes .* "
+                                                 r"max_device_bytes=1000"):
         offload(model, tmp_path, device, max_device_bytes=1000, max_in_memory_bytes=1 << 20)
+    assert list(model.parameters()) == params
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert not model._forward_pre_hooks and not model.layers[0]._forward_pre_hooks
+    assert not any(hasattr(p, "_deepnvme_offload") for p in params)
+    model(torch.randn(2, 32)).sum().backward()      # a plain model again
+    assert all(p.grad is not None for p in params)
+
+
+class External(nn.Module):
+    """The root's forward uses the embedding's weight as the output projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.mid = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return nn.functional.linear(torch.tanh(self.mid(self.emb(x))), self.emb.weight)
+
+
+def test_an_external_parameter_is_copied_for_the_module_that_uses_it(tmp_path, device):
+    torch.manual_seed(0)
+    a = External()
+    b = copy.deepcopy(a)
+    off = offload(b, tmp_path, device)
+    deepnvme.offload.register_external_parameter(b, b.emb.weight)
+    ref = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt = deepnvme.NVMeOptimizer(b.parameters(), torch.optim.SGD, swap_dir=tmp_path, lr=0.1)
+    x, y = batches(1)[0]
+    for _ in range(2):
+        for model, o in ((a, ref), (b, opt)):
+            o.zero_grad()
+            nn.functional.cross_entropy(model(x).reshape(-1, 50), y.reshape(-1)).backward()
+            o.step()
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+    off.close()
+    opt.close()
 
 
 def test_a_tight_device_budget_trains_bitwise(tmp_path, device):

@@ -132,10 +132,13 @@ class DeviceParameterOffload(parameters.ParameterOffload):
         originals = _to_meta(model)
         min_offload = (parameters.MIN_OFFLOAD_BYTES if min_offload_bytes is None
                        else min_offload_bytes)
+
+        def value(name: str, out: torch.Tensor) -> None:
+            out.copy_(originals[name].detach())
+
         try:
-            built = build(model, self._store, dtype=dtype,
-                          source=lambda name, out: out.copy_(originals[name].detach()),
-                          config=config, min_offload=min_offload,
+            built = build(model, self._store, dtype=dtype, source=value, config=config,
+                          min_offload=min_offload,
                           offload_gradients=self.offload_gradients)
         finally:
             fresh = _restore(model, originals)     # id(built parameter) -> the model's own

@@ -156,14 +156,14 @@ def test_device_memory_of_parameters_stays_within_the_budget(tmp_path):
 def test_copies_are_issued_ahead_of_the_modules_that_need_them(tmp_path):
     layers, dim = 8, 1024
     model = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(layers))).cuda()
-    off = deepnvme.offload_parameters(model, tmp_path, max_in_memory_bytes=64 << 20, prefetch=2)
-    data = {d.name: d for d, _ in off._entries.values()}
+    # host memory for the whole model (and gradients): the reads have landed when the prefetch
+    # looks, so the copies of the next two units are issued before this one runs
+    off = deepnvme.offload_parameters(model, tmp_path, max_in_memory_bytes=128 << 20, prefetch=2)
     seen: dict[int, set[str]] = {}
 
     def record(i):
         def hook(module, args):   # after the offload's own pre-hook
-            seen[i] = ({c.entry.name for c in off._copies.present.values()}
-                       | {n for n, d in data.items() if d.tensor is not None})
+            seen[i] = {c.entry.name for c in off._copies.present.values()}
         return hook
     for i, layer in enumerate(model):
         layer.register_forward_pre_hook(record(i))
@@ -171,8 +171,8 @@ def test_copies_are_issued_ahead_of_the_modules_that_need_them(tmp_path):
     for _ in range(3):
         model(x).sum().backward()
     for i in range(layers - 2):
-        assert f"{i + 1}.weight" in seen[i], (i, sorted(seen[i]))
-    assert off.device_stats().prefetch_hits > 0
+        assert {f"{i + 1}.weight", f"{i + 2}.weight"} <= seen[i], (i, sorted(seen[i]))
+    assert off.device_stats().prefetch_hits >= 2 * (layers - 2)
     off.close()
 
 

@@ -124,6 +124,12 @@ class DeviceCopies:
         while the budgets have room without waiting (best effort, in order)."""
         with self.store.lock:
             self.poll()
+            entries = list(entries)
+            for e in entries:       # present already: wanted soon, so not the next to evict
+                c = self.present.get(e.key)
+                if c is not None and c.pins == 0 and not c.resident:
+                    c.tick = next(self._ticks)
+                    c.prefetched = True
             missing = [e for e in entries if e.key not in self.present and e.valid]
             self.store.prefetch(missing)
             for e in missing:

@@ -108,15 +108,15 @@ def test_copies_run_ahead_of_the_modules_within_the_device_budget(tmp_path, devi
     torch.manual_seed(0)
     model = Stack()
     unit = 32 * 32 * 4 + 32 * 4
-    off = offload(model, tmp_path, device, prefetch=2, max_in_memory_bytes=8 * unit)
+    # host memory for the whole model: each read has landed when the prefetch looks, so the
+    # copies ahead are issued at once (with reads in flight, they are issued when they land)
+    off = offload(model, tmp_path, device, prefetch=2, max_in_memory_bytes=1 << 20)
     assert off.device_stats().budget_bytes == 4 * unit    # (prefetch + 2) x the largest unit
     seen = {}
-    data = {d.name: d for d, _ in off._entries.values()}
 
     def record(i):
-        def hook(module, args):   # on the device, or read (or being read) into host memory
-            seen[i] = ({c.entry.name for c in off._copies.present.values()}
-                       | {n for n, d in data.items() if d.tensor is not None})
+        def hook(module, args):   # runs after the offload's pre-hook
+            seen[i] = {c.entry.name for c in off._copies.present.values()}
         return hook
     for i, layer in enumerate(model.layers):
         layer.register_forward_pre_hook(record(i))
@@ -126,7 +126,7 @@ def test_copies_run_ahead_of_the_modules_within_the_device_budget(tmp_path, devi
     for i in range(4):
         assert {f"layers.{i + 1}.weight", f"layers.{i + 2}.weight"} <= seen[i], (i, seen[i])
     assert off.device_stats().peak_bytes <= 4 * unit and device.peak_bytes <= 4 * unit
-    assert off.device_stats().prefetch_hits > 0
+    assert off.device_stats().prefetch_hits >= 8
     off.close()
 
 

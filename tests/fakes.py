@@ -10,6 +10,7 @@ import errno
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -17,6 +18,8 @@ import torch
 import deepnvme
 from deepnvme.errors import DeepNVMeIOError, ShortTransferError
 from deepnvme.io.posix import Posix
+from deepnvme.memory.heap import mapped_empty
+from deepnvme.offload._entry import placeholder
 
 
 class FakeCopier:
@@ -73,6 +76,82 @@ class FakeCopier:
 
     def close(self) -> None:
         self.pool.shutdown()
+
+
+class FakeDevice:
+    """A ``ComputeDevice`` (deepnvme.offload._device) whose device memory is the CPU's, for the
+    device path of the parameter offload: separate device buffers, every copy on a background
+    thread (one per direction, in order, like a side stream) after ``delay`` seconds, events as
+    futures. Compute is synchronous on the CPU, so the compute stream waiting for an event
+    blocks until the copy ran; a device buffer starts filled with 0xFF bytes (NaN), so a use
+    before its copy shows.
+
+    ``live_bytes``/``peak_bytes``: device buffers alive (their uint8 tensors not collected);
+    ``copies``: ``(direction, nbytes)`` per copy issued.
+    """
+
+    def __init__(self, *, delay: float = 0.0) -> None:
+        self.device = torch.device("cpu")
+        self.delay = delay
+        self._in = ThreadPoolExecutor(1, thread_name_prefix="fake-h2d")
+        self._out = ThreadPoolExecutor(1, thread_name_prefix="fake-d2h")
+        self.copies: list[tuple[str, int]] = []
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.lock = threading.Lock()
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        t = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
+        with self.lock:
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(t, self._freed, nbytes)
+        return t
+
+    def _freed(self, nbytes: int) -> None:
+        with self.lock:
+            self.live_bytes -= nbytes
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return mapped_empty(nbytes)
+
+    def placeholder(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return placeholder(shape, dtype)
+
+    def _copy(self, pool: ThreadPoolExecutor, kind: str, dst: torch.Tensor,
+              src: torch.Tensor) -> Future:
+        self.copies.append((kind, dst.numel() * dst.element_size()))
+
+        def run() -> None:
+            if self.delay:
+                time.sleep(self.delay)
+            dst.copy_(src)
+        return pool.submit(run)
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, *, after: object) -> Future:
+        assert after is None   # compute on the CPU is synchronous: nothing to wait for
+        return self._copy(self._in, "to_device", dst, src)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
+        return self._copy(self._out, "to_host", dst, src)
+
+    def compute_wait(self, event: Future | None) -> None:
+        if event is not None:
+            event.result()
+
+    def compute_mark(self) -> None:
+        return None
+
+    def done(self, event: Future | None) -> bool:
+        return event is None or event.done()
+
+    def synchronize(self, event: Future | None) -> None:
+        if event is not None:
+            event.result()
+
+    def close(self) -> None:
+        self._in.shutdown()
+        self._out.shutdown()
 
 
 class FakeFileIO:

@@ -1,5 +1,6 @@
 """Parameter and gradient offload for training: models larger than memory, on NVMe."""
 
+from ._device_offload import DeviceOffloadStats, offload_parameters
 from .deepspeed_config import (
     DeepSpeedOffloadSettings,
     OptimizerOffloadSettings,
@@ -9,10 +10,9 @@ from .deepspeed_config import (
 from .parameters import (
     OffloadStats,
     ParameterOffload,
-    offload_parameters,
     register_external_parameter,
 )
 
-__all__ = ["DeepSpeedOffloadSettings", "OffloadStats", "OptimizerOffloadSettings",
+__all__ = ["DeepSpeedOffloadSettings", "DeviceOffloadStats", "OffloadStats", "OptimizerOffloadSettings",
            "ParamOffloadSettings", "ParameterOffload", "from_deepspeed_config", "offload_parameters",
            "register_external_parameter"]

@@ -27,7 +27,7 @@ import itertools
 import os
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -71,6 +71,8 @@ class TensorStore:
         self._resident: list[tuple[Entry, Entry]] = []
         self.kept_gradients: list[Entry] = []   # see keep_gradients
         self.backups: dict[int, torch.Tensor] = {}   # resident key -> room for its old value
+        # makes each new buffer of nbytes (a device-trained offload's are page-locked)
+        self.new_buffer: Callable[[int], Buffer] = Buffer
 
     # --- accounting ----------------------------------------------------------------------
 
@@ -184,7 +186,7 @@ class TensorStore:
                     return buf
             if self.held + nbytes <= self.budget:
                 self._count(nbytes)
-                return Buffer(nbytes)
+                return self.new_buffer(nbytes)
             if not self._room_step(demand=demand):
                 if not demand:
                     return None

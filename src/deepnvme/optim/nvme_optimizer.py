@@ -27,7 +27,7 @@ import torch
 from ..config import IOConfig
 from ..handles.aio import AioHandle
 from ..swap import SwapBufferError, SwapError, TensorSwapper
-from ._protocol import OffloadedParameters, find_offload
+from ._protocol import OffloadedParameters, find_offload, offload_of
 from ._state import StateSwap, Writes
 from ._subgroups import Member, SubGroups
 
@@ -64,8 +64,8 @@ def _check_arguments(params: object, optimizer_cls: object) -> None:
 
 
 def _check_cpu(params: list[Member]) -> None:
-    for gi, p in params:
-        if p.device.type != "cpu":
+    for gi, p in params:   # an offload's parameters are updated on its host copies
+        if p.device.type != "cpu" and offload_of(p) is None:
             raise ValueError(f"NVMeOptimizer needs CPU parameters (with the master copy and the "
                              f"update on the CPU, as in ZeRO-Infinity's CPU optimizer); a "
                              f"parameter of group {gi} is on {p.device}")

@@ -9,13 +9,15 @@ an optimizer update, ``zero_grad`` or a read of a gradient.
 
 Memory bound: at most ``cap`` bytes of gradients in flight (host buffers counted in the store's
 budget; autograd's device tensors are kept alive until their copies end): the oldest is waited
-for when another would pass it.
+for when another would pass it. The offload keeps ``cap`` to a quarter of the store's budget, so
+finishing one (which may read the stored gradient to add to it) finds room beside the others.
 Thread-safety: every method runs under the store's lock.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,10 +41,12 @@ class _InFlight:
 class DeviceGradients:
     """The gradients of one offloaded model on their way from the device (see the module doc)."""
 
-    def __init__(self, store: TensorStore, device: ComputeDevice, *, cap: int) -> None:
+    def __init__(self, store: TensorStore, device: ComputeDevice, *, cap: int,
+                 relieve: Callable[[], None]) -> None:
         self.store = store
         self.device = device
         self.cap = cap
+        self.relieve = relieve         # frees host memory held for other copies in flight
         self.bytes_copied = 0
         self._flight: deque[_InFlight] = deque()
         self._bytes = 0
@@ -71,9 +75,8 @@ class DeviceGradients:
         try:
             buf = self.store.buffer(entry.nbytes, demand=True, what=what)
         except OffloadMemoryError:
-            if not self._flight:
-                raise
             self.drain()               # buffers of gradients in flight: their writes free them
+            self.relieve()
             buf = self.store.buffer(entry.nbytes, demand=True, what=what)
         assert buf is not None  # a demand gets one or raises; internal invariant
         return buf
@@ -130,7 +133,11 @@ class DeviceGradients:
                     entry.tensor.copy_(f.host)
                 entry.valid = True
                 return
-            store.fetch([entry], f"gradient of {entry.name}")
+            try:
+                store.fetch([entry], f"gradient of {entry.name}")
+            except OffloadMemoryError:
+                self.relieve()
+                store.fetch([entry], f"gradient of {entry.name}")
             try:
                 assert entry.tensor is not None  # fetch made it present; internal invariant
                 entry.tensor += f.host

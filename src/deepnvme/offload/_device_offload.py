@@ -20,7 +20,8 @@ keep their identity and device; between uses each holds a one-element device pla
 Device memory: ``max_device_bytes`` of parameter copies (default ``(prefetch + 2) x`` the
 largest unit: the running module's, ``prefetch`` ahead, one for a parent module's or one that
 autograd still holds) + the resident small parameters + the gradients in flight back (at most
-twice the largest unit's bytes, or one gradient) + one placeholder element per dtype.
+twice the largest unit's bytes and a quarter of ``max_in_memory_bytes``, or one gradient) + one
+placeholder element per dtype.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class _HostBuffer(Buffer):
 
     __slots__ = ()
 
-    def __init__(self, raw: torch.Tensor) -> None:  # noqa: D107 (Buffer's fields, other memory)
+    def __init__(self, raw: torch.Tensor) -> None:   # Buffer's fields, other memory
         self.raw = raw
         self.alone = _use_count(raw)
 
@@ -100,7 +101,7 @@ class DeviceParameterOffload(parameters.ParameterOffload):
         self._entries: dict[int, tuple[Entry, Entry]] = {}
         self._grad_hooks = []
         self._copies = DeviceCopies(self._store, device, {})
-        self._grads = DeviceGradients(self._store, device, cap=1)
+        self._grads = DeviceGradients(self._store, device, cap=1, relieve=self._copies.settle)
         units = Units()
         self._modules = DeviceHooks(model, self._copies, self._grads, units, forward, backward)  # type: ignore[assignment]
         try:
@@ -112,7 +113,7 @@ class DeviceParameterOffload(parameters.ParameterOffload):
                 self._modules.add(module, name, unit)
             self._copies.budget = (max_device_bytes if max_device_bytes is not None
                                    else max(1, (prefetch + 2) * largest))
-            self._grads.cap = max(1, 2 * largest)
+            self._grads.cap = max(1, min(2 * largest, max_in_memory_bytes // 4))
             if largest > self._copies.budget:
                 raise OffloadMemoryError(
                     f"module {largest_name!r} has {largest} bytes of parameters to copy to the "

@@ -10,10 +10,12 @@ agree that all copies are written and fsynced; rank 0 adds the manifest last, pu
 a complete ``torch.distributed.checkpoint`` checkpoint (every rank's files in one directory), so
 it restores at any world size and stock ``torch.distributed.checkpoint.load`` reads it.
 
-When draining falls behind (a step is offered while another waits), the waiting step is
-dropped and logged, never queued: the drainer copies the newest step every rank has offered.
-The ranks pick that step together on the manager's third gloo group. ``close()`` copies the
-last offered step, then raises the first failure (failures are also logged as they happen).
+Until its copy, an offered step's files are pinned (hard links in a hidden directory), so that
+local retention may remove the step meanwhile. When draining falls behind (a step is offered
+while another waits), the waiting step is dropped and logged, never queued: the drainer copies
+the newest step every rank has offered. The ranks pick that step together on the manager's
+third gloo group. ``close()`` copies the last offered step, then raises the first failure
+(failures are also logged as they happen).
 """
 
 from __future__ import annotations
@@ -28,7 +30,17 @@ from ...io import durable
 from ._group import RankGroup
 from ._lock import DirectoryLock, try_lock
 from ._policy import retention_victims
-from ._steps import MANIFEST, delete_step, list_steps, new_building, read_manifest, remove_leftovers, step_dir
+from ._steps import (
+    MANIFEST,
+    building_path,
+    delete_step,
+    list_steps,
+    new_building,
+    read_manifest,
+    remove_leftovers,
+    step_dir,
+)
+from ._transfer import link_or_copy
 from ._votes import describe, failed
 
 __all__ = ["Drainer", "copy_file"]
@@ -52,6 +64,7 @@ class Drainer:
         self.path, self.source, self.every, self.keep, self.group = path, source, every, keep, group
         self._cond = threading.Condition()
         self._offered: list[int] = []
+        self._pins: dict[int, str] = {}  # offered step -> its pinned files (see offer)
         self._count = 0
         self._copied: int | None = None
         self._stopping = False
@@ -65,12 +78,31 @@ class Drainer:
         return 0 if self.group is None else self.group.rank
 
     def offer(self, step: int) -> None:
-        """A step just committed on every rank: copy it if it is a ``durable_every``-th one."""
+        """A step just committed on every rank: copy it if it is a ``durable_every``-th one. Its
+        files get second names in a hidden directory (a pin), so that local retention cannot
+        take them away before the copy; a pin left by a killed process goes with the leftovers."""
         self._count += 1
-        if self._count % self.every == 0:
-            with self._cond:
-                self._offered.append(step)
-                self._cond.notify()
+        if self._count % self.every:
+            return
+        pin = building_path(self.source, step)
+        try:
+            os.mkdir(pin)
+            local = step_dir(self.source, step)
+            for name in os.listdir(local):
+                link_or_copy(os.path.join(local, name), os.path.join(pin, name))
+        except OSError as exc:  # the copy reports it (collectively)
+            log.error("deepnvme.CheckpointManager: could not pin step %d for its durable copy: %s", step, exc)
+        with self._cond:
+            self._offered.append(step)
+            self._pins[step] = pin
+            self._cond.notify()
+
+    def _unpin(self, upto: int) -> None:
+        with self._cond:
+            done = [s for s in self._pins if s <= upto]
+            paths = [self._pins.pop(s) for s in done]
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
         """Copy the last offered step if it is not copied yet, end the thread and release the
@@ -111,7 +143,9 @@ class Drainer:
                     log.error("deepnvme.CheckpointManager: %s", exc)
                     self.errors.append(exc)
                 self._copied = chosen
+                self._unpin(chosen)
             elif all(v[1] for v in views):
+                self._unpin(max(self._pins, default=-1))
                 return
 
     def _gather(self, obj: Any, what: str) -> list[Any]:
@@ -119,7 +153,8 @@ class Drainer:
 
     def _copy(self, step: int) -> None:
         """Copy ``step`` into the durable tier, committed as the module says."""
-        local = step_dir(self.source, step)
+        with self._cond:
+            local = self._pins.get(step, step_dir(self.source, step))
         own: BaseException | None = None
         building: str | None = None
         if self.rank == 0:

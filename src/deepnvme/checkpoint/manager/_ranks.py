@@ -239,7 +239,8 @@ class RankSteps:
         candidates = steps[::-1] if step is None else [step] if step in steps else []
         if not candidates:
             want = "no checkpoint" if step is None else f"no checkpoint of step {step}"
-            raise FileNotFoundIOError(f"{want} in {self.directory!r} (committed steps: {steps})",
+            hint = "" if survey is None else survey.explain(step)  # a step that some node lacks
+            raise FileNotFoundIOError(f"{want} in {self.directory!r} (committed steps: {steps}){hint}",
                                       path=self.directory, offset=None, size=None, errno=errno_mod.ENOENT)
         problems = []
         for chosen in candidates:

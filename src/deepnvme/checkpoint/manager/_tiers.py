@@ -52,6 +52,17 @@ class Survey:
         held = {n for h in self.holdings if h and step in h for n in h[step][1]}
         return required, [n for n in required if n not in held]
 
+    def explain(self, step: int | None) -> str:
+        """Why ``step`` (None: any step) is not restorable though some node holds part of it,
+        and which tier to configure; empty when no node holds any of it."""
+        found = sorted({s for h in self.holdings if h for s in h if step in (None, s) and s not in self.durable})
+        parts = [f"step {s}: {self.on_nodes(s)[1]}" for s in found if self.on_nodes(s)[1]]
+        if not parts:
+            return ""
+        return (f"; incomplete on every tier, files on no node and in no durable tier ({'; '.join(parts)}). "
+                "To restore after losing a node's directory, save with replicas=2 (a copy on another node) "
+                "or durable=PATH (a directory every rank sees)")
+
     def steps(self) -> list[int]:
         """Every step restorable from some tier, ascending."""
         found = {s for h in self.holdings if h for s in h}
@@ -112,11 +123,8 @@ class Tiers:
             if step in survey.durable and self.durable is not None:
                 log.info("deepnvme.CheckpointManager: restoring step %d from the durable tier %r", step, self.durable)
                 return step_dir(self.durable, step), _nothing
-            raise FileNotFoundIOError(
-                f"checkpoint step {step}: {missing or 'its files'} are on no node and in no durable tier this "
-                f"rank sees (nodes: {[list(n) for n in self.layout.nodes]}). To restore after losing a node, "
-                "save with replicas=2 (a copy on another node) or durable=PATH (a filesystem all ranks see)",
-                path=self.directory, offset=None, size=None, errno=2)
+            raise FileNotFoundIOError(f"checkpoint step {step} in {self.directory!r}{survey.explain(step)}",
+                                      path=self.directory, offset=None, size=None, errno=2)
         lost = [i for i, h in enumerate(survey.holdings) if h is not None and step not in h]
         log.info("deepnvme.CheckpointManager: restoring step %d from the %s tier", step,
                  "replica" if lost else "local")

@@ -34,7 +34,7 @@ def test_two_nodes_replicas_and_durable_then_one_process_reads_durable(tmp_path)
 
 @pytest.mark.slow
 def test_four_ranks_on_two_nodes(tmp_path):
-    run_ranks(_tier_workers.nodes_replicas_durable, 4, str(tmp_path), str(tmp_path), 2, deadline=180)
+    run_ranks(_tier_workers.nodes_replicas_durable, 4, str(tmp_path), str(tmp_path), 2, deadline=280)
 
 
 def test_one_process_durable_drain_skips_when_behind_and_close_drains(tmp_path, caplog):

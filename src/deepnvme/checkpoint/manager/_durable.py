@@ -122,6 +122,13 @@ class Drainer:
         return bool(self._offered) and (self._copied is None or self._offered[-1] > self._copied)
 
     def _run(self) -> None:
+        try:
+            self._drain()
+        except BaseException as exc:  # a rank that stopped answering: nothing more is copied
+            log.error("deepnvme.CheckpointManager: the durable copy stopped: %s", exc)
+            self.errors.append(exc)
+
+    def _drain(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._fresh() or self._stopping)

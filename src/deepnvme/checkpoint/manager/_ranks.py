@@ -244,25 +244,27 @@ class RankSteps:
                                       path=self.directory, offset=None, size=None, errno=errno_mod.ENOENT)
         problems = []
         for chosen in candidates:
-            path, done = (step_dir(self.directory, chosen), None) if survey is None or self.tiers is None \
-                else self.tiers.prepare(survey, chosen)
-            try:
-                problem = self._check(path, chosen)
-                if problem is None:
-                    if not is_dcp_step(path):
-                        single(chosen)
+            problem: str | None = f"checkpoint step {chosen}: no tier holds it"
+            sources = self.tiers.sources(survey, chosen) if survey is not None and self.tiers is not None \
+                else iter([(step_dir(self.directory, chosen), None)])
+            for path, done in sources:  # with tiers: the fastest first, then the durable one
+                try:
+                    problem = self._check(path, chosen)
+                    if problem is None:
+                        if not is_dcp_step(path):
+                            single(chosen)
+                            return chosen
+                        restore_dcp(path, chosen, state, group=g.group("main"), rank=g.rank, world=g.world,
+                                    rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
+                                    rank_state=rank_state)
                         return chosen
-                    restore_dcp(path, chosen, state, group=g.group("main"), rank=g.rank, world=g.world,
-                                rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
-                                rank_state=rank_state)
-                    return chosen
-            finally:
-                if done is not None:
-                    done()
+                finally:
+                    if done is not None:
+                        done()
             if step is not None:
                 raise CheckpointCorruptError(problem)
             log.warning("deepnvme.CheckpointManager.restore: skipping %s; trying the previous step", problem)
-            problems.append(problem)
+            problems.append(str(problem))
         raise CheckpointCorruptError(f"no intact checkpoint in {self.directory!r}: {'; '.join(problems)}")
 
     def _check(self, path: str, step: int) -> str | None:

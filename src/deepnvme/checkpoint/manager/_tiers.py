@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +110,17 @@ class Tiers:
                     sizes.setdefault(name, os.path.getsize(os.path.join(path, name)))
                 out[step] = (required, sizes, whole or (own and set(required) <= set(names)))
         return out
+
+    def sources(self, survey: Survey, step: int) -> Iterator[tuple[str, Callable[[], None]]]:
+        """Collective, lazily: where to read ``step`` (:meth:`prepare`), then, if that copy turns
+        out corrupt and the durable tier holds the step too, the durable copy (logged)."""
+        path, done = self.prepare(survey, step)
+        yield path, done
+        lasting = None if self.durable is None else step_dir(self.durable, step)
+        if lasting is not None and step in survey.durable and path != lasting:
+            log.warning("deepnvme.CheckpointManager.restore: step %d is corrupt on the nodes; trying its "
+                        "durable copy %r", step, lasting)
+            yield lasting, _nothing
 
     def prepare(self, survey: Survey, step: int) -> tuple[str, Callable[[], None]]:
         """Collective: the directory this rank reads ``step`` from, and what to call once read.

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 import deepnvme
 from deepnvme.checkpoint.manager import _durable, _replicas
+from deepnvme.cli.main import main
 
 from ._workers import model_and_optim, same, snapshot, train
 
@@ -89,6 +90,8 @@ def nodes_replicas_durable(rank: int, world: int, root: str, per_node: int) -> N
     assert STEP.format(3) in kept and len(kept) <= 2, kept  # keep_durable=2; step 3 drained at close
     if len(kept) < 3 and STEP.format(2) not in kept:
         assert any("durable copy fell behind" in m for m in log.messages), log.messages
+    if rank == 0:  # deepnvme verify checks a node's own files of each step
+        assert main(["verify", mine]) == 0
     dist.barrier()
 
     # one node's directory is lost: its files come back from the replicas on the other node

@@ -1,5 +1,7 @@
 """The multi-rank half of :class:`~deepnvme.CheckpointManager`: a save, restore and listing that
-every rank of the manager's group calls together, the directory shared by all of them.
+every rank of the manager's group calls together, in one directory all ranks share or one per
+node (:mod:`._nodes`: each node publishes its own step directory; :mod:`._tiers`: restore
+across the nodes, their replicas and the durable tier).
 
 A save (:meth:`RankSteps.save`, the caller's thread): the ranks vote on the step (rank 0's view
 of the committed steps and of the interval rule decides for all); each rank plans with DCP
@@ -150,8 +152,8 @@ class RankSteps:
         return call
 
     def _prepare(self, building: str) -> None:
-        """A node's lowest rank: the writer lock (at the first save; leftovers of killed saves removed) and the
-        step's building directory."""
+        """A node's lowest rank: the writer lock (at the first save; leftovers of killed saves
+        removed) and the step's building directory."""
         if self._lock is None:
             self._lock = try_lock(self.directory)
             remove_leftovers(self.directory)

@@ -90,8 +90,15 @@ def nodes_replicas_durable(rank: int, world: int, root: str, per_node: int) -> N
     assert STEP.format(3) in kept and len(kept) <= 2, kept  # keep_durable=2; step 3 drained at close
     if len(kept) < 3 and STEP.format(2) not in kept:
         assert any("durable copy fell behind" in m for m in log.messages), log.messages
-    if rank == 0:  # deepnvme verify checks a node's own files of each step
-        assert main(["verify", mine]) == 0
+    if rank == 0:  # deepnvme verify checks a node's own files of each step, and the durable steps
+        assert main(["verify", mine]) == 0 and main(["verify", lasting]) == 0
+        victim = os.path.join(lasting, STEP.format(3), manifest["ranks"][world - 1]["files"][0])
+        with open(victim, "rb") as f:
+            good = f.read()
+        os.truncate(victim, 10)
+        assert main(["verify", lasting]) == 1  # the durable copy holds every rank's files
+        with open(victim, "wb") as f:
+            f.write(good)
     dist.barrier()
 
     # one node's directory is lost: its files come back from the replicas on the other node

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 
 def test_two_nodes_replicas_and_durable_then_one_process_reads_durable(tmp_path):
-    run_ranks(_tier_workers.nodes_replicas_durable, 2, str(tmp_path), str(tmp_path), 1, deadline=90)
+    run_ranks(_tier_workers.nodes_replicas_durable, 2, str(tmp_path), str(tmp_path), 1, deadline=150)
     # the durable step restores into one process without torch.distributed (W=2 -> 1)
     model, opt = _workers.model_and_optim(ddp=False)
     for p in model.parameters():

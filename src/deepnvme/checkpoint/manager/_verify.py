@@ -165,11 +165,13 @@ def check_step_files(path: str, manifest: Mapping[str, Any], names: list[str] | 
 def _node_files(path: str, manifest: Mapping[str, Any]) -> list[str] | None:
     """The files the step directory ``path`` of one node should hold when the step was saved on
     several nodes (its manifest names them): ``.metadata`` and the files of the node's ranks,
-    for the node whose files are here. None for a step in one directory (all its files)."""
+    for the node whose files are here. None for a step in one directory or one holding every
+    file (the durable tier): all its files."""
     nodes = manifest.get("nodes") or []
-    if len(nodes) < 2:
+    here = set(os.listdir(path))
+    if len(nodes) < 2 or set(manifest.get("files", {})) <= here:  # one node, or a durable copy: all
         return None
-    ranks, here = manifest["ranks"], set(os.listdir(path))
+    ranks = manifest["ranks"]
     node = max(nodes, key=lambda n: sum(f in here for r in n for f in ranks[r]["files"]))
     return sorted({f for r in node for f in ranks[r]["files"]} | {".metadata"})
 

@@ -4,9 +4,10 @@ The manager never talks on the training group: it makes two gloo groups of the s
 itself, one for the caller's thread (``save()``'s planning, ``restore``, ``steps``, ``close``)
 and one for the background writer (each save's vote and commit), so the two threads never
 interleave collectives on one group and every rank issues each group's collectives in the same
-order. Every exchange is a ``monitored_barrier`` (gloo reports which ranks did not arrive within
-the timeout) followed by ``all_gather_object``; a rank that does not answer in time makes the
-others raise :class:`RanksTimeoutError` naming it.
+order (with ``durable=``, a third group for the durable tier's drain thread). Every exchange is
+a ``monitored_barrier`` (gloo reports which ranks did not arrive within the timeout) followed by
+``all_gather_object``; a rank that does not answer in time makes the others raise
+:class:`RanksTimeoutError` naming it.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ class RankGroup:
     for the caller's thread, ``"writer"`` for the background writer). Not thread-safe per
     thread name: each name is used by one thread only."""
 
-    def __init__(self, ranks: list[int], timeout: float) -> None:
+    def __init__(self, ranks: list[int], timeout: float, names: tuple[str, ...] = ("main", "writer")) -> None:
         self.ranks = ranks  # global ranks, ascending; group rank i is ranks[i]
         self.timeout = timeout
         td = datetime.timedelta(seconds=timeout)
-        self._groups = {name: _new_group(ranks, td) for name in ("main", "writer")}
+        self._groups = {name: _new_group(ranks, td) for name in names}
         self.rank = ranks.index(dist.get_rank())
         self.world = len(ranks)
 
@@ -61,11 +62,12 @@ class RankGroup:
             del self._groups[name]
 
 
-def rank_group(group: Any, timeout: float) -> RankGroup | None:
+def rank_group(group: Any, timeout: float, *, extra: tuple[str, ...] = ()) -> RankGroup | None:
     """The manager's :class:`RankGroup` over ``group`` (None: the world), or None when
     torch.distributed is not initialised or the group has one rank (single-process mode).
     Collective over the whole world (``torch.distributed.new_group``'s rule) unless it returns
-    None; a rank outside ``group`` takes part, then gets ``ValueError``."""
+    None; a rank outside ``group`` takes part, then gets ``ValueError``. ``extra``: names of
+    further groups, one per further thread (the durable tier's drain: ``"durable"``)."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise ValueError("CheckpointManager(group=...): torch.distributed is not initialised")
@@ -76,10 +78,10 @@ def rank_group(group: Any, timeout: float) -> RankGroup | None:
     if timeout <= 0:
         raise ValueError(f"CheckpointManager: timeout must be > 0 seconds, got {timeout!r}")
     if dist.get_rank() not in ranks:
-        for _ in range(2):  # new_group is a collective of the whole world: take part, then refuse
+        for _ in range(2 + len(extra)):  # new_group is a collective of the whole world: take part, then refuse
             _new_group(ranks, datetime.timedelta(seconds=timeout))
         raise ValueError(f"CheckpointManager(group=...): rank {dist.get_rank()} is not in the group {ranks}")
-    return RankGroup(ranks, timeout)
+    return RankGroup(ranks, timeout, ("main", "writer", *extra))
 
 
 def _new_group(ranks: list[int], timeout: datetime.timedelta) -> Any:

@@ -37,6 +37,7 @@ from ._restore import restore_file
 from ._rng import capture_rng
 from ._stats import SaveStats
 from ._steps import FILE, RANK_STATE_KEY, is_dcp_step, list_steps, remove_leftovers, step_dir
+from ._tiered import check_tier_options, open_tiers
 from ._verify import load_checked
 
 if TYPE_CHECKING:
@@ -87,6 +88,11 @@ class CheckpointManager:
             ranks"; ``checksums`` are per file there); snapshot staging only.
         timeout: seconds a rank waits for the others in the manager's own collectives before a
             :class:`~deepnvme.RanksTimeoutError` naming the ranks that did not arrive.
+        replicas: 2: each rank's files of a step are also kept on another node (several ranks,
+            one ``directory`` per node; see docs/checkpoints.md, "Tiers").
+        durable: a directory every rank sees (NFS, Lustre): every ``durable_every``-th committed
+            step is copied there in the background, ``keep_durable`` of them kept (None: all);
+            ``restore`` falls back to it when the nodes lack a step.
 
     ``mode``, ``snapshot_arenas``, ``fence_staging_bytes`` and ``fence_precopy`` are still
     accepted, with a ``DeprecationWarning``: they map onto ``staging`` (``SnapshotStager(arenas=)``,
@@ -97,8 +103,13 @@ class CheckpointManager:
                  every_steps: int | None = None, every_seconds: float | None = None,
                  staging: str | Stager | None = None, checksums: bool | str = False,
                  rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None,
-                 group: Any = None, timeout: float = 600.0, **legacy: Any) -> None:
+                 group: Any = None, timeout: float = 600.0, replicas: int = 1,
+                 durable: str | os.PathLike[str] | None = None, durable_every: int = 1,
+                 keep_durable: int | None = None, **legacy: Any) -> None:
         check_policy(keep=keep, every_steps=every_steps, every_seconds=every_seconds)
+        lasting = None if durable is None else os.path.abspath(as_path(durable, "CheckpointManager(durable=)"))
+        check_tier_options(replicas=replicas, durable=lasting, durable_every=durable_every,
+                           keep_durable=keep_durable)
         stager = resolve_manager_stager(staging, legacy)
         self.directory = os.path.abspath(as_path(directory, "CheckpointManager"))
         self.keep, self.every_steps, self.every_seconds = keep, every_steps, every_seconds
@@ -115,17 +126,15 @@ class CheckpointManager:
         self._last_start = time.monotonic()
         self._closed = False
         self._saves, self._blocked, self._last_write = 0, 0.0, 0.0
-        ranks = rank_group(group, timeout)
+        ranks = rank_group(group, timeout, extra=("durable",) if lasting else ())
         if ranks is not None and not isinstance(stager, SnapshotStager):
             raise ValueError(f"CheckpointManager over {ranks.world} ranks: staging={stager.name!r} is "
                              "single-process only for now; use the snapshot stager")
-        self._ranks: RankSteps | None = None
-        if ranks is not None:
-            from ._ranks import RankSteps  # imports torch.distributed.checkpoint
-
-            self._ranks = RankSteps(self.directory, ranks, keep=keep, config=self._config, rng_key=RNG_KEY,
-                                    algorithm=self._algorithm)
-        else:
+        self._ranks: RankSteps | None
+        self._ranks, self._drainer = open_tiers(  # several ranks: their steps; one process: its durable tier
+            ranks, self.directory, keep=keep, config=self._config, rng_key=RNG_KEY, algorithm=self._algorithm,
+            replicas=replicas, durable=lasting, durable_every=durable_every, keep_durable=keep_durable)
+        if ranks is None:
             tidy(self.directory)  # leftovers of killed runs, if no writer holds the directory
 
     @property
@@ -173,7 +182,7 @@ class CheckpointManager:
         # only a save that got this far counts: a failed one neither blocks its step nor the clock
         self._last_start, self._last_step = started, step
         job = Job(file=pending.file, staged=staged, hash_fn=self._hash_fn,
-                  commit=functools.partial(self._commit.commit, pending),
+                  commit=functools.partial(self._committed, pending),
                   abort=functools.partial(self._commit.abort, step, pending.building),
                   check=lambda _file: self._commit.check(pending))
         self._pending.append(job)
@@ -200,6 +209,12 @@ class CheckpointManager:
         self._saves += 1
         self._blocked += time.perf_counter() - start
         return True
+
+    def _committed(self, pending: PendingStep, written: Any) -> None:
+        """The writer thread: commit the step, then hand it to the durable tier."""
+        self._commit.commit(pending, written)
+        if self._drainer is not None:
+            self._drainer.offer(pending.step)
 
     def _collect(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """What is saved: state dicts of objects, tensors (detached), plain data, RNG states."""
@@ -276,6 +291,8 @@ class CheckpointManager:
                 self._writer.stop()
             if self._ranks is not None:
                 self._ranks.close()
+            if self._drainer is not None:
+                self._drainer.close()  # copies the last offered step
             self.wait()
         finally:
             for exc in self._ledger.unreported():
@@ -315,7 +332,10 @@ class CheckpointManager:
         """The committed steps, ascending. A step is listed once its background write committed
         (only complete checkpoints are ever listed): call :meth:`wait` first to see a save still
         in flight."""
-        return list_steps(self.directory) if self._ranks is None else self._ranks.steps()
+        if self._ranks is not None:
+            return self._ranks.steps()
+        lasting = [] if self._drainer is None else list_steps(self._drainer.path)
+        return sorted(set(list_steps(self.directory)) | set(lasting))
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -329,10 +349,10 @@ class CheckpointManager:
         if self._writer is not None and not self._closed:
             self.wait()
         chosen = self._resolve(step)
-        if is_dcp_step(step_dir(self.directory, chosen)):
+        if is_dcp_step(self._path(chosen)):
             raise CheckpointFormatError(f"step {chosen} in {self.directory!r} was saved by several ranks (a "
                                         "torch.distributed.checkpoint checkpoint): restore(state) reads it")
-        obj, _ = load_checked(step_dir(self.directory, chosen), chosen, map_location=map_location,
+        obj, _ = load_checked(self._path(chosen), chosen, map_location=map_location,
                               config=self._config)
         if not isinstance(obj, dict):
             raise CheckpointMismatchError(f"step {chosen} in {self.directory!r} holds a {type(obj).__name__}")
@@ -367,10 +387,10 @@ class CheckpointManager:
             return ranks.restore(state, step, rng=self.rng, strict=strict, rank_state=rank_state,
                                  single=lambda n: self._restore_file(n, state, strict, rank_state, ranks.group.world))
         chosen = self._resolve(step)
-        if is_dcp_step(step_dir(self.directory, chosen)):  # saved by several ranks: resharded into one
+        if is_dcp_step(self._path(chosen)):  # saved by several ranks: resharded into one
             from ._ranks import restore_dcp
 
-            restore_dcp(step_dir(self.directory, chosen), chosen, state, group=None, rank=0, world=1,
+            restore_dcp(self._path(chosen), chosen, state, group=None, rank=0, world=1,
                         rng_key=RNG_KEY if self.rng else None, config=self._config, strict=strict,
                         rank_state=rank_state, verify=True)
         else:
@@ -380,8 +400,13 @@ class CheckpointManager:
     def _restore_file(self, chosen: int, state: MutableMapping[str, Any], strict: bool, rank_state: Any,
                       world: int) -> None:
         """Restore the single-process step ``chosen`` (into each of ``world`` ranks)."""
-        restore_file(step_dir(self.directory, chosen), chosen, state, self._config, rng_key=RNG_KEY, rng=self.rng,
+        restore_file(self._path(chosen), chosen, state, self._config, rng_key=RNG_KEY, rng=self.rng,
                      strict=strict, rank_state=rank_state, world=world)
+
+    def _path(self, step: int) -> str:
+        """Step ``step`` in the local directory, else in the durable tier (one process)."""
+        here = step_dir(self.directory, step)
+        return here if self._drainer is None or os.path.isdir(here) else step_dir(self._drainer.path, step)
 
     def _resolve(self, step: int | None) -> int:
         steps = self.steps()

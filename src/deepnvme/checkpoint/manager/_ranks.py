@@ -1,5 +1,7 @@
 """The multi-rank half of :class:`~deepnvme.CheckpointManager`: a save, restore and listing that
-every rank of the manager's group calls together, the directory shared by all of them.
+every rank of the manager's group calls together, in one directory all ranks share or one per
+node (:mod:`._nodes`: each node publishes its own step directory; :mod:`._tiers`: restore
+across the nodes, their replicas and the durable tier).
 
 A save (:meth:`RankSteps.save`, the caller's thread): the ranks vote on the step (rank 0's view
 of the committed steps and of the interval rule decides for all); each rank plans with DCP
@@ -25,7 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...config import IOConfig
-from ...errors import CheckpointCorruptError, DeepNVMeIOError, DistributedSaveError, FileNotFoundIOError
+from ...errors import CheckpointCorruptError, FileNotFoundIOError
 from ...io import durable
 from .._writer import Call, Writer
 from ._commit import StepCommit
@@ -43,6 +45,7 @@ from ._dcp_step import (
 )
 from ._group import RankGroup
 from ._lock import DirectoryLock, tidy, try_lock
+from ._nodes import Layout, publish_nodes, retire_nodes
 from ._rank_state import pack
 from ._rng import capture_rng
 from ._steps import (
@@ -54,48 +57,32 @@ from ._steps import (
     remove_leftovers,
     step_dir,
 )
+from ._tiers import Tiers
 from ._verify import check_step_files
+from ._votes import describe as _describe
+from ._votes import failed as _failed
 
 __all__ = ["RankSteps", "restore_dcp"]  # restore_dcp: re-exported for the single-process manager
 
 log = logging.getLogger(__name__)
-
-Failure = tuple[str, str, "int | None"]  # (error type, message, errno) as sent to the other ranks
-
-
-def _describe(exc: BaseException | None) -> Failure | None:
-    if exc is None:
-        return None
-    return type(exc).__name__, str(exc), exc.errno if isinstance(exc, OSError) else None
-
-
-def _failed(what: str, votes: list[Failure | None], own: BaseException | None) -> BaseException:
-    """One error for every rank: what failed on which rank (an I/O error's errno kept)."""
-    bad = [(r, v) for r, v in enumerate(votes) if v is not None]
-    text = "; ".join(f"rank {r}: {kind}: {msg}" for r, (kind, msg, _) in bad)
-    codes = [code for _, (_, _, code) in bad if code is not None]
-    err: BaseException
-    if codes:
-        err = DeepNVMeIOError(f"{what} failed on rank {', '.join(str(r) for r, _ in bad)} ({text})",
-                              path=getattr(own, "filename", None), offset=None, size=None, errno=codes[0])
-    else:
-        err = DistributedSaveError(f"{what} failed on rank {', '.join(str(r) for r, _ in bad)} ({text})")
-    err.__cause__ = own
-    return err
-
 
 class RankSteps:
     """Steps of ``directory`` saved and restored by the ranks of ``group`` together (see the
     module). One thread drives it; rank 0 holds the directory's writer lock while saving."""
 
     def __init__(self, directory: str, group: RankGroup, *, keep: int | None, config: IOConfig,
-                 rng_key: str, algorithm: str | None = None) -> None:
+                 rng_key: str, algorithm: str | None = None, layout: Layout | None = None,
+                 tiers: Tiers | None = None, after_commit: Callable[[int], None] | None = None,
+                 closing: Callable[[], None] | None = None) -> None:
         self.directory, self.group, self.config, self.rng_key = directory, group, config, rng_key
         self.algorithm = algorithm  # per-file checksums (None: off), see _dcp_step.file_sums
         self._commit = StepCommit(directory, keep=keep, algorithm=None)  # retention
         self._lock: DirectoryLock | None = None
         self._writer: Writer | None = None
-        if group.rank == 0:
+        # nodes and tiers (_nodes, _tiers): None for one directory shared by every rank, no tiers
+        self.layout = layout or Layout(rank=group.rank, nodes=(tuple(range(group.world)),))
+        self.tiers, self.after_commit, self.closing = tiers, after_commit, closing
+        if self.layout.leader:
             tidy(directory)
 
     # ---- saving ---------------------------------------------------------------------------
@@ -123,6 +110,7 @@ class RankSteps:
             raise ValueError(f"CheckpointManager.save({step}): ranks {others} passed other steps "
                              f"({[votes[r][0] for r in others]}); every rank saves the same step")
         _, _, due, refused, building = votes[0]
+        building = os.path.join(self.directory, os.path.basename(building))  # this node's
         if refused is not None:
             raise ValueError(f"CheckpointManager.save: {refused} in {self.directory!r}")
         if not due:
@@ -131,7 +119,7 @@ class RankSteps:
         own: BaseException | None = None
         plan: SavePlan | None = None
         try:
-            if g.rank == 0:
+            if self.layout.leader:
                 self._prepare(building)
             if reserved := [k for k in (self.rng_key, RANK_STATE_KEY) if k in state]:
                 raise ValueError(f"CheckpointManager.save: state keys {reserved} are reserved for the manager")
@@ -147,7 +135,7 @@ class RankSteps:
         plans = g.gather((plan, _describe(own), keys), thread="main", what=f"save({step}) planning")
         rank_keys = {rng_entry(r): p[2] for r, p in enumerate(plans) if p[2] is not None}
         if any(p[1] is not None for p in plans):
-            if g.rank == 0:
+            if self.layout.leader:
                 shutil.rmtree(building, ignore_errors=True)
             raise _failed(f"checkpoint step {step} (planning)", [p[1] for p in plans], own)
         final, metadata = global_plans(planner, [p[0] for p in plans])
@@ -164,8 +152,8 @@ class RankSteps:
         return call
 
     def _prepare(self, building: str) -> None:
-        """Rank 0: the writer lock (at the first save; leftovers of killed saves removed) and the
-        step's building directory."""
+        """A node's lowest rank: the writer lock (at the first save; leftovers of killed saves
+        removed) and the step's building directory."""
         if self._lock is None:
             self._lock = try_lock(self.directory)
             remove_leftovers(self.directory)
@@ -193,9 +181,22 @@ class RankSteps:
         what = f"checkpoint step {step} in {self.directory!r} (earlier steps are intact)"
         votes = g.gather((results, sums, _describe(own)), thread="writer", what=f"step {step} vote")
         if any(v[2] is not None for v in votes):
-            if g.rank == 0:
+            if self.layout.leader:
                 shutil.rmtree(building, ignore_errors=True)
             raise _failed(what, [v[2] for v in votes], own)
+        if len(self.layout.nodes) > 1:  # each node publishes its own directory
+            failures, own = publish_nodes(g, self.layout, directory=self.directory, building=building, step=step,
+                                          finish=lambda: finish_step(
+                                              building, step, metadata, [v[0] for v in votes], self.config,
+                                              algorithm=self.algorithm,
+                                              sums={n: c for v in votes for n, c in v[1].items()},
+                                              rank_state=rank_keys))
+            if any(failures):
+                raise _failed(what, failures, own)
+            retire_nodes(g, self.layout, self.directory, self._commit.keep)
+            if self.after_commit is not None:
+                self.after_commit(step)
+            return
         if g.rank == 0:
             try:
                 finish_step(building, step, metadata, [v[0] for v in votes], self.config,
@@ -211,11 +212,16 @@ class RankSteps:
             raise _failed(what, [outcome], own)
         if g.rank == 0:
             self._commit.retire()
+        if self.after_commit is not None:
+            self.after_commit(step)
 
     # ---- reading --------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Collective: the committed steps as rank 0 sees them."""
+        """Collective: the committed steps as rank 0 sees them (with tiers: the steps some
+        tier holds whole, :mod:`._tiers`)."""
+        if self.tiers is not None:
+            return self.tiers.survey().steps()
         mine = list_steps(self.directory) if self.group.rank == 0 else None
         steps: list[int] = self.group.gather(mine, thread="main", what="steps()")[0]
         return steps
@@ -229,29 +235,38 @@ class RankSteps:
         and the next older one tried, on every rank alike. ``single(step)`` restores a step saved
         by one process (each rank reads all of it and checks its checksums as it reads)."""
         g = self.group
-        steps: list[int] = g.gather(list_steps(self.directory) if g.rank == 0 else None, thread="main",
-                                    what="restore()")[0]
+        survey = None if self.tiers is None else self.tiers.survey()
+        steps: list[int] = survey.steps() if survey is not None else g.gather(
+            list_steps(self.directory) if g.rank == 0 else None, thread="main", what="restore()")[0]
         candidates = steps[::-1] if step is None else [step] if step in steps else []
         if not candidates:
             want = "no checkpoint" if step is None else f"no checkpoint of step {step}"
-            raise FileNotFoundIOError(f"{want} in {self.directory!r} (committed steps: {steps})",
+            hint = "" if survey is None else survey.explain(step)  # a step that some node lacks
+            raise FileNotFoundIOError(f"{want} in {self.directory!r} (committed steps: {steps}){hint}",
                                       path=self.directory, offset=None, size=None, errno=errno_mod.ENOENT)
         problems = []
         for chosen in candidates:
-            path = step_dir(self.directory, chosen)
-            problem = self._check(path, chosen)
-            if problem is None:
-                if not is_dcp_step(path):
-                    single(chosen)
-                    return chosen
-                restore_dcp(path, chosen, state, group=g.group("main"), rank=g.rank, world=g.world,
-                            rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
-                            rank_state=rank_state)
-                return chosen
+            problem: str | None = f"checkpoint step {chosen}: no tier holds it"
+            sources = self.tiers.sources(survey, chosen) if survey is not None and self.tiers is not None \
+                else iter([(step_dir(self.directory, chosen), None)])
+            for path, done in sources:  # with tiers: the fastest first, then the durable one
+                try:
+                    problem = self._check(path, chosen)
+                    if problem is None:
+                        if not is_dcp_step(path):
+                            single(chosen)
+                            return chosen
+                        restore_dcp(path, chosen, state, group=g.group("main"), rank=g.rank, world=g.world,
+                                    rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
+                                    rank_state=rank_state)
+                        return chosen
+                finally:
+                    if done is not None:
+                        done()
             if step is not None:
                 raise CheckpointCorruptError(problem)
             log.warning("deepnvme.CheckpointManager.restore: skipping %s; trying the previous step", problem)
-            problems.append(problem)
+            problems.append(str(problem))
         raise CheckpointCorruptError(f"no intact checkpoint in {self.directory!r}: {'; '.join(problems)}")
 
     def _check(self, path: str, step: int) -> str | None:
@@ -275,12 +290,20 @@ class RankSteps:
     def close(self) -> None:
         """Collective: stop the writer (after the queued saves), wait for every rank, release the
         lock and the groups. The caller raises the saves' errors."""
+        drained: BaseException | None = None
         try:
             if self._writer is not None:
                 self._writer.stop()
+            if self.closing is not None:  # the tiers' background work (_tiered)
+                try:
+                    self.closing()
+                except BaseException as exc:
+                    drained = exc
             self.group.gather(None, thread="main", what="close()")
         finally:
             if self._lock is not None:
                 self._lock.release()
             self.group.close()
+        if drained is not None:
+            raise drained
 

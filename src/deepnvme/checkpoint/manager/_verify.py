@@ -162,12 +162,27 @@ def check_step_files(path: str, manifest: Mapping[str, Any], names: list[str] | 
     return wrong
 
 
+def _node_files(path: str, manifest: Mapping[str, Any]) -> list[str] | None:
+    """The files the step directory ``path`` of one node should hold when the step was saved on
+    several nodes (its manifest names them): ``.metadata`` and the files of the node's ranks,
+    for the node whose files are here. None for a step in one directory or one holding every
+    file (the durable tier): all its files."""
+    nodes = manifest.get("nodes") or []
+    here = set(os.listdir(path))
+    if len(nodes) < 2 or set(manifest.get("files", {})) <= here:  # one node, or a durable copy: all
+        return None
+    ranks = manifest["ranks"]
+    node = max(nodes, key=lambda n: sum(f in here for r in n for f in ranks[r]["files"]))
+    return sorted({f for r in node for f in ranks[r]["files"]} | {".metadata"})
+
+
 def _check_ranks_step(path: str, step: int | None) -> CheckResult:
     """A step saved by several ranks (a DCP checkpoint): every file the manifest names is there
-    with its size and, when stored, its per-file checksum."""
+    with its size and, when stored, its per-file checksum (on one node of several: that node's
+    files)."""
     try:
         manifest = read_manifest(path, step)
-        if wrong := check_step_files(path, manifest):
+        if wrong := check_step_files(path, manifest, _node_files(path, manifest)):
             raise CheckpointCorruptError(f"checkpoint step {manifest.get('step', step)}: {'; '.join(wrong)}")
     except CheckpointCorruptError as exc:
         return CheckResult(path=path, step=step, problem=str(exc), checksum=None, tensors=0)

@@ -13,6 +13,7 @@ This module imports transformers (and accelerate, for the empty model); ``import
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -82,7 +83,11 @@ def _empty_model(cls: Any, config: Any, dtype: torch.dtype) -> nn.Module:
     """``cls`` built from ``config`` with parameters on the meta device and real buffers."""
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(init_empty_weights(include_buffers=False))
+        no_init = getattr(getattr(transformers, "initialization", None), "no_init_weights", None)
+        if no_init is not None:  # random init of meta tensors is wasted work (seconds for a large model)
+            stack.enter_context(no_init())
         model: nn.Module = _builder(cls)(config, dtype=dtype)  # type: ignore[misc]
     return model
 

@@ -6,7 +6,8 @@ parameters stay one tensor) and fills them in place with :func:`deepnvme.load_in
 folder's safetensors shards: no second copy of the weights, parallel O_DIRECT reads, dtype
 conversion through bounce buffers. :func:`save_pretrained` is ``model.save_pretrained`` with its
 shard writes done by :func:`deepnvme.save_safetensors`, so the folder is what transformers
-writes (config, shards, index, tied weights stored once).
+writes (config, shards, index, tied weights stored once). :class:`Trainer` (imported on first
+use) saves and resumes its checkpoints the same way.
 
 This module imports transformers (and accelerate, for the empty model); ``import deepnvme`` does not.
 """
@@ -19,7 +20,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,7 +37,10 @@ except ImportError as exc:  # pragma: no cover - the integration is imported by 
     raise ImportError("deepnvme.integrations.transformers needs transformers and accelerate: "
                       "pip install 'deepnvme[inference]'") from exc
 
-__all__ = ["from_pretrained", "save_pretrained", "writes_through_deepnvme"]
+if TYPE_CHECKING:
+    from ._hf_trainer import Trainer
+
+__all__ = ["Trainer", "from_pretrained", "save_pretrained", "writes_through_deepnvme"]
 
 log = logging.getLogger(__name__)
 
@@ -248,3 +252,11 @@ def save_pretrained(model: Any, directory: str | os.PathLike[str], **kwargs: Any
     with writes_through_deepnvme(io_config):
         model.save_pretrained(directory, **kwargs)
 
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`Trainer` on first use (importing ``transformers.Trainer`` takes seconds)."""
+    if name == "Trainer":
+        from ._hf_trainer import Trainer
+        return Trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

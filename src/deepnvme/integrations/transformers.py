@@ -15,6 +15,7 @@ This module imports transformers (and accelerate, for the empty model); ``import
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import threading
@@ -89,7 +90,10 @@ def _empty_model(cls: Any, config: Any, dtype: torch.dtype) -> nn.Module:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(init_empty_weights(include_buffers=False))
-        no_init = getattr(getattr(transformers, "initialization", None), "no_init_weights", None)
+        try:
+            no_init = importlib.import_module("transformers.initialization").no_init_weights
+        except (ImportError, AttributeError):
+            no_init = None
         if no_init is not None:  # random init of meta tensors is wasted work (seconds for a large model)
             stack.enter_context(no_init())
         model: nn.Module = _builder(cls)(config, dtype=dtype)  # type: ignore[misc]

@@ -20,7 +20,7 @@ from ..checkpoint.inplace import load_into
 from ..checkpoint.loader import load
 from ..checkpoint.saver import save
 from ..config import IOConfig
-from .transformers import writes_through_deepnvme
+from ._hf_save import writes_through_deepnvme
 
 __all__ = ["Trainer"]
 

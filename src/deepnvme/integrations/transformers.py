@@ -18,22 +18,19 @@ import contextlib
 import importlib
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..checkpoint.inplace import load_into
-from ..checkpoint.safetensors import save_safetensors
 from ..config import IOConfig
 from ..formats.index import tensor_index
+from ._hf_save import writes_through_deepnvme
 
 try:
     import transformers
-    from transformers import modeling_utils
 except ImportError as exc:  # pragma: no cover - the integration is imported by its users only
     raise ImportError("deepnvme.integrations.transformers needs transformers and accelerate: "
                       "pip install 'deepnvme[inference]'") from exc
@@ -217,32 +214,6 @@ def _load_generation_config(model: Any, folder: str) -> None:
     can_generate = getattr(model, "can_generate", None)
     if callable(can_generate) and can_generate() and os.path.isfile(os.path.join(folder, "generation_config.json")):
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
-
-
-_save_lock = threading.Lock()
-
-
-def _deepnvme_save_file(io_config: IOConfig | Mapping[str, Any] | None) -> Callable[..., None]:
-    def save_file(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None) -> None:
-        save_safetensors(tensors, filename, metadata, config=io_config)
-    return save_file
-
-
-@contextmanager
-def writes_through_deepnvme(io_config: IOConfig | Mapping[str, Any] | None = None) -> Iterator[None]:
-    """Within the block, the safetensors shards that transformers' ``save_pretrained`` writes are
-    written by :func:`deepnvme.save_safetensors` (one block at a time in the process: the hook
-    is transformers' module-level ``safe_save_file``)."""
-    if not callable(getattr(modeling_utils, "safe_save_file", None)):
-        raise RuntimeError(f"transformers {transformers.__version__} has no modeling_utils.safe_save_file; "
-                           "this version's save_pretrained cannot write through deepnvme")
-    with _save_lock:
-        original = getattr(modeling_utils, "safe_save_file")  # noqa: B009 (not exported: no static access)
-        setattr(modeling_utils, "safe_save_file", _deepnvme_save_file(io_config))  # noqa: B010
-        try:
-            yield
-        finally:
-            setattr(modeling_utils, "safe_save_file", original)  # noqa: B010
 
 
 def save_pretrained(model: Any, directory: str | os.PathLike[str], **kwargs: Any) -> None:

@@ -100,16 +100,19 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"max |diff| {(a.float() - b.float()).abs().max().item():.3e}"
 
 
-@pytest.mark.parametrize("min_offload", [0, None])
-@pytest.mark.parametrize("accum", [1, 2])
-def test_training_on_cuda_with_offloaded_parameters_equals_the_reference_bitwise(tmp_path, accum,
-                                                                                 min_offload):
+# max_device_bytes: the default, or one unit (the largest: a 256 x 1024 Linear), so that every
+# copy evicts another; min_offload None keeps biases and norms on the device for good
+@pytest.mark.parametrize("accum,min_offload,max_device", [(1, 0, None), (2, None, None),
+                                                         (2, 0, (256 * 1024 + 1024) * 4),
+                                                         (1, None, (256 * 1024 + 1024) * 4)])
+def test_training_on_cuda_with_offloaded_parameters_equals_the_reference_bitwise(
+        tmp_path, accum, min_offload, max_device):
     torch.manual_seed(0)
     a = Net().cuda()
     b = copy.deepcopy(a)
     expected = train(a, CpuMasterReference(a, torch.optim.AdamW, lr=1e-3, weight_decay=0.1), 3, accum)
     off = deepnvme.offload_parameters(b, tmp_path, max_in_memory_bytes=8 << 20, prefetch=2,
-                                      min_offload_bytes=min_offload)
+                                      min_offload_bytes=min_offload, max_device_bytes=max_device)
     assert isinstance(off, DeviceParameterOffload)
     assert all(p.is_cuda for p in b.parameters())
     opt = deepnvme.NVMeOptimizer(b.parameters(), torch.optim.AdamW, swap_dir=tmp_path,
@@ -121,7 +124,7 @@ def test_training_on_cuda_with_offloaded_parameters_equals_the_reference_bitwise
     for name, value in a.state_dict().items():
         assert torch.equal(value.cpu(), state[name].cpu()), f"{name}: {diff(value.cpu(), state[name].cpu())}"
     dev = off.device_stats()
-    assert dev.peak_bytes <= dev.budget_bytes and dev.prefetch_hits > 0
+    assert dev.peak_bytes <= dev.budget_bytes and dev.bytes_to_host > 0
     off.close()
     opt.close()
 

@@ -86,20 +86,30 @@ class DeviceCopies:
         reads only (the copies run on the side stream)."""
         with self.store.lock:
             self.poll()
-            missing = [e for e in entries if e.key not in self.present]
-            if missing:
-                self._fetch_host(missing, what)
-                try:
-                    for e in missing:
-                        got = self._take(e.nbytes, demand=True, what=f"{what} ({e.name})")
-                        assert got is not None  # a demand gets one or raises
-                        self._issue(e, *got)
-                except BaseException:   # the copies issued unpin their host values when done
-                    self.store.unpin([e for e in missing if e.key not in self.present])
-                    raise
-            for e in entries:
-                c = self.present[e.key]
-                c.pins += 1
+            pinned: list[DeviceCopy] = []
+            try:
+                for e in entries:      # pinned first: making room must not evict them
+                    if e.key in self.present:
+                        self.present[e.key].pins += 1
+                        pinned.append(self.present[e.key])
+                missing = [e for e in entries if e.key not in self.present]
+                if missing:
+                    self._fetch_host(missing, what)
+                    try:
+                        for e in missing:
+                            got = self._take(e.nbytes, demand=True, what=f"{what} ({e.name})")
+                            assert got is not None  # a demand gets one or raises
+                            self._issue(e, *got)
+                            self.present[e.key].pins += 1
+                            pinned.append(self.present[e.key])
+                    except BaseException:   # copies issued unpin their host values when done
+                        self.store.unpin([e for e in missing if e.key not in self.present])
+                        raise
+            except BaseException:
+                for c in pinned:
+                    c.pins -= 1
+                raise
+            for c in pinned:
                 c.tick = next(self._ticks)
                 if c.prefetched:
                     self.prefetch_hits += 1
@@ -107,7 +117,7 @@ class DeviceCopies:
                 if not self.device.done(c.event):
                     self.device.compute_wait(c.event)
                 if not c.attached:
-                    self.params[e.key].data = c.tensor
+                    self.params[c.entry.key].data = c.tensor
                     c.attached = True
 
     def tensor(self, entry: Entry) -> torch.Tensor:

@@ -39,9 +39,11 @@ from ..optim._protocol import mark_offloaded, offload_of
 from ._autograd import SavedParameters
 from ._build import build
 from ._entry import Entry
+from ._fsdp import is_sharded_model
 from ._gradients import accept_gradient
 from ._hooks import ModuleHooks
 from ._order import OrderTracker
+from ._ranks import ShardHooks, build_shards
 from ._sources import Init
 from ._store import TensorStore
 from ._units import Units
@@ -89,14 +91,18 @@ class ParameterOffload(UpdateSide):
         self.offload_gradients = bool(offload_gradients)
         self._store = TensorStore(directory, budget=max_in_memory_bytes, config=config)
         self._entries: dict[int, tuple[Entry, Entry]] = {}    # id(param) -> (data, grad)
+        self._dtensors: dict[int, tuple[Entry, Entry]] = {}   # FSDP2: id(DTensor param) -> pair
         units = Units()
-        self._modules = ModuleHooks(model, self._store, units,
-                                    SavedParameters(self._store, units, backward), forward)
+        self._modules: ModuleHooks | ShardHooks = ModuleHooks(
+            model, self._store, units, SavedParameters(self._store, units, backward), forward)
         self._grad_hooks: list[RemovableHandle] = []
+        min_offload = MIN_OFFLOAD_BYTES if min_offload_bytes is None else min_offload_bytes
+        if is_sharded_model(model):
+            self._offload_shards(source, dtype, prefetch, min_offload)
+            return
         try:
             built = build(model, self._store, dtype=dtype, source=source, config=config,
-                          min_offload=MIN_OFFLOAD_BYTES if min_offload_bytes is None
-                          else min_offload_bytes, offload_gradients=self.offload_gradients)
+                          min_offload=min_offload, offload_gradients=self.offload_gradients)
             self._entries = built.entries
             for module, name, unit in built.units:
                 self._modules.add(module, name, unit)
@@ -110,6 +116,32 @@ class ParameterOffload(UpdateSide):
             self.close()
             raise
 
+    def _offload_shards(self, source: object, dtype: torch.dtype | None, prefetch: int,
+                        min_offload: int) -> None:
+        """A ``fully_shard``-ed model: this rank's shards are offloaded (see :mod:`._ranks`)."""
+        try:
+            if source is not None or dtype is not None:
+                raise ValueError("offload_parameters: source= and dtype= apply to a model before "
+                                 "fully_shard; materialise and convert it first, then shard it")
+            built = build_shards(self.model, self._store, min_offload=min_offload,
+                                 offload_gradients=self.offload_gradients)
+            self._entries, self._dtensors = built.entries, built.by_dtensor
+            for data, _ in self._entries.values():
+                mark_offloaded(data.param, self)
+            for fp in (fp for group, _ in built.units for fp in group.params):
+                mark_offloaded(fp.sharded_param, self)
+            self._modules = ShardHooks(self.model, self._store, built, prefetch)
+        except BaseException:
+            self.close()
+            raise
+
+    def local_parameter(self, param: torch.Tensor) -> torch.nn.Parameter | None:
+        """The plain parameter holding this rank's shard of ``param`` (an FSDP2 DTensor
+        parameter offloaded here), which :class:`~deepnvme.NVMeOptimizer` updates; None if
+        ``param`` is not one."""
+        pair = self._dtensors.get(id(param))
+        return None if pair is None else pair[0].param
+
     def register_external_parameter(self, module: torch.nn.Module,
                                     parameter: torch.nn.Parameter) -> None:
         """Fetch ``parameter`` for ``module``'s forward too (and keep it for its backward).
@@ -119,6 +151,9 @@ class ParameterOffload(UpdateSide):
         parameters it owns, so outside them an offloaded parameter holds its placeholder (NaN).
         DeepSpeed's ``deepspeed.zero.register_external_parameter`` does the same for ZeRO-3.
         """
+        if self._dtensors:
+            raise ValueError("register_external_parameter: not needed with FSDP2, whose "
+                             "all-gathers bring every parameter its modules use")
         pair = self._entries.get(id(parameter))
         if pair is None:
             raise ValueError("register_external_parameter: the parameter (shape "
@@ -146,12 +181,14 @@ class ParameterOffload(UpdateSide):
         self._store.fetch([entry], f"reading {entry.name}")
         try:
             assert entry.tensor is not None  # fetch made it present; internal invariant
-            return entry.tensor.clone()
+            # an FSDP2 shard's stored tensor may be padded: its parameter is the shard itself
+            return (entry.tensor if entry.home is None else entry.param.data).clone()
         finally:
             self._store.unpin([entry])
 
     def parameter(self, name: str) -> torch.Tensor:
-        """A copy of the parameter ``name`` (its qualified name in the model)."""
+        """A copy of the parameter ``name`` (its qualified name in the model); of a
+        ``fully_shard``-ed model, this rank's shard of it (the DTensor's local tensor)."""
         return self._copy(self._named(name)[0])
 
     def gradient(self, name: str) -> torch.Tensor | None:
@@ -164,7 +201,11 @@ class ParameterOffload(UpdateSide):
         out: dict[str, torch.Tensor] = {}
         for name, value in self.model.state_dict(keep_vars=True).items():
             pair = self._entries.get(id(value))
-            out[name] = self._copy(pair[0]) if pair is not None else value.detach()
+            sharded = self._dtensors.get(id(value))
+            if sharded is not None:   # a DTensor of this rank's shard, as FSDP2's state dict
+                out[name] = _as_dtensor(value, self._copy(sharded[0]))
+            else:
+                out[name] = self._copy(pair[0]) if pair is not None else value.detach()
         return out
 
     def stats(self) -> OffloadStats:
@@ -196,6 +237,13 @@ class ParameterOffload(UpdateSide):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _as_dtensor(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    assert isinstance(like, DTensor)  # an FSDP2 parameter; internal invariant
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
 
 
 def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str], *,

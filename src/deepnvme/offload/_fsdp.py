@@ -25,7 +25,7 @@ import torch
 
 from ._entry import placeholder
 
-__all__ = ["Group", "Shard", "fsdp_groups", "is_sharded_model", "wrap_unshard"]
+__all__ = ["Group", "Shard", "fsdp_groups", "is_sharded_model", "shard_model", "wrap_unshard"]
 
 _PARAM_ATTRS = ("sharded_param", "_sharded_param_data", "padded_sharded_param_size")
 
@@ -153,3 +153,30 @@ def wrap_unshard(group: Any, before: Callable[[], None], after: Callable[[], Non
         if group.__dict__.get("unshard") is unshard:
             del group.unshard
     return undo
+
+
+def shard_model(model: torch.nn.Module) -> bool:
+    """Apply ``fully_shard`` as ZeRO stage 3 partitions a model across the ranks of the default
+    process group: each item with parameters of a ``ModuleList`` or ``Sequential`` (the
+    outermost such items: transformer blocks, layers) becomes a group, and the root takes the
+    rest. Returns False (and changes nothing) without an initialized process group of more
+    than one rank, or if ``model`` is sharded already."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    if is_sharded_model(model):
+        return False
+    from torch.distributed.fsdp import fully_shard
+    chosen: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        for child_name, child in module.named_children():
+            path = f"{name}.{child_name}" if name else child_name
+            inside = any(path.startswith(c + ".") for c, _ in chosen)
+            if not inside and next(child.parameters(), None) is not None:
+                chosen.append((path, child))
+    for _, child in chosen:
+        fully_shard(child)
+    fully_shard(model)
+    return True

@@ -61,7 +61,7 @@ def fsdp_groups(model: torch.nn.Module) -> list[Group]:
     for name, module in model.named_modules():
         if cls is None or not isinstance(module, cls):
             continue
-        state = module._get_fsdp_state()
+        state = module._get_fsdp_state()  # type: ignore[attr-defined]
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:
             single = getattr(state, "_fsdp_param_group", None)
@@ -110,21 +110,22 @@ class Shard:
     @torch.no_grad()
     def show(self, tensor: torch.Tensor) -> None:
         local = self._local_view(tensor)
-        self._point(tensor.untyped_storage(), tensor.storage_offset(), local, 1)
+        self._point(tensor.untyped_storage(), int(tensor.storage_offset()), local, 1)
         self.local.data = local
 
     @torch.no_grad()
     def hide(self) -> None:
         ph = placeholder(self.shape, self.local.dtype)
         local = self._local_view(ph)
-        self._point(ph.untyped_storage(), ph.storage_offset(), local, 0)
+        self._point(ph.untyped_storage(), int(ph.storage_offset()), local, 0)
         self.local.data = local
 
     def _point(self, storage: torch.UntypedStorage, offset: int, local: torch.Tensor,
                stride: int) -> None:
         fp = self.fsdp_param
         fp._sharded_param_data.set_(storage, offset, (self.shape.numel(),), (stride,))
-        self.dtensor._local_tensor.set_(storage, local.storage_offset(), local.size(), local.stride())
+        dtensor_local: torch.Tensor = self.dtensor._local_tensor  # type: ignore[attr-defined]
+        dtensor_local.set_(storage, local.storage_offset(), local.size(), local.stride())
 
 
 def _shard_dim(fsdp_param: Any) -> int:

@@ -18,6 +18,11 @@ Parameters are evicted lazily (least recently used, unpinned) when room is neede
 forward, backward unpacking and optimizer updates; read them otherwise with
 :meth:`ParameterOffload.parameter` or :meth:`ParameterOffload.state_dict`.
 
+A model sharded with FSDP2 (``fully_shard``) is offloaded rank by rank: each rank's shards
+(the DTensors' local tensors) go to its files, each FSDP group's shards are read back for its
+all-gather (ahead, in the order FSDP issues them), reduce-scattered gradients are taken as they
+arrive, and the optimizer updates the local shards (:mod:`._ranks`, :mod:`._fsdp`).
+
 By job: :mod:`._build` turns the model into entries (materialising meta parameters from a
 source), :mod:`._hooks` fetches them around modules, :mod:`._autograd` packs saved parameters,
 :mod:`._gradients` takes gradients in, :mod:`._updates` serves the optimizer, and
@@ -268,9 +273,19 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     tensors themselves (page-aligned: the engine needs no bounce buffers). Activations and the
     optimizer's temporaries are the training loop's own, as in memory.
 
+    A model sharded with FSDP2 (``fully_shard`` applied, the root included) under
+    torch.distributed: each rank offloads only its own shards into its ``directory`` (a
+    node-local one; ranks of one node may share it, each gets its private subdirectory), reads
+    each FSDP group's shards back just before that group's all-gather (the next ``prefetch``
+    groups in FSDP's all-gather order ahead), and stores the reduce-scattered gradients. Build
+    :class:`~deepnvme.NVMeOptimizer` over ``model.parameters()``: it updates each rank's local
+    shards. ``model.state_dict()`` then holds placeholders: use :meth:`ParameterOffload.state_dict`
+    (DTensors of this rank's shards). ``source`` and ``dtype`` are refused (apply them first).
+
     Args:
         model: a CPU model, or one built on the meta device (``with torch.device("meta"):``)
-            with ``source`` giving the values, so it never exists whole in memory.
+            with ``source`` giving the values, so it never exists whole in memory; or a model
+            sharded with FSDP2 on CPU (gloo).
         directory: where a private subdirectory holds the files (created if missing; removed by
             :meth:`ParameterOffload.close`, with ``directory`` itself if the offload created it
             and nothing else is in it).

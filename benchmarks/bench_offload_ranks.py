@@ -164,7 +164,15 @@ def spawn(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
         procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=args.timeout) for p in procs]
+    try:
+        outs = [p.communicate(timeout=args.timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:   # a rank that hangs leaves none behind
+            p.kill()
+            p.wait()
+        if mode != "deepspeed":
+            raise
+        return [{"mode": mode, "error": f"timed out after {args.timeout:g} s"}]
     if mode == "deepspeed":
         shutil.rmtree(os.path.join(args.dir, "deepspeed"), ignore_errors=True)
     results = []

@@ -4,17 +4,20 @@ placeholder a released parameter holds.
 An entry is a parameter's data or its gradient; its value is in its file, or present (a tensor
 in a store buffer), or resident (a small tensor kept in memory for good). A buffer is a uint8
 mapping the store allocated and may hand out again once nothing else uses its storage.
+A parameter entry shows its present value as the parameter's ``.data``, or through a
+:class:`Home` where other tensors must see it too (an FSDP2 shard: see :mod:`._fsdp`).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import Protocol
 
 import torch
 
 from ..memory.heap import mapped_empty
 
-__all__ = ["Buffer", "Entry", "placeholder"]
+__all__ = ["Buffer", "Entry", "Home", "placeholder"]
 
 _PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}
 
@@ -28,20 +31,36 @@ def placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return base.expand(shape) if len(shape) else base.view(())
 
 
+class Home(Protocol):
+    """Where a parameter entry's value shows besides (or instead of) ``param.data``."""
+
+    shape: torch.Size   # the stored tensor's shape (it may hold padding beyond the parameter)
+
+    def show(self, tensor: torch.Tensor) -> None:
+        """Make the parameter's users see ``tensor`` (of :attr:`shape`), without a copy."""
+        ...
+
+    def hide(self) -> None:
+        """Point the parameter's users at a placeholder: the value left memory."""
+        ...
+
+
 class Entry:
     """One offloaded tensor: a parameter's data (``grad=False``) or its gradient."""
 
     __slots__ = ("key", "name", "param", "grad", "shape", "dtype", "nbytes", "tensor", "read",
-                 "write", "pins", "tick", "prefetched", "valid", "buf", "resident")
+                 "write", "pins", "tick", "prefetched", "valid", "buf", "resident", "home")
 
-    def __init__(self, key: int, name: str, param: torch.nn.Parameter, *, grad: bool) -> None:
+    def __init__(self, key: int, name: str, param: torch.nn.Parameter, *, grad: bool,
+                 home: Home | None = None) -> None:
         self.key = key
         self.name = name                  # the parameter's qualified name (for messages)
         self.param = param
         self.grad = grad
-        self.shape = param.shape
+        self.home = None if grad else home
+        self.shape = param.shape if self.home is None else self.home.shape
         self.dtype = param.dtype
-        self.nbytes = param.numel() * param.element_size()
+        self.nbytes = self.shape.numel() * param.element_size()
         self.tensor: torch.Tensor | None = None   # present value (maybe still being read)
         self.read: Future[torch.Tensor] | None = None
         self.write: Future[None] | None = None    # the last write of ``tensor``
@@ -51,6 +70,21 @@ class Entry:
         self.valid = not grad             # a gradient is valid once one was accumulated
         self.buf: Buffer | None = None   # the reusable mapping behind ``tensor``, if any
         self.resident = False   # a small tensor kept in memory: no file I/O, never dropped
+
+    def show(self, tensor: torch.Tensor) -> None:
+        """A parameter entry's value is present as ``tensor``: the parameter uses it."""
+        if self.home is None:
+            if self.param.data is not tensor:
+                self.param.data = tensor
+        else:
+            self.home.show(tensor)
+
+    def hide(self) -> None:
+        """A parameter entry's value left memory: the parameter holds its placeholder."""
+        if self.home is None:
+            self.param.data = placeholder(self.shape, self.dtype)
+        else:
+            self.home.hide()
 
 
 def _use_count(t: torch.Tensor) -> int:

@@ -38,7 +38,7 @@ from ..errors import OffloadMemoryError
 from ..io.plan import align_up
 from ..memory.heap import MAPPED_MIN, mapped_empty
 from ..swap import TensorSwapper
-from ._entry import Buffer, Entry, placeholder
+from ._entry import Buffer, Entry
 
 __all__ = ["TensorStore"]
 
@@ -216,13 +216,13 @@ class TensorStore:
             arena = torch.empty(3 * sum(sizes), dtype=torch.uint8)
             at = 0
             for (d, g), size in zip(self._resident, sizes):
-                views = [arena[at + i * size:at + i * size + d.nbytes].view(d.dtype).view(d.shape)
-                         for i in range(3)]
+                views = [arena[at + i * size:at + i * size + e.nbytes].view(e.dtype).view(e.shape)
+                         for i, e in enumerate((d, g, d))]   # a shard's gradient has no padding
                 at += 3 * size
                 assert d.tensor is not None  # make_resident set it; internal invariant
                 views[0].copy_(d.tensor)
                 d.tensor = views[0]
-                d.param.data = views[0]
+                d.show(views[0])
                 g.tensor = views[1]     # no gradient yet: ``valid`` stays False
                 self.backups[d.key] = views[2]
 
@@ -286,7 +286,7 @@ class TensorStore:
         self._present.pop(entry.key, None)
         if not entry.grad:
             self.by_storage.pop(entry.tensor.untyped_storage().data_ptr(), None)
-            entry.param.data = placeholder(entry.shape, entry.dtype)
+            entry.hide()
         buf, read = entry.buf, entry.read
         entry.tensor, entry.read, entry.prefetched, entry.buf = None, None, False, None
         if read is not None and not read.done():   # a prefetch still lands in the buffer
@@ -340,8 +340,9 @@ class TensorStore:
                     if e.read is not None:
                         e.read.result()
                         e.read = None
-                    if not e.grad and e.param.data is not e.tensor:
-                        e.param.data = e.tensor  # type: ignore[assignment]
+                    if not e.grad:
+                        assert e.tensor is not None  # made present above; internal invariant
+                        e.show(e.tensor)
             except BaseException:
                 self.unpin(pinned)
                 raise

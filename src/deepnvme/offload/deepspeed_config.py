@@ -11,6 +11,9 @@ swapped-in parameters); optimizer state goes to :class:`NVMeOptimizer` under
 with fewer elements whole on every rank) becomes ``min_offload_bytes``: such parameters stay in
 memory; without the key, deepnvme's own default applies.
 ``device: "cpu"`` or ``"none"`` keeps that part in memory (a CPU loop already has it there).
+``zero_optimization.stage`` 3 under torch.distributed (an initialized process group of several
+ranks): :meth:`DeepSpeedOffloadSettings.apply` shards the model with FSDP2 first, so each rank
+offloads only its shards (see :func:`~deepnvme.offload._fsdp.shard_model`).
 ``aio.overlap_events`` (every engine overlaps anyway) and a true ``aio.use_gds`` (accepted where
 a CUDA GPU exists; the offload's tensors are CPU tensors, which GDS does not move) are named in
 the warning.
@@ -30,6 +33,7 @@ import torch
 from ..config import IOConfig
 from ..errors import ConfigError
 from ..optim import NVMeOptimizer
+from ._fsdp import shard_model
 from .parameters import ParameterOffload, offload_parameters
 
 __all__ = ["DeepSpeedOffloadSettings", "OptimizerOffloadSettings", "ParamOffloadSettings",
@@ -80,6 +84,7 @@ class DeepSpeedOffloadSettings:
     param: ParamOffloadSettings | None
     optimizer: OptimizerOffloadSettings | None
     unused_keys: tuple[str, ...]   # dotted keys that change nothing here (named in the warning)
+    stage: int | None = None       # zero_optimization.stage (3: shard under torch.distributed)
 
     def offload_model(self, model: torch.nn.Module, *, prefetch: int = 2) -> ParameterOffload | None:
         """Offload ``model``'s parameters as ``offload_param`` says (None if it keeps them)."""
@@ -111,7 +116,10 @@ class DeepSpeedOffloadSettings:
     def apply(self, model: torch.nn.Module,
               optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
               **optimizer_kwargs: Any) -> tuple[ParameterOffload | None, torch.optim.Optimizer]:
-        """Offload ``model`` and build its optimizer: ``(offload or None, optimizer)``."""
+        """Offload ``model`` and build its optimizer: ``(offload or None, optimizer)``. With
+        stage 3 under torch.distributed, ``model`` is first sharded with ``fully_shard``."""
+        if self.stage == 3:
+            shard_model(model)
         offload = self.offload_model(model)
         try:
             return offload, self.make_optimizer(model.parameters(), optimizer_cls, **optimizer_kwargs)
@@ -190,7 +198,10 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike[str]
     if not isinstance(zero, Mapping):
         raise ConfigError(f"zero_optimization must be an object, got {type(zero).__name__}")
     unused += [f"zero_optimization.{k}" for k in zero
-               if k not in ("offload_param", "offload_optimizer", _PERSISTENCE)]
+               if k not in ("offload_param", "offload_optimizer", _PERSISTENCE, "stage")]
+    stage = _count(zero, "stage", "zero_optimization", 0, 0) if "stage" in zero else None
+    if stage is not None and stage > 3:
+        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
     aio = cfg.get("aio", {})
     if not isinstance(aio, Mapping):
         raise ConfigError(f"aio must be an object, got {type(aio).__name__}")
@@ -210,7 +221,8 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike[str]
     if unused:
         warnings.warn(f"deepnvme ignores these DeepSpeed config keys (no effect on NVMe offload "
                       f"of a plain torch loop): {', '.join(unused)}", UserWarning, stacklevel=2)
-    return DeepSpeedOffloadSettings(io=io, param=param, optimizer=optimizer, unused_keys=tuple(unused))
+    return DeepSpeedOffloadSettings(io=io, param=param, optimizer=optimizer, unused_keys=tuple(unused),
+                                    stage=stage)
 
 
 def _param_settings(zero: Mapping[str, Any], unused: list[str]) -> ParamOffloadSettings | None:

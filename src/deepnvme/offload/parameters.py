@@ -18,6 +18,11 @@ Parameters are evicted lazily (least recently used, unpinned) when room is neede
 forward, backward unpacking and optimizer updates; read them otherwise with
 :meth:`ParameterOffload.parameter` or :meth:`ParameterOffload.state_dict`.
 
+A model sharded with FSDP2 (``fully_shard``) is offloaded rank by rank: each rank's shards
+(the DTensors' local tensors) go to its files, each FSDP group's shards are read back for its
+all-gather (ahead, in the order FSDP issues them), reduce-scattered gradients are taken as they
+arrive, and the optimizer updates the local shards (:mod:`._ranks`, :mod:`._fsdp`).
+
 By job: :mod:`._build` turns the model into entries (materialising meta parameters from a
 source), :mod:`._hooks` fetches them around modules, :mod:`._autograd` packs saved parameters,
 :mod:`._gradients` takes gradients in, :mod:`._updates` serves the optimizer, and
@@ -39,9 +44,11 @@ from ..optim._protocol import mark_offloaded, offload_of
 from ._autograd import SavedParameters
 from ._build import build
 from ._entry import Entry
+from ._fsdp import is_sharded_model
 from ._gradients import accept_gradient
 from ._hooks import ModuleHooks
 from ._order import OrderTracker
+from ._ranks import ShardHooks, build_shards
 from ._sources import Init
 from ._store import TensorStore
 from ._units import Units
@@ -89,14 +96,18 @@ class ParameterOffload(UpdateSide):
         self.offload_gradients = bool(offload_gradients)
         self._store = TensorStore(directory, budget=max_in_memory_bytes, config=config)
         self._entries: dict[int, tuple[Entry, Entry]] = {}    # id(param) -> (data, grad)
+        self._dtensors: dict[int, tuple[Entry, Entry]] = {}   # FSDP2: id(DTensor param) -> pair
         units = Units()
-        self._modules = ModuleHooks(model, self._store, units,
-                                    SavedParameters(self._store, units, backward), forward)
+        self._modules: ModuleHooks | ShardHooks = ModuleHooks(
+            model, self._store, units, SavedParameters(self._store, units, backward), forward)
         self._grad_hooks: list[RemovableHandle] = []
+        min_offload = MIN_OFFLOAD_BYTES if min_offload_bytes is None else min_offload_bytes
+        if is_sharded_model(model):
+            self._offload_shards(source, dtype, prefetch, min_offload)
+            return
         try:
             built = build(model, self._store, dtype=dtype, source=source, config=config,
-                          min_offload=MIN_OFFLOAD_BYTES if min_offload_bytes is None
-                          else min_offload_bytes, offload_gradients=self.offload_gradients)
+                          min_offload=min_offload, offload_gradients=self.offload_gradients)
             self._entries = built.entries
             for module, name, unit in built.units:
                 self._modules.add(module, name, unit)
@@ -110,6 +121,32 @@ class ParameterOffload(UpdateSide):
             self.close()
             raise
 
+    def _offload_shards(self, source: object, dtype: torch.dtype | None, prefetch: int,
+                        min_offload: int) -> None:
+        """A ``fully_shard``-ed model: this rank's shards are offloaded (see :mod:`._ranks`)."""
+        try:
+            if source is not None or dtype is not None:
+                raise ValueError("offload_parameters: source= and dtype= apply to a model before "
+                                 "fully_shard; materialise and convert it first, then shard it")
+            built = build_shards(self.model, self._store, min_offload=min_offload,
+                                 offload_gradients=self.offload_gradients)
+            self._entries, self._dtensors = built.entries, built.by_dtensor
+            for data, _ in self._entries.values():
+                mark_offloaded(data.param, self)
+            for fp in (fp for group, _ in built.units for fp in group.params):
+                mark_offloaded(fp.sharded_param, self)
+            self._modules = ShardHooks(self.model, self._store, built, prefetch)
+        except BaseException:
+            self.close()
+            raise
+
+    def local_parameter(self, param: torch.Tensor) -> torch.nn.Parameter | None:
+        """The plain parameter holding this rank's shard of ``param`` (an FSDP2 DTensor
+        parameter offloaded here), which :class:`~deepnvme.NVMeOptimizer` updates; None if
+        ``param`` is not one."""
+        pair = self._dtensors.get(id(param))
+        return None if pair is None else pair[0].param
+
     def register_external_parameter(self, module: torch.nn.Module,
                                     parameter: torch.nn.Parameter) -> None:
         """Fetch ``parameter`` for ``module``'s forward too (and keep it for its backward).
@@ -119,6 +156,9 @@ class ParameterOffload(UpdateSide):
         parameters it owns, so outside them an offloaded parameter holds its placeholder (NaN).
         DeepSpeed's ``deepspeed.zero.register_external_parameter`` does the same for ZeRO-3.
         """
+        if self._dtensors:
+            raise ValueError("register_external_parameter: not needed with FSDP2, whose "
+                             "all-gathers bring every parameter its modules use")
         pair = self._entries.get(id(parameter))
         if pair is None:
             raise ValueError("register_external_parameter: the parameter (shape "
@@ -127,6 +167,7 @@ class ParameterOffload(UpdateSide):
         if name is None:
             raise ValueError(f"register_external_parameter: the module {type(module).__name__} "
                              "is not part of the offloaded model")
+        assert isinstance(self._modules, ModuleHooks)  # FSDP2 models refused above; invariant
         self._modules.add_external(module, name, pair[0])
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -146,12 +187,14 @@ class ParameterOffload(UpdateSide):
         self._store.fetch([entry], f"reading {entry.name}")
         try:
             assert entry.tensor is not None  # fetch made it present; internal invariant
-            return entry.tensor.clone()
+            # an FSDP2 shard's stored tensor may be padded: its parameter is the shard itself
+            return (entry.tensor if entry.home is None else entry.param.data).clone()
         finally:
             self._store.unpin([entry])
 
     def parameter(self, name: str) -> torch.Tensor:
-        """A copy of the parameter ``name`` (its qualified name in the model)."""
+        """A copy of the parameter ``name`` (its qualified name in the model); of a
+        ``fully_shard``-ed model, this rank's shard of it (the DTensor's local tensor)."""
         return self._copy(self._named(name)[0])
 
     def gradient(self, name: str) -> torch.Tensor | None:
@@ -164,7 +207,11 @@ class ParameterOffload(UpdateSide):
         out: dict[str, torch.Tensor] = {}
         for name, value in self.model.state_dict(keep_vars=True).items():
             pair = self._entries.get(id(value))
-            out[name] = self._copy(pair[0]) if pair is not None else value.detach()
+            sharded = self._dtensors.get(id(value))
+            if sharded is not None:   # a DTensor of this rank's shard, as FSDP2's state dict
+                out[name] = _as_dtensor(value, self._copy(sharded[0]))
+            else:
+                out[name] = self._copy(pair[0]) if pair is not None else value.detach()
         return out
 
     def stats(self) -> OffloadStats:
@@ -198,6 +245,13 @@ class ParameterOffload(UpdateSide):
         self.close()
 
 
+def _as_dtensor(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    assert isinstance(like, DTensor)  # an FSDP2 parameter; internal invariant
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
 def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str], *,
                        max_in_memory_bytes: int, prefetch: int = 2,
                        dtype: torch.dtype | None = None,
@@ -219,9 +273,19 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
     tensors themselves (page-aligned: the engine needs no bounce buffers). Activations and the
     optimizer's temporaries are the training loop's own, as in memory.
 
+    A model sharded with FSDP2 (``fully_shard`` applied, the root included) under
+    torch.distributed: each rank offloads only its own shards into its ``directory`` (a
+    node-local one; ranks of one node may share it, each gets its private subdirectory), reads
+    each FSDP group's shards back just before that group's all-gather (the next ``prefetch``
+    groups in FSDP's all-gather order ahead), and stores the reduce-scattered gradients. Build
+    :class:`~deepnvme.NVMeOptimizer` over ``model.parameters()``: it updates each rank's local
+    shards. ``model.state_dict()`` then holds placeholders: use :meth:`ParameterOffload.state_dict`
+    (DTensors of this rank's shards). ``source`` and ``dtype`` are refused (apply them first).
+
     Args:
         model: a CPU model, or one built on the meta device (``with torch.device("meta"):``)
-            with ``source`` giving the values, so it never exists whole in memory.
+            with ``source`` giving the values, so it never exists whole in memory; or a model
+            sharded with FSDP2 on CPU (gloo).
         directory: where a private subdirectory holds the files (created if missing; removed by
             :meth:`ParameterOffload.close`, with ``directory`` itself if the offload created it
             and nothing else is in it).

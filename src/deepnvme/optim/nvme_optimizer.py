@@ -28,6 +28,7 @@ from ..config import IOConfig
 from ..handles.aio import AioHandle
 from ..swap import SwapBufferError, SwapError, TensorSwapper
 from ._protocol import OffloadedParameters, find_offload, offload_of
+from ._sharded import local_parameters
 from ._state import StateSwap, Writes
 from ._subgroups import Member, SubGroups
 
@@ -127,7 +128,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
         if buffer_count < 2:
             raise ValueError(f"buffer_count must be >= 2 (3 overlaps read, update and write), "
                              f"got {buffer_count}")
-        self.optimizer = optimizer_cls(params, **optimizer_kwargs)
+        self.optimizer = optimizer_cls(local_parameters(params), **optimizer_kwargs)
         _check_cpu(self._all_params())
         for name in _HOOK_DICTS:
             setattr(self, name, OrderedDict())
@@ -205,7 +206,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
         known = {id(p) for sub in self._subs.members for _, p in sub}
         n_groups, n_subs = len(self.optimizer.param_groups), len(self._subs)
         offload, sub_group_bytes = self._offload, self.sub_group_bytes
-        self.optimizer.add_param_group(param_group)
+        self.optimizer.add_param_group(local_parameters([param_group])[0])
         try:
             fresh = [(gi, p) for gi, p in self._all_params() if id(p) not in known]
             _check_cpu(fresh)

@@ -57,10 +57,11 @@ def test_the_guide_example_without_gds_is_read_with_one_warning_naming_unused_ke
         s = from_deepspeed_config(guide(use_gds=False))
     assert len(caught) == 1
     message = str(caught[0].message)
-    for key in ("train_micro_batch_size_per_gpu", "zero_optimization.stage",
-                "zero_optimization.offload_param.max_in_cpu", "zero_optimization.offload_param.pin_memory",
+    for key in ("train_micro_batch_size_per_gpu", "zero_optimization.offload_param.max_in_cpu",
+                "zero_optimization.offload_param.pin_memory",
                 "zero_optimization.offload_optimizer.fast_init", "aio.overlap_events"):
         assert key in message and key in s.unused_keys
+    assert s.stage == 3 and "zero_optimization.stage" not in s.unused_keys   # used: shards under dist
     for key in ("buffer_size", "nvme_path", "block_size", "queue_depth", "thread_count",
                 "single_submit", "use_gds"):   # used (use_gds false: nothing asked of GDS)
         assert key not in message, key

@@ -103,14 +103,15 @@ class DeviceParameterOffload(parameters.ParameterOffload):
         self._copies = DeviceCopies(self._store, device, {})
         self._grads = DeviceGradients(self._store, device, cap=1, relieve=self._copies.settle)
         units = Units()
-        self._modules = DeviceHooks(model, self._copies, self._grads, units, forward, backward)  # type: ignore[assignment]
+        hooks = DeviceHooks(model, self._copies, self._grads, units, forward, backward)
+        self._modules = hooks  # type: ignore[assignment]
         try:
             largest, largest_name = 0, ""
             for module, name, unit in self._build(dtype, config, min_offload_bytes):
                 nbytes = sum(e.nbytes for e in unit if not e.resident)
                 if nbytes > largest:
                     largest, largest_name = nbytes, name or type(module).__name__
-                self._modules.add(module, name, unit)
+                hooks.add(module, name, unit)
             self._copies.budget = (max_device_bytes if max_device_bytes is not None
                                    else max(1, (prefetch + 2) * largest))
             self._grads.cap = max(1, min(2 * largest, max_in_memory_bytes // 4))
@@ -119,7 +120,7 @@ class DeviceParameterOffload(parameters.ParameterOffload):
                     f"module {largest_name!r} has {largest} bytes of parameters to copy to the "
                     f"device, more than max_device_bytes={self._copies.budget}; raise it")
             self._activate()
-            self._modules.install_root()
+            hooks.install_root()
         except BaseException:
             self.close()
             raise

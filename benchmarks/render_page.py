@@ -321,6 +321,41 @@ def vllm_stream(runs: Sequence[Run]) -> Rows:
     return out, f"Model {gb(first['model_bytes'])}, memory budget {gb(first['budget'])}; {when(runs)}."
 
 
+def offload_ranks(runs: Sequence[Run]) -> Rows:
+    out = header("device", "mode", "step s", "CPU s", "written per step GB (/ one process)", "read per step GB",
+                 "peak RSS MiB", "held / budget MiB", left=2)
+    names = {"single": "one process", "fsdp": "FSDP2 + offload, per rank", "fsdp_memory": "FSDP2 in memory, per rank"}
+    for src, data in runs:
+        summary = data["summary"]
+        one = summary["single"]["written_per_step"]
+        for mode, label in names.items():
+            r = summary.get(mode)
+            if r is None:
+                continue
+            written = r.get("written_per_step")
+            out.append(row(src.device, label, f"{r['step_s']:.2f}", f"{r['cpu_s']:.2f}",
+                           f"{written / 1e9:.3f} ({written / one:.3f}x)" if written else "-",
+                           f"{r['read_per_step'] / 1e9:.3f}" if r.get("read_per_step") else "-",
+                           f"{r['rss'] / MiB:.0f}",
+                           f"{r['peak_held'] / MiB:.0f} / {r['budget'] / MiB:.0f}" if r.get("budget") else "-"))
+    a = runs[0][1]["args"]
+    return out, (f"{a['layers']} x Linear({a['dim']}) + ReLU, AdamW, batch {a['batch']} per rank, {a['world']} gloo ranks; "
+                 f"load average {runs[0][1]['load_average'][0]:.0f} at the start (a shared machine): read the bytes first.")
+
+
+def hf_load(runs: Sequence[Run]) -> Rows:
+    out = header("device", "deepnvme s", "transformers s", "deepnvme / transformers", "CPU s: deepnvme / transformers",
+                 "peak RSS growth: deepnvme / transformers", left=1)
+    for src, data in runs:
+        m, r = data["medians"], data["summary"]
+        out.append(row(src.device, f"{m['deepnvme']['seconds']:.2f}", f"{m['transformers']['seconds']:.2f}",
+                       ratio(r["speedup"]), f"{m['deepnvme']['cpu_seconds']:.2f} / {m['transformers']['cpu_seconds']:.2f}",
+                       f"{r['rss_ratio']:.3f}"))
+    d = runs[0][1]
+    return out, (f"Llama, {d['layers']} layers, hidden {d['hidden']}, {d['dtype']}, {gb(d['bytes'])} in "
+                 f"{d['shard_size']} shards, transformers {d['transformers']}; medians of {d['reps']}.")
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -427,6 +462,10 @@ TABLES: dict[str, Table] = {
         Source(RAM, "2026-11-26-vllm-offload-ramdev-trim2.json", "OpenMP default"),
         Source(RAM, "2026-11-26-vllm-offload-ramdev-passive.json", PASSIVE))),
     # two runs of one session on the same machine: the disk's speed moved between them
+    "offload_ranks": Table(offload_ranks, (Source(DISK, "2026-11-27-offload-ranks-disk.json"),
+                                           Source(RAM, "2026-11-27-offload-ranks-ramdev.json"))),
+    "hf_load": Table(hf_load, (Source(DISK, "2026-11-27-hf-load-disk.json"),
+                               Source(RAM, "2026-11-27-hf-load-ramdev.json"))),
     "gpu_io": Table(gpu_io, (Source("H200", "2026-11-27-gpu-io-h200-run2.json", "run 2"),
                              Source("H200", "2026-11-27-gpu-io-h200-run3.json", "run 3"))),
     "gpu_load": Table(gpu_load, (Source("H200", "2026-11-27-gpu-load-h200-run2.json", "run 2: to CPU, then .to()"),

@@ -99,6 +99,7 @@ class DeviceParameterOffload(parameters.ParameterOffload):
         self._store = TensorStore(directory, budget=max_in_memory_bytes, config=config)
         self._store.new_buffer = lambda nbytes: _HostBuffer(device.host_empty(nbytes))
         self._entries: dict[int, tuple[Entry, Entry]] = {}
+        self._dtensors: dict[int, tuple[Entry, Entry]] = {}   # FSDP2 shards: not on a device path
         self._grad_hooks = []
         self._copies = DeviceCopies(self._store, device, {})
         self._grads = DeviceGradients(self._store, device, cap=1, relieve=self._copies.settle)
@@ -321,5 +322,11 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
         raise ValueError("source= is for a model built on the meta device; this one's "
                          f"parameters are on {device}")
     options.pop("source", None)
+    sharded = [name for name, p in model.named_parameters()
+               if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"]
+    if sharded:
+        raise ValueError(f"offload_parameters: {sharded[0]} is a DTensor on {device}: sharded "
+                         "(FSDP2) models are offloaded from CPU meshes only; the device path "
+                         "takes plain parameters")
     return DeviceParameterOffload(model, directory, device=CudaDevice(device),
                                   max_device_bytes=max_device_bytes, **options)

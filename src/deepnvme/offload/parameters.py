@@ -167,7 +167,7 @@ class ParameterOffload(UpdateSide):
         if name is None:
             raise ValueError(f"register_external_parameter: the module {type(module).__name__} "
                              "is not part of the offloaded model")
-        assert isinstance(self._modules, ModuleHooks)  # FSDP2 models refused above; invariant
+        assert not isinstance(self._modules, ShardHooks)  # FSDP2 models refused above; invariant
         self._modules.add_external(module, name, pair[0])
 
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
@@ -66,6 +67,7 @@ from ._io import (
     parse_saved_tensor,
 )
 from ._read import PROBE_MIN, Job, SliceJob, SpanJob, SpanPool, probe_layouts, run_jobs
+from ._share import Schedule, schedule, share_read
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 
@@ -192,21 +194,62 @@ class NVMeStorageWriter(FileSystemWriter):
 
 
 class NVMeStorageReader(FileSystemReader):
-    """``FileSystemReader`` that reads each needed byte range in parallel with the engine."""
+    """``FileSystemReader`` that reads each needed byte range in parallel with the engine.
+
+    ``share_group``: a process group of the load's ranks, in the same order as the group
+    ``dcp.load`` runs on, that carries CPU tensors (gloo): bytes that several ranks load (replicated
+    tensors, plain data) are then read by one of them and broadcast to the others (see
+    :mod:`._share`), so the storage serves them once. Every rank passes the same kind of group.
+    """
 
     fs: _EngineFileSystem
 
     def __init__(self, path: str | os.PathLike[str], *,
-                 config: IOConfig | Mapping[str, Any] | None = None) -> None:
+                 config: IOConfig | Mapping[str, Any] | None = None, share_group: Any = None) -> None:
         super().__init__(path)
         self.fs = _EngineFileSystem(checkpoint_config(config))
         self.path = self.fs.init_path(path)
+        self.share_group = share_group
+        self._metadata: Metadata | None = None
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """With a ``share_group``: each request several ranks make is given to one of them."""
+        if self.share_group is None or self._metadata is None or len(plans) < 2:
+            return plans
+        return schedule(plans, self._metadata)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         """Read the plan's items with the engine and load each into the planner's target:
         large tensor items by probing their layout and reading only the slice asked for (into
         the target itself where it is one contiguous run), the rest whole, neighbours coalesced
-        into spans; ``_READ_AHEAD`` bytes in flight, span buffers reused (see ``._read``)."""
+        into spans; ``_READ_AHEAD`` bytes in flight, span buffers reused (see ``._read``).
+        Requests shared with other ranks come over the ``share_group`` (a collective then)."""
+        if self.share_group is not None and isinstance(plan.storage_data, Schedule):
+            share_read(plan, planner, plan.storage_data, rank=dist.get_rank(self.share_group),
+                       group=self.share_group, read=self._read_plan, agree=self._agree)
+        else:
+            self._read_plan(plan, planner)
+        fut: TorchFuture[None] = TorchFuture()
+        fut.set_result(None)
+        return fut
+
+    def _agree(self, failed: BaseException | None) -> None:
+        """Every rank's read outcome to every rank; raise on each rank if any rank failed (the
+        rank's own error where it failed, else one naming the ranks that did)."""
+        said: list[Any] = [None] * dist.get_world_size(self.share_group)
+        dist.all_gather_object(said, None if failed is None else f"{type(failed).__name__}: {failed}",
+                               group=self.share_group)
+        if failed is not None:
+            raise failed
+        if bad := [(r, s) for r, s in enumerate(said) if s is not None]:
+            raise CheckpointFormatError("reading the checkpoint failed on rank "
+                                        + "; ".join(f"{r}: {s}" for r, s in bad))
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         try:
             handle = self.fs.handle()
             jobs: list[Job] = []
@@ -217,9 +260,6 @@ class NVMeStorageReader(FileSystemReader):
                      ahead=_READ_AHEAD)
         finally:
             self.fs.close()
-        fut: TorchFuture[None] = TorchFuture()
-        fut.set_result(None)
-        return fut
 
     def _items_per_file(self, plan: LoadPlan) -> dict[str, list[tuple[ReadItem, Any]]]:
         """The plan's items with their storage info, by data file path; CheckpointFormatError

@@ -36,8 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.utils import CheckpointException
 
 from ...config import IOConfig
+from ...errors import DeepNVMeError
 from ..dcp import NVMeStorageReader, NVMeStorageWriter
 from ._checksums import file_checksum
 from ._steps import FORMAT, MANIFEST
@@ -217,9 +219,17 @@ def file_sums(building: str, results: list[WriteResult], algorithm: str | None) 
 def read_step(path: str, saved: dict[str, Any], *, group: Any, config: IOConfig,
               partial: bool = False) -> None:
     """Load the step directory ``path`` into ``saved`` in place, DCP resharding where the saving
-    world differs. ``group``: the process group of the readers (None: this process alone)."""
+    world differs. ``group``: the (gloo) process group of the readers (None: this process alone);
+    what several of them load is read once and broadcast over it. A failure on any rank raises
+    that rank's error (a deepnvme error as it is) on every rank."""
     with warnings.catch_warnings():  # without a group, DCP warns that it assumes one process: it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp_load(saved, storage_reader=NVMeStorageReader(path, config=config),
-                 planner=DefaultLoadPlanner(allow_partial_load=partial), process_group=group,
-                 no_dist=group is None)
+        try:
+            dcp_load(saved, storage_reader=NVMeStorageReader(path, config=config, share_group=group),
+                     planner=DefaultLoadPlanner(allow_partial_load=partial), process_group=group,
+                     no_dist=group is None)
+        except CheckpointException as exc:
+            first = exc.failures[min(exc.failures)][0] if exc.failures else None
+            if isinstance(first, DeepNVMeError):
+                raise first from exc
+            raise

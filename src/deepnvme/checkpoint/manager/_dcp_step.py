@@ -23,6 +23,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -36,7 +37,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.checkpoint.utils import CheckpointException
 
 from ...config import IOConfig
 from ...errors import DeepNVMeError
@@ -44,7 +44,7 @@ from ..dcp import NVMeStorageReader, NVMeStorageWriter
 from ._checksums import file_checksum
 from ._steps import FORMAT, MANIFEST
 
-__all__ = ["KIND", "state_dicts", "load_into", "local_plan", "global_plans", "stage",
+__all__ = ["KIND", "LocalPlan", "PlanCache", "state_dicts", "load_into", "local_plan", "global_plans", "stage",
            "write_share", "finish_step", "file_sums", "read_step", "rng_entry"]
 
 KIND = "dcp"  # the manifest's "layout" of a multi-rank step
@@ -133,6 +133,42 @@ def global_plans(planner: DefaultSavePlanner, plans: list[SavePlan]) -> tuple[li
     return final, metadata
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanCache:
+    """A save's plan kept for the next saves while the state's structure stays the same:
+    this rank's local plan and per-rank state keys (what is compared), its final plan, the
+    checkpoint's metadata and every rank's per-rank state keys."""
+
+    local: SavePlan
+    keys: list[str] | None
+    final: SavePlan
+    metadata: Metadata
+    rank_keys: dict[str, list[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalPlan:
+    """This rank's planner (set up on the state to save) and local plan, or why it failed."""
+
+    planner: DefaultSavePlanner | None
+    plan: SavePlan | None
+    keys: list[str] | None  # the per-rank state's keys
+    error: BaseException | None
+
+    def same_as(self, cache: PlanCache) -> bool:
+        """Whether this plan is the cached one: the same items (keys, shapes, dtypes, chunks of
+        DTensor shards), the same nesting of the state and the same per-rank state keys."""
+        return (self.plan is not None and self.keys == cache.keys and self.plan.items == cache.local.items
+                and self.plan.planner_data == cache.local.planner_data)
+
+    def cached(self, plans: list[SavePlan], rank: int, rank_keys: dict[str, list[str]]) -> PlanCache:
+        """The global plan made from every rank's local ``plans``, kept (see :class:`PlanCache`)."""
+        if self.planner is None or self.plan is None:
+            raise RuntimeError("a failed local plan has no global plan")
+        final, metadata = global_plans(self.planner, plans)
+        return PlanCache(self.plan, self.keys, final[rank], metadata, rank_keys)
+
+
 def stage(planner: DefaultSavePlanner, plan: SavePlan) -> Staged:
     """A snapshot of this rank's share: a CPU copy of each tensor the plan assigns it (DTensor
     shards: the local shard) and the pickled bytes of its plain items. Memory: this rank's share."""
@@ -178,7 +214,9 @@ def _writer(building: str, rank: int, config: IOConfig) -> NVMeStorageWriter:
 
 def write_share(building: str, plan: SavePlan, staged: Staged, *, rank: int,
                 config: IOConfig) -> list[WriteResult]:
-    """Write this rank's staged share into ``building`` (each file fsynced); its write results."""
+    """Write this rank's staged share into ``building`` (each file fsynced; the directory made
+    if rank 0 has not yet: with a cached plan no exchange orders them); its write results."""
+    os.makedirs(building, exist_ok=True)
     return _writer(building, rank, config).write_data(plan, _StagedPlanner(staged)).wait()
 
 

@@ -13,6 +13,7 @@ fails the save on every rank and removes the building directory; earlier steps s
 
 from __future__ import annotations
 
+import dataclasses
 import errno as errno_mod
 import logging
 import os
@@ -31,10 +32,11 @@ from .._writer import Call, Writer
 from ._commit import StepCommit
 from ._dcp_restore import restore_dcp
 from ._dcp_step import (
+    LocalPlan,
+    PlanCache,
     Staged,
     file_sums,
     finish_step,
-    global_plans,
     local_plan,
     rng_entry,
     stage,
@@ -95,6 +97,8 @@ class RankSteps:
         self._commit = StepCommit(directory, keep=keep, algorithm=None)  # retention
         self._lock: DirectoryLock | None = None
         self._writer: Writer | None = None
+        self._cache: PlanCache | None = None  # the last save's plan, reused while the structure holds
+        self.planned = 0  # saves that ran DCP's global planning (and its exchange)
         if group.rank == 0:
             tidy(directory)
 
@@ -110,58 +114,80 @@ class RankSteps:
         its error (the same on every rank, as the ranks agreed on it). ``rank_state``: this
         rank's own entries, kept apart (:mod:`._rank_state`)."""
         g = self.group
-        vote: Any = (step, force)
+        # the structure is compared with the cached plan's before the vote when the save looks
+        # due here, so that a steady-state save needs no planning exchange (see _plan)
+        early = self._cache is not None and (force or rule(last_step, since_last))
+        local = self._plan(state, rng, rank_state) if early else None
+        same = local is not None and local.error is None and self._cache is not None and local.same_as(self._cache)
+        vote: Any = (step, force, same)
         if g.rank == 0:
             newest = max([*list_steps(self.directory)[-1:], *([] if last_step is None else [last_step])],
                          default=None)
             bad = newest is not None and step <= newest
-            vote = (step, force, None if bad else rule(newest, since_last) or force,
+            vote = (step, force, same, None if bad else rule(newest, since_last) or force,
                     f"step {step} is not greater than the newest saved step {newest}" if bad else None,
                     building_path(self.directory, step))
         votes = g.gather(vote, thread="main", what=f"save({step})")
         if others := [r for r, v in enumerate(votes) if v[0] != step]:
             raise ValueError(f"CheckpointManager.save({step}): ranks {others} passed other steps "
                              f"({[votes[r][0] for r in others]}); every rank saves the same step")
-        _, _, due, refused, building = votes[0]
+        _, _, _, due, refused, building = votes[0]
         if refused is not None:
             raise ValueError(f"CheckpointManager.save: {refused} in {self.directory!r}")
         if not due:
             return None
         settle()
         own: BaseException | None = None
-        plan: SavePlan | None = None
         try:
             if g.rank == 0:
                 self._prepare(building)
-            if reserved := [k for k in (self.rng_key, RANK_STATE_KEY) if k in state]:
-                raise ValueError(f"CheckpointManager.save: state keys {reserved} are reserved for the manager")
-            saved = state_dicts(state)
-            if rng:
-                saved[self.rng_key] = {rng_entry(g.rank): capture_rng()}
-            if rank_state is not None:
-                saved[RANK_STATE_KEY] = {rng_entry(g.rank): pack(rank_state)}
-            planner, plan = local_plan(saved, g.rank)
         except BaseException as exc:  # reported to every rank below
             own = exc
-        keys = None if rank_state is None else sorted(rank_state)
-        plans = g.gather((plan, _describe(own), keys), thread="main", what=f"save({step}) planning")
-        rank_keys = {rng_entry(r): p[2] for r, p in enumerate(plans) if p[2] is not None}
-        if any(p[1] is not None for p in plans):
-            if g.rank == 0:
-                shutil.rmtree(building, ignore_errors=True)
-            raise _failed(f"checkpoint step {step} (planning)", [p[1] for p in plans], own)
-        final, metadata = global_plans(planner, [p[0] for p in plans])
-        mine = planner.finish_plan(final[g.rank])
+        if local is None:
+            local = self._plan(state, rng, rank_state)
+        if all(v[2] for v in votes) and self._cache is not None and own is None:
+            cache = self._cache  # every rank's structure is the cached plan's: no planning exchange
+        else:
+            own = own or local.error
+            plans = g.gather((local.plan, _describe(own), local.keys), thread="main", what=f"save({step}) planning")
+            if any(p[1] is not None for p in plans):
+                self._cache = None
+                if g.rank == 0:
+                    shutil.rmtree(building, ignore_errors=True)
+                raise _failed(f"checkpoint step {step} (planning)", [p[1] for p in plans], own)
+            cache = self._cache = local.cached([p[0] for p in plans], g.rank,
+                                               {rng_entry(r): p[2] for r, p in enumerate(plans) if p[2] is not None})
+            self.planned += 1
+        planner = local.planner
+        if planner is None:  # not reached: a failed plan raised above
+            raise RuntimeError(f"CheckpointManager.save({step}): no save planner")
+        mine = planner.finish_plan(cache.final)
+        metadata = dataclasses.replace(cache.metadata)  # its storage_data is set per save
         staged: Staged = {}
         try:
             staged = stage(planner, mine)
         except BaseException as exc:  # the writer thread still votes, so no rank waits for this one
             own = exc
-        call = Call(fn=lambda: self._write(step, building, mine, staged, metadata, own, rank_keys))
+        call = Call(fn=lambda: self._write(step, building, mine, staged, metadata, own, cache.rank_keys))
         self._start().submit(call)
         if own is not None:
             raise own
         return call
+
+    def _plan(self, state: Mapping[str, Any], rng: bool, rank_state: Mapping[str, Any] | None) -> LocalPlan:
+        """This rank's planner and local plan of ``state`` (the error instead, if planning failed)."""
+        try:
+            if reserved := [k for k in (self.rng_key, RANK_STATE_KEY) if k in state]:
+                raise ValueError(f"CheckpointManager.save: state keys {reserved} are reserved for the manager")
+            saved = state_dicts(state)
+            if rng:
+                saved[self.rng_key] = {rng_entry(self.group.rank): capture_rng()}
+            if rank_state is not None:
+                saved[RANK_STATE_KEY] = {rng_entry(self.group.rank): pack(rank_state)}
+            planner, plan = local_plan(saved, self.group.rank)
+        except BaseException as exc:  # reported to every rank by the caller
+            return LocalPlan(None, None, None if rank_state is None else sorted(rank_state), exc)
+        return LocalPlan(planner, plan, None if rank_state is None else sorted(rank_state), None)
 
     def _prepare(self, building: str) -> None:
         """Rank 0: the writer lock (at the first save; leftovers of killed saves removed) and the
@@ -169,7 +195,7 @@ class RankSteps:
         if self._lock is None:
             self._lock = try_lock(self.directory)
             remove_leftovers(self.directory)
-        os.mkdir(building)
+        os.makedirs(building, exist_ok=True)  # a rank's writer may have made it (a cached plan)
 
     def _start(self) -> Writer:
         if self._writer is None:

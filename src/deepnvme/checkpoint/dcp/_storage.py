@@ -27,7 +27,7 @@ import io
 import os
 import secrets
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -54,11 +54,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from ...config import IOConfig, checkpoint_config
-from ...errors import CheckpointFormatError
+from ...errors import CheckpointCorruptError, CheckpointFormatError
 from ...handles.aio import AioHandle
 from ...io import durable
 from ...memory.views import byte_view
 from ._io import (
+    RunningHash,
     SavedTensor,
     StreamingWriteStream,
     TensorLayout,
@@ -68,6 +69,7 @@ from ._io import (
 )
 from ._read import PROBE_MIN, Job, SliceJob, SpanJob, SpanPool, probe_layouts, run_jobs
 from ._share import Schedule, schedule, share_read
+from ._sums import ItemSums
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 
@@ -88,6 +90,9 @@ class _EngineFileSystem(FileSystem):
         self._lock = threading.Lock()  # DCP's writer threads share this file system
         self.replacing = False  # set during finish(): rm_file before a rename onto it is skipped
         self._pool: list[torch.Tensor] = []  # write buffers, reused by the next stream
+        self.hashing: Callable[[], RunningHash] | None = None  # set: checksums as written, of
+        self.sums: dict[str, int] = {}  # each file by name
+        self.item_sums: dict[str, dict[tuple[int, int], int]] = {}  # each item: name -> (offset, length) ->
 
     def handle(self) -> AioHandle:
         """The shared handle, made on first use (again after :meth:`close`)."""
@@ -105,14 +110,19 @@ class _EngineFileSystem(FileSystem):
             return
         with self._lock:
             pool = self._pool
+        running = None if self.hashing is None else self.hashing()
         stream = StreamingWriteStream(self.handle, path, pool, chunk=_WRITE_CHUNK,
-                                      buffers=_WRITE_BUFFERS)
+                                      buffers=_WRITE_BUFFERS, running=running, item_hashing=self.hashing)
         try:
             yield stream
         except BaseException:
             stream.abort()  # a failed serialization must not leave a partial file
             raise
         stream.close()
+        if running is not None:
+            with self._lock:
+                self.sums[os.path.basename(path)] = running.value()
+                self.item_sums[os.path.basename(path)] = stream.item_sums
 
     def rm_file(self, path: str | os.PathLike[str]) -> None:
         if self.replacing:
@@ -210,6 +220,7 @@ class NVMeStorageReader(FileSystemReader):
         self.fs = _EngineFileSystem(checkpoint_config(config))
         self.path = self.fs.init_path(path)
         self.share_group = share_group
+        self.item_sums: ItemSums | None = None  # set: items read whole are checked against these
         self._metadata: Metadata | None = None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -238,16 +249,21 @@ class NVMeStorageReader(FileSystemReader):
         return fut
 
     def _agree(self, failed: BaseException | None) -> None:
-        """Every rank's read outcome to every rank; raise on each rank if any rank failed (the
-        rank's own error where it failed, else one naming the ranks that did)."""
+        """Every rank's read outcome to every rank; if any rank failed, raise on each: one
+        :class:`CheckpointCorruptError` naming the ranks and items when a checksum failed, else
+        the rank's own error where it failed and a :class:`CheckpointFormatError` elsewhere."""
         said: list[Any] = [None] * dist.get_world_size(self.share_group)
-        dist.all_gather_object(said, None if failed is None else f"{type(failed).__name__}: {failed}",
+        dist.all_gather_object(said, None if failed is None else (type(failed).__name__, str(failed)),
                                group=self.share_group)
+        bad = [(r, s) for r, s in enumerate(said) if s is not None]
+        if not bad:
+            return
+        text = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in bad)
+        if any(kind == CheckpointCorruptError.__name__ for _, (kind, _) in bad):
+            raise CheckpointCorruptError(f"reading the checkpoint: {text}") from failed
         if failed is not None:
             raise failed
-        if bad := [(r, s) for r, s in enumerate(said) if s is not None]:
-            raise CheckpointFormatError("reading the checkpoint failed on rank "
-                                        + "; ".join(f"{r}: {s}" for r, s in bad))
+        raise CheckpointFormatError(f"reading the checkpoint failed on another rank ({text})")
 
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         try:
@@ -285,13 +301,14 @@ class NVMeStorageReader(FileSystemReader):
         probed = [i for i, (req, info) in enumerate(items)
                   if req.type == LoadItemType.TENSOR and not info.transform_descriptors
                   and info.length >= PROBE_MIN]
+        windows: list[tuple[memoryview, memoryview]] = []
         layouts = probe_layouts(handle, path, [(items[i][1].offset, items[i][1].length)
-                                               for i in probed]) if probed else []
+                                               for i in probed], windows) if probed else []
         jobs: list[Job] = []
         sliced = set()
-        for i, layout in zip(probed, layouts):
+        for i, layout, window in zip(probed, layouts, windows):
             if layout is not None:
-                jobs.append(_slice_job(path, *items[i], layout, planner))
+                jobs.append(_slice_job(path, *items[i], layout, planner, self._whole_check(items[i], layout, window)))
                 sliced.add(i)
         whole = [i for i in range(len(items)) if i not in sliced]
         extents = [(items[i][1].offset, items[i][1].length) for i in whole]
@@ -304,9 +321,23 @@ class NVMeStorageReader(FileSystemReader):
                  for span in coalesce(extents, gap=_READ_GAP, cap=_READ_SPAN)]
         return jobs
 
+    def _whole_check(self, item: tuple[ReadItem, Any], layout: TensorLayout,
+                     window: tuple[memoryview, memoryview]) -> Callable[[torch.Tensor], None] | None:
+        """With ``item_sums``: the check of a probed item from its storage record's bytes and its
+        probe windows (which hold the rest of the item); None where they do not cover it."""
+        sums, (req, info), (head, tail) = self.item_sums, item, window
+        end, tail_start = layout.record + layout.record_length, info.length - len(tail)
+        if sums is None or layout.record > len(head) or end < tail_start:
+            return None
+        name = os.fspath(info.relative_path)
+        return lambda record: sums.check(req.storage_index, name, head[:layout.record], record,
+                                         tail[end - tail_start:])
+
     def _load_item(self, req: ReadItem, info: Any, data: torch.Tensor, planner: LoadPlanner) -> None:
         """Deserialize one item from its bytes: tensors parsed in place and copied into the
         planner's target (``torch.load`` for anything the parser does not know), bytes as-is."""
+        if self.item_sums is not None:
+            self.item_sums.check(req.storage_index, os.fspath(info.relative_path), data)
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(bytes(byte_view(data))))
             return
@@ -328,7 +359,7 @@ class NVMeStorageReader(FileSystemReader):
 
 
 def _slice_job(path: str, req: ReadItem, info: Any, layout: TensorLayout,
-               planner: LoadPlanner) -> SliceJob:
+               planner: LoadPlanner, check: Callable[[torch.Tensor], None] | None = None) -> SliceJob:
     """The read of ``req``'s slice of a probed tensor item; CheckpointFormatError if the saved
     tensor does not hold that slice."""
 
@@ -339,7 +370,8 @@ def _slice_job(path: str, req: ReadItem, info: Any, layout: TensorLayout,
     try:
         return SliceJob(path, info.offset, layout, req.storage_offsets, req.lengths,
                         resolve=lambda: planner.resolve_tensor(req).detach(), copy=copy,
-                        commit=lambda target: planner.commit_tensor(req, target))
+                        commit=lambda target: planner.commit_tensor(req, target),
+                        check=check)
     except ValueError as exc:
         raise CheckpointFormatError(f"{path!r}: {req.storage_index.fqn!r} (the item at byte "
                                     f"{info.offset}) does not hold the slice to load: {exc}") from None

@@ -14,6 +14,7 @@ phase each; :mod:`._ranks` runs the phases and the agreement between them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -41,11 +42,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ...config import IOConfig
 from ...errors import DeepNVMeError
 from ..dcp import NVMeStorageReader, NVMeStorageWriter
-from ._checksums import file_checksum
+from ..dcp._sums import ItemSums, item_key
+from ._checksums import Running, file_checksum
 from ._steps import FORMAT, MANIFEST
 
 __all__ = ["KIND", "LocalPlan", "PlanCache", "state_dicts", "load_into", "local_plan", "global_plans", "stage",
-           "write_share", "finish_step", "file_sums", "read_step", "rng_entry"]
+           "write_share", "Written", "item_sums", "finish_step", "read_step", "rng_entry"]
 
 KIND = "dcp"  # the manifest's "layout" of a multi-rank step
 Staged = dict[MetadataIndex, "torch.Tensor | io.BytesIO"]
@@ -206,27 +208,49 @@ class _StagedPlanner(SavePlanner):
         return data
 
 
-def _writer(building: str, rank: int, config: IOConfig) -> NVMeStorageWriter:
+def _writer(building: str, rank: int, config: IOConfig, algorithm: str | None = None) -> NVMeStorageWriter:
     writer = NVMeStorageWriter(building, config=config)
     writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    if algorithm is not None:
+        writer.fs.hashing = functools.partial(Running, algorithm)
     return writer
 
 
-def write_share(building: str, plan: SavePlan, staged: Staged, *, rank: int,
-                config: IOConfig) -> list[WriteResult]:
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What one rank wrote of a step: DCP's write results, and with checksums on, each file's
+    and each item's checksum, computed from the bytes as they were written."""
+
+    results: list[WriteResult]
+    file_sums: dict[str, int]
+    item_sums: dict[str, int]
+
+
+def write_share(building: str, plan: SavePlan, staged: Staged, *, rank: int, config: IOConfig,
+                algorithm: str | None = None) -> Written:
     """Write this rank's staged share into ``building`` (each file fsynced; the directory made
-    if rank 0 has not yet: with a cached plan no exchange orders them); its write results."""
+    if rank 0 has not yet: with a cached plan no exchange orders them); what it wrote. With
+    ``algorithm``: checksums of each file and item, hashed while writing (nothing is read back)."""
     os.makedirs(building, exist_ok=True)
-    return _writer(building, rank, config).write_data(plan, _StagedPlanner(staged)).wait()
+    writer = _writer(building, rank, config, algorithm)
+    results = writer.write_data(plan, _StagedPlanner(staged)).wait()
+    items: dict[str, int] = {}
+    for res in results if algorithm is not None else []:
+        info = res.storage_data
+        found = writer.fs.item_sums.get(os.fspath(info.relative_path), {}).get((info.offset, info.length))
+        if found is not None:
+            items[item_key(res.index)] = found
+    return Written(results, dict(writer.fs.sums), items)
 
 
-def finish_step(building: str, step: int, metadata: Metadata, results: list[list[WriteResult]],
-                config: IOConfig, *, algorithm: str | None = None, sums: Mapping[str, int] | None = None,
+def finish_step(building: str, step: int, metadata: Metadata, written: list[Written],
+                config: IOConfig, *, algorithm: str | None = None,
                 rank_state: Mapping[str, list[str]] | None = None) -> None:
     """Rank 0, after every rank wrote: ``.metadata`` (fsynced, renamed into place) and the
     manifest (fsynced by the publish that follows) in the step's building directory. With
-    ``algorithm``: ``sums`` holds every data file's checksum (computed by the rank that wrote it);
-    ``.metadata``'s is added here. ``rank_state``: the keys of each rank's per-rank state."""
+    ``algorithm``: every data file's and item's checksum (computed by the rank that wrote it) and
+    ``.metadata``'s. ``rank_state``: the keys of each rank's per-rank state."""
+    results = [w.results for w in written]
     _writer(building, 0, config).finish(metadata, results)
     files = sorted(n for n in os.listdir(building) if n != MANIFEST)
     ranks = [{"rank": r, "files": sorted({os.fspath(w.storage_data.relative_path) for w in res}),
@@ -237,33 +261,34 @@ def finish_step(building: str, step: int, metadata: Metadata, results: list[list
         "ranks": ranks}
     if algorithm is not None:
         manifest["checksum"] = algorithm
-        manifest["file_checksums"] = {**(sums or {}),
+        manifest["file_checksums"] = {**{n: c for w in written for n, c in w.file_sums.items()},
                                       ".metadata": file_checksum(algorithm, os.path.join(building, ".metadata"))}
+        manifest["tensor_checksums"] = {n: c for w in written for n, c in sorted(w.item_sums.items())}
     if rank_state:
         manifest["rank_state"] = dict(rank_state)
     with open(os.path.join(building, MANIFEST), "w", encoding="utf-8") as f:  # publish_dir fsyncs it
         json.dump(manifest, f, indent=1)
 
 
-def file_sums(building: str, results: list[WriteResult], algorithm: str | None) -> dict[str, int]:
-    """The ``algorithm`` checksum of each file this rank wrote into ``building`` (read back once,
-    after its fsync; memory: one read chunk). Empty without an algorithm."""
-    if algorithm is None:
-        return {}
-    names = sorted({os.fspath(w.storage_data.relative_path) for w in results})
-    return {n: file_checksum(algorithm, os.path.join(building, n)) for n in names}
+def item_sums(manifest: Mapping[str, Any]) -> ItemSums | None:
+    """The per-item checksums a step's manifest holds, for its reader (None: none stored)."""
+    algorithm, sums = manifest.get("checksum"), manifest.get("tensor_checksums")
+    return None if not algorithm or sums is None else ItemSums(algorithm, sums, functools.partial(Running, algorithm))
 
 
 def read_step(path: str, saved: dict[str, Any], *, group: Any, config: IOConfig,
-              partial: bool = False) -> None:
+              partial: bool = False, sums: ItemSums | None = None) -> None:
     """Load the step directory ``path`` into ``saved`` in place, DCP resharding where the saving
     world differs. ``group``: the (gloo) process group of the readers (None: this process alone);
-    what several of them load is read once and broadcast over it. A failure on any rank raises
-    that rank's error (a deepnvme error as it is) on every rank."""
+    what several of them load is read once and broadcast over it. ``sums``: items read whole are
+    checked against them (:class:`CheckpointCorruptError`). A failure on any rank raises that
+    rank's error (a deepnvme error as it is) on every rank."""
+    reader = NVMeStorageReader(path, config=config, share_group=group)
+    reader.item_sums = sums
     with warnings.catch_warnings():  # without a group, DCP warns that it assumes one process: it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         try:
-            dcp_load(saved, storage_reader=NVMeStorageReader(path, config=config, share_group=group),
+            dcp_load(saved, storage_reader=reader,
                      planner=DefaultLoadPlanner(allow_partial_load=partial), process_group=group,
                      no_dist=group is None)
         except CheckpointException as exc:

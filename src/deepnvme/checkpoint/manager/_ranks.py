@@ -23,19 +23,18 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
-from torch.distributed.checkpoint.storage import WriteResult
 
 from ...config import IOConfig
 from ...errors import CheckpointCorruptError, DeepNVMeIOError, DistributedSaveError, FileNotFoundIOError
 from ...io import durable
 from .._writer import Call, Writer
 from ._commit import StepCommit
-from ._dcp_restore import restore_dcp
+from ._dcp_restore import files_to_check, restore_dcp
 from ._dcp_step import (
     LocalPlan,
     PlanCache,
     Staged,
-    file_sums,
+    Written,
     finish_step,
     local_plan,
     rng_entry,
@@ -63,6 +62,14 @@ __all__ = ["RankSteps", "restore_dcp"]  # restore_dcp: re-exported for the singl
 log = logging.getLogger(__name__)
 
 Failure = tuple[str, str, "int | None"]  # (error type, message, errno) as sent to the other ranks
+PHASES = ("staging", "writing", "agreement", "rename", "retention")
+
+
+def _no_hook(phase: str) -> None:
+    """Where a save has got to (one of :data:`PHASES`); tests replace :data:`at_phase` to stop a job there."""
+
+
+at_phase: Callable[[str], None] = _no_hook
 
 
 def _describe(exc: BaseException | None) -> Failure | None:
@@ -165,6 +172,7 @@ class RankSteps:
         metadata = dataclasses.replace(cache.metadata)  # its storage_data is set per save
         staged: Staged = {}
         try:
+            at_phase("staging")
             staged = stage(planner, mine)
         except BaseException as exc:  # the writer thread still votes, so no rank waits for this one
             own = exc
@@ -204,29 +212,30 @@ class RankSteps:
 
     def _write(self, step: int, building: str, plan: SavePlan, staged: Staged, metadata: Metadata,
                own: BaseException | None, rank_keys: dict[str, list[str]]) -> None:
-        """The writer thread: write this rank's share (and checksum its files), vote, rank 0
+        """The writer thread: write this rank's share (checksummed as written), vote, rank 0
         commits, everyone hears."""
         g = self.group
-        results: list[WriteResult] = []
-        sums: dict[str, int] = {}
+        written = Written([], {}, {})
         if own is None:
             try:
-                results = write_share(building, plan, staged, rank=g.rank, config=self.config)
-                sums = file_sums(building, results, self.algorithm)
+                written = write_share(building, plan, staged, rank=g.rank, config=self.config,
+                                      algorithm=self.algorithm)
+                at_phase("writing")  # written and fsynced, not agreed
             except BaseException as exc:
                 own = exc
         staged.clear()
         what = f"checkpoint step {step} in {self.directory!r} (earlier steps are intact)"
-        votes = g.gather((results, sums, _describe(own)), thread="writer", what=f"step {step} vote")
-        if any(v[2] is not None for v in votes):
+        votes = g.gather((written, _describe(own)), thread="writer", what=f"step {step} vote")
+        at_phase("agreement")
+        if any(v[1] is not None for v in votes):
             if g.rank == 0:
                 shutil.rmtree(building, ignore_errors=True)
-            raise _failed(what, [v[2] for v in votes], own)
+            raise _failed(what, [v[1] for v in votes], own)
         if g.rank == 0:
             try:
                 finish_step(building, step, metadata, [v[0] for v in votes], self.config,
-                            algorithm=self.algorithm, sums={n: c for v in votes for n, c in v[1].items()},
-                            rank_state=rank_keys)
+                            algorithm=self.algorithm, rank_state=rank_keys)
+                at_phase("rename")
                 durable.publish_dir(building, step_dir(self.directory, step))
             except BaseException as exc:
                 own = exc
@@ -236,6 +245,7 @@ class RankSteps:
         if outcome is not None:
             raise _failed(what, [outcome], own)
         if g.rank == 0:
+            at_phase("retention")
             self._commit.retire()
 
     # ---- reading --------------------------------------------------------------------------
@@ -266,14 +276,17 @@ class RankSteps:
         for chosen in candidates:
             path = step_dir(self.directory, chosen)
             problem = self._check(path, chosen)
-            if problem is None:
-                if not is_dcp_step(path):
-                    single(chosen)
-                    return chosen
-                restore_dcp(path, chosen, state, group=g.group("main"), rank=g.rank, world=g.world,
-                            rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
-                            rank_state=rank_state)
+            if problem is None and not is_dcp_step(path):
+                single(chosen)
                 return chosen
+            if problem is None:
+                try:  # items are checked as read: a corrupt one fails the read on every rank alike
+                    restore_dcp(path, chosen, state, group=g.group("main"), rank=g.rank, world=g.world,
+                                rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
+                                rank_state=rank_state)
+                    return chosen
+                except CheckpointCorruptError as exc:
+                    problem = str(exc)
             if step is not None:
                 raise CheckpointCorruptError(problem)
             log.warning("deepnvme.CheckpointManager.restore: skipping %s; trying the previous step", problem)
@@ -290,7 +303,8 @@ class RankSteps:
         if is_dcp_step(path):
             try:
                 manifest = read_manifest(path, step)
-                wrong = check_step_files(path, manifest, sorted(manifest.get("files", {}))[g.rank::g.world])
+                wrong = check_step_files(path, files_to_check(manifest, g.world),
+                                         sorted(manifest.get("files", {}))[g.rank::g.world])
                 found = "; ".join(wrong) or None
             except CheckpointCorruptError as exc:
                 found = str(exc)

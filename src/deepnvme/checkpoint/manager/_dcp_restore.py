@@ -12,6 +12,7 @@ from typing import Any
 from ...config import IOConfig
 from ...errors import CheckpointCorruptError
 from ..dcp import NVMeStorageReader
+from ..dcp._sums import ItemSums
 from ._dcp_step import item_sums, load_into, read_step, rng_entry, state_dicts
 from ._rank_state import fill, refuse_other_world, unpack
 from ._rng import capture_rng, restore_rng
@@ -40,6 +41,16 @@ def files_to_check(manifest: dict[str, Any], world: int) -> dict[str, Any]:
     return {**manifest, "file_checksums": {k: v for k, v in sums.items() if k == ".metadata"}}
 
 
+def _read(path: str, step: int, saved: dict[str, Any], *, group: Any, config: IOConfig, partial: bool = False,
+          sums: ItemSums | None) -> None:
+    """:func:`read_step`, a failed item checksum named with the step."""
+    try:
+        read_step(path, saved, group=group, config=config, partial=partial, sums=sums)
+    except CheckpointCorruptError as exc:
+        raise CheckpointCorruptError(f"checkpoint step {step} in {os.path.dirname(path)!r} is corrupt: "
+                                     f"{exc}") from exc
+
+
 def restore_dcp(path: str, step: int, state: MutableMapping[str, Any], *, group: Any, rank: int, world: int,
                 rng_key: str | None, config: IOConfig, strict: bool, rank_state: Any = None,
                 verify: bool = False) -> None:
@@ -56,11 +67,7 @@ def restore_dcp(path: str, step: int, state: MutableMapping[str, Any], *, group:
         raise CheckpointCorruptError(f"checkpoint step {step}: {'; '.join(wrong)}")
     sums = item_sums(manifest)
     saved = state_dicts(state)
-    try:
-        read_step(path, saved, group=group, config=config, partial=not strict, sums=sums)
-    except CheckpointCorruptError as exc:
-        raise CheckpointCorruptError(f"checkpoint step {step} in {os.path.dirname(path)!r} is corrupt: "
-                                     f"{exc}") from exc
+    _read(path, step, saved, group=group, config=config, partial=not strict, sums=sums)
     load_into(state, saved, strict=strict)
     holder: dict[str, Any] = {}
     own_state = own_state and rng_entry(rank) in (manifest.get("rank_state") or {})
@@ -75,7 +82,7 @@ def restore_dcp(path: str, step: int, state: MutableMapping[str, Any], *, group:
             holder[rng_key] = {rng_entry(rank): capture_rng()}
     if not holder:
         return
-    read_step(path, holder, group=None, config=config, sums=sums)
+    _read(path, step, holder, group=None, config=config, sums=sums)
     if own_state:
         fill(rank_state, unpack(holder[RANK_STATE_KEY][rng_entry(rank)]))
     if rng_key is not None and rng_key in holder:

@@ -280,18 +280,36 @@ class RankSteps:
                 single(chosen)
                 return chosen
             if problem is None:
-                try:  # items are checked as read: a corrupt one fails the read on every rank alike
-                    restore_dcp(path, chosen, state, group=g.group("main"), rank=g.rank, world=g.world,
-                                rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
-                                rank_state=rank_state)
+                problem = self._read(path, chosen, state, rng=rng, strict=strict, rank_state=rank_state)
+                if problem is None:
                     return chosen
-                except CheckpointCorruptError as exc:
-                    problem = str(exc)
             if step is not None:
                 raise CheckpointCorruptError(problem)
             log.warning("deepnvme.CheckpointManager.restore: skipping %s; trying the previous step", problem)
             problems.append(problem)
         raise CheckpointCorruptError(f"no intact checkpoint in {self.directory!r}: {'; '.join(problems)}")
+
+    def _read(self, path: str, step: int, state: MutableMapping[str, Any], *, rng: bool, strict: bool,
+              rank_state: Any) -> str | None:
+        """Collective: restore the multi-rank step at ``path``; what is corrupt in it on any rank
+        (items are checked as read; None: restored). Other failures raise on every rank."""
+        g = self.group
+        own: BaseException | None = None
+        try:
+            restore_dcp(path, step, state, group=g.group("main"), rank=g.rank, world=g.world,
+                        rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
+                        rank_state=rank_state)
+        except BaseException as exc:  # heard by every rank below, so that all act alike
+            own = exc
+        said = g.gather(_describe(own), thread="main", what=f"restore(step={step}) read")
+        if corrupt := [f"rank {r}: {v[1]}" for r, v in enumerate(said)
+                       if v is not None and v[0] == CheckpointCorruptError.__name__]:
+            return "; ".join(dict.fromkeys(corrupt))
+        if any(v is not None for v in said):
+            if own is not None:
+                raise own
+            raise _failed(f"restore of checkpoint step {step} in {self.directory!r}", said, own)
+        return None
 
     def _check(self, path: str, step: int) -> str | None:
         """Collective: what is wrong with the multi-rank step at ``path`` (None: intact). Each

@@ -103,7 +103,7 @@ def meshes(rank: int, world: int, directory: str, out: str) -> None:
         for name in ("a", "b", "c"):
             state[name].to_local().zero_()
         state["r"].zero_()
-        state["info"] = {}
+        state["info"] = {"k": 0}  # plain data restores into the same structure (DCP)
         checked: list[int] = []
         real = _storage.NVMeStorageReader._read_plan
 
@@ -133,7 +133,7 @@ def resharded(rank: int, world: int, directory: str, out: str) -> None:
     state: dict[str, Any] = {"a": distribute_tensor(torch.zeros(16, 8), mesh, [Shard(1)]),
                              "b": distribute_tensor(torch.zeros(12, 6), mesh, [Replicate()]),
                              "c": distribute_tensor(torch.zeros(10), mesh, [Shard(0)]),
-                             "r": torch.zeros(6), "info": {}}
+                             "r": torch.zeros(6), "info": {"k": 0}}
     with deepnvme.CheckpointManager(directory, checksums="crc32c", timeout=60) as mgr:
         assert mgr.restore(state) == 1  # RNG states of 4 ranks are left alone here, with a warning
     for name in ("a", "b", "c"):

@@ -36,7 +36,7 @@ def test_dtensor_meshes_on_4_ranks_restore_into_2_ranks_1_process_and_stock_dcp(
     run_ranks(_workers_core.resharded, 2, str(tmp_path), directory, out, deadline=240)
     full = torch.load(out, weights_only=True)
     state = {"a": torch.zeros(16, 8), "b": torch.zeros(12, 6), "c": torch.zeros(10), "r": torch.zeros(6),
-             "info": {}}
+             "info": {"k": 0}}
     with caplog.at_level(logging.WARNING), deepnvme.CheckpointManager(directory, checksums="crc32c") as mgr:
         assert mgr.restore(state) == 1
     assert all(torch.equal(state[k], full[k]) for k in full) and state["info"] == {"k": 1}

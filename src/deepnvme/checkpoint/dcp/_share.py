@@ -134,12 +134,13 @@ class _Capture(LoadPlanner):
         if entry is None or _direct(target, entry):
             return target
         buf = torch.empty(tuple(read_item.lengths), dtype=entry.dtype)
-        self._targets[id(buf)] = target
+        if buf.numel():  # keyed by address: the reader commits a detached view of it
+            self._targets[buf.data_ptr()] = target
         return buf
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         k = key_of(read_item)
-        target = self._targets.pop(id(tensor), None)
+        target = self._targets.pop(tensor.data_ptr(), None) if tensor.numel() else None
         if k in self.entries:
             self.kept[k] = tensor
         if target is not None:

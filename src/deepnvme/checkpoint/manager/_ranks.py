@@ -4,10 +4,12 @@ every rank of the manager's group calls together, the directory shared by all of
 A save (:meth:`RankSteps.save`, the caller's thread): the ranks vote on the step (rank 0's view
 of the committed steps and of the interval rule decides for all); each rank plans with DCP
 (:mod:`._dcp_step`), the plans are exchanged and every rank derives the same deduplicated
-global plan; each rank copies its share (the snapshot) and returns. On the writer thread: each
-rank writes and fsyncs its files into the step's hidden building directory, the ranks vote
-(every rank's success or error), then rank 0 writes ``.metadata`` and the manifest, publishes
-``step-N`` in one rename and applies retention, and tells the others. A failure on any rank
+global plan, kept for the next saves: while every rank's local plan stays the same (said in the
+vote), a save reuses it with no planning exchange. Each rank copies its share (the snapshot) and
+returns. On the writer thread: each rank writes and fsyncs its files into the step's hidden
+building directory, the ranks vote (every rank's success or error, and its checksums, computed
+while writing), then rank 0 writes ``.metadata`` and the manifest, publishes ``step-N`` in one
+rename and applies retention, and tells the others. A failure on any rank
 fails the save on every rank and removes the building directory; earlier steps stay.
 """
 

@@ -304,9 +304,8 @@ class RankSteps:
         except BaseException as exc:  # heard by every rank below, so that all act alike
             own = exc
         said = g.gather(_describe(own), thread="main", what=f"restore(step={step}) read")
-        if corrupt := [f"rank {r}: {v[1]}" for r, v in enumerate(said)
-                       if v is not None and v[0] == CheckpointCorruptError.__name__]:
-            return "; ".join(dict.fromkeys(corrupt))
+        if corrupt := [v[1] for v in said if v is not None and v[0] == CheckpointCorruptError.__name__]:
+            return "; ".join(dict.fromkeys(corrupt))  # each names the step, and the file and item
         if any(v is not None for v in said):
             if own is not None:
                 raise own

@@ -15,7 +15,7 @@ import pickle
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -26,7 +26,7 @@ from ...memory.copy import copy_bytes
 from ...memory.views import aligned_empty, byte_view
 
 __all__ = ["Span", "coalesce", "SavedTensor", "TensorLayout", "parse_layout", "parse_saved_tensor",
-           "slice_extent", "contiguous_run", "copy_saved", "StreamingWriteStream"]
+           "slice_extent", "contiguous_run", "copy_saved", "RunningHash", "StreamingWriteStream"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +249,14 @@ def _take(pool: list[torch.Tensor], nbytes: int) -> torch.Tensor:
         return aligned_empty(nbytes)
 
 
+class RunningHash(Protocol):
+    """A checksum fed the bytes of a file in order as they are written."""
+
+    def update(self, data: Any) -> None: ...
+
+    def value(self) -> int: ...
+
+
 class StreamingWriteStream(io.RawIOBase):
     """Writes one file to a temporary name through ``buffers`` reused aligned buffers of ``chunk``
     bytes, each written by the engine while the next fills; ``close()`` fsyncs and renames.
@@ -258,8 +266,16 @@ class StreamingWriteStream(io.RawIOBase):
     """
 
     def __init__(self, handle: Callable[[], AioHandle], path: str, pool: list[torch.Tensor], *,
-                 chunk: int, buffers: int) -> None:
+                 chunk: int, buffers: int, running: RunningHash | None = None,
+                 item_hashing: Callable[[], RunningHash] | None = None) -> None:
         super().__init__()
+        self.running = running  # fed each buffer before it is written: the file's checksum
+        # with item_hashing: the checksum of each run of bytes between two tell() calls (DCP's
+        # writer calls tell() before and after each item), by (offset, length)
+        self.item_sums: dict[tuple[int, int], int] = {}
+        self._item_hashing = item_hashing
+        self._seg = None if item_hashing is None else item_hashing()
+        self._seg_start = 0
         self._handle = handle
         self._path = path
         self._tmp = durable.temp_name(path)
@@ -276,12 +292,24 @@ class StreamingWriteStream(io.RawIOBase):
         return True
 
     def tell(self) -> int:
-        return self._base + self._fill
+        pos = self._base + self._fill
+        if self._seg is not None and pos > self._seg_start:
+            self._cut(pos)
+        return pos
+
+    def _cut(self, pos: int) -> None:
+        """End the hashed run of bytes at ``pos``; the next starts there."""
+        if self._seg is None or self._item_hashing is None:
+            return
+        self.item_sums[(self._seg_start, pos - self._seg_start)] = self._seg.value()
+        self._seg, self._seg_start = self._item_hashing(), pos
 
     def write(self, b: Any) -> int:
         mv = memoryview(b)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
+        if self._seg is not None:
+            self._seg.update(mv)
         n, fill = len(mv), self._fill
         if fill + n < self._chunk:  # the common case, kept short: torch.save writes many pieces
             self._views[self._cur][fill:fill + n] = mv
@@ -300,6 +328,8 @@ class StreamingWriteStream(io.RawIOBase):
     def _submit(self) -> None:
         """Write the current buffer's bytes; then wait for the next buffer's previous write."""
         if self._fill:
+            if self.running is not None:
+                self.running.update(self._views[self._cur][:self._fill])
             buf = self._bufs[self._cur][:self._fill]
             self._futs[self._cur] = self._handle().submit_write(buf, self._tmp, offset=self._base)
             self._base += self._fill

@@ -34,10 +34,11 @@ _PROBE_SPAN = 1 << 20  # most bytes of neighbouring probe windows read by one re
 _ALIGN = 4096
 
 
-def probe_layouts(handle: AioHandle, path: str, extents: Sequence[tuple[int, int]]
-                  ) -> list[TensorLayout | None]:
+def probe_layouts(handle: AioHandle, path: str, extents: Sequence[tuple[int, int]],
+                  keep: list[tuple[memoryview, memoryview]] | None = None) -> list[TensorLayout | None]:
     """Each ``(offset, length)`` item's tensor layout from its head and tail windows, or None
-    where it is not a plain ``torch.save(tensor)`` item (the caller reads it whole). Blocks."""
+    where it is not a plain ``torch.save(tensor)`` item (the caller reads it whole). Blocks.
+    ``keep``: gets each item's (head, tail) window bytes appended."""
     windows: list[tuple[int, int]] = []
     for offset, length in extents:
         n = min(length, PROBE)
@@ -51,6 +52,8 @@ def probe_layouts(handle: AioHandle, path: str, extents: Sequence[tuple[int, int
         for w in span.members:
             at = windows[w][0] - span.start
             where[w] = view[at:at + windows[w][1]]
+    if keep is not None:
+        keep += [(where[2 * i], where[2 * i + 1]) for i in range(len(extents))]
     return [parse_layout(where[2 * i], where[2 * i + 1], length - len(where[2 * i + 1]))
             for i, (_offset, length) in enumerate(extents)]
 
@@ -106,13 +109,15 @@ class Job(Protocol):
 class SliceJob:
     """The bytes of one tensor slice of a probed item: read into ``target`` itself when the slice
     is one contiguous run of the target's dtype and the target is a contiguous CPU tensor,
-    else the slice's extent into a span buffer that ``copy`` then narrows into the target."""
+    else the slice's extent into a span buffer that ``copy`` then narrows into the target.
+    ``check(bytes)`` runs on the bytes read when they are the item's whole storage record."""
 
     def __init__(self, path: str, item_offset: int, layout: TensorLayout,
                  offsets: Sequence[int], lengths: Sequence[int], *,
                  resolve: Callable[[], torch.Tensor],
                  copy: Callable[[torch.Tensor, torch.Tensor], None],
-                 commit: Callable[[torch.Tensor], None]) -> None:
+                 commit: Callable[[torch.Tensor], None],
+                 check: Callable[[torch.Tensor], None] | None = None) -> None:
         self.path = path
         self.layout = layout
         self.offsets, self.lengths = tuple(offsets), tuple(lengths)
@@ -120,6 +125,8 @@ class SliceJob:
         self.start = item_offset + layout.record + first
         self.end = self.start + nbytes
         self._resolve, self._copy, self._commit = resolve, copy, commit
+        # the whole storage record read: ``check`` sees its bytes (the target's, read directly)
+        self._check = check if first == 0 and nbytes == layout.record_length else None
         self._target: torch.Tensor | None = None
         self.direct = False
 
@@ -139,6 +146,8 @@ class SliceJob:
         target = self._target
         if target is None:
             raise RuntimeError("SliceJob.finish before prepare")
+        if self._check is not None:
+            self._check(data)
         if not self.direct:
             self._copy(data, target)
         self._commit(target)

@@ -27,11 +27,12 @@ import io
 import os
 import secrets
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
@@ -53,11 +54,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from ...config import IOConfig, checkpoint_config
-from ...errors import CheckpointFormatError
+from ...errors import CheckpointCorruptError, CheckpointFormatError
 from ...handles.aio import AioHandle
 from ...io import durable
 from ...memory.views import byte_view
 from ._io import (
+    RunningHash,
     SavedTensor,
     StreamingWriteStream,
     TensorLayout,
@@ -66,6 +68,8 @@ from ._io import (
     parse_saved_tensor,
 )
 from ._read import PROBE_MIN, Job, SliceJob, SpanJob, SpanPool, probe_layouts, run_jobs
+from ._share import Schedule, schedule, share_read
+from ._sums import ItemSums
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 
@@ -86,6 +90,9 @@ class _EngineFileSystem(FileSystem):
         self._lock = threading.Lock()  # DCP's writer threads share this file system
         self.replacing = False  # set during finish(): rm_file before a rename onto it is skipped
         self._pool: list[torch.Tensor] = []  # write buffers, reused by the next stream
+        self.hashing: Callable[[], RunningHash] | None = None  # set: checksums as written, of
+        self.sums: dict[str, int] = {}  # each file by name
+        self.item_sums: dict[str, dict[tuple[int, int], int]] = {}  # each item: name -> (offset, length) ->
 
     def handle(self) -> AioHandle:
         """The shared handle, made on first use (again after :meth:`close`)."""
@@ -103,14 +110,19 @@ class _EngineFileSystem(FileSystem):
             return
         with self._lock:
             pool = self._pool
+        running = None if self.hashing is None else self.hashing()
         stream = StreamingWriteStream(self.handle, path, pool, chunk=_WRITE_CHUNK,
-                                      buffers=_WRITE_BUFFERS)
+                                      buffers=_WRITE_BUFFERS, running=running, item_hashing=self.hashing)
         try:
             yield stream
         except BaseException:
             stream.abort()  # a failed serialization must not leave a partial file
             raise
         stream.close()
+        if running is not None:
+            with self._lock:
+                self.sums[os.path.basename(path)] = running.value()
+                self.item_sums[os.path.basename(path)] = stream.item_sums
 
     def rm_file(self, path: str | os.PathLike[str]) -> None:
         if self.replacing:
@@ -192,21 +204,68 @@ class NVMeStorageWriter(FileSystemWriter):
 
 
 class NVMeStorageReader(FileSystemReader):
-    """``FileSystemReader`` that reads each needed byte range in parallel with the engine."""
+    """``FileSystemReader`` that reads each needed byte range in parallel with the engine.
+
+    ``share_group``: a process group of the load's ranks, in the same order as the group
+    ``dcp.load`` runs on, that carries CPU tensors (gloo): bytes that several ranks load (replicated
+    tensors, plain data) are then read by one of them and broadcast to the others (see
+    :mod:`._share`), so the storage serves them once. Every rank passes the same kind of group.
+    """
 
     fs: _EngineFileSystem
 
     def __init__(self, path: str | os.PathLike[str], *,
-                 config: IOConfig | Mapping[str, Any] | None = None) -> None:
+                 config: IOConfig | Mapping[str, Any] | None = None, share_group: Any = None) -> None:
         super().__init__(path)
         self.fs = _EngineFileSystem(checkpoint_config(config))
         self.path = self.fs.init_path(path)
+        self.share_group = share_group
+        self.item_sums: ItemSums | None = None  # set: items read whole are checked against these
+        self._metadata: Metadata | None = None
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """With a ``share_group``: each request several ranks make is given to one of them."""
+        if self.share_group is None or self._metadata is None or len(plans) < 2:
+            return plans
+        return schedule(plans, self._metadata)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         """Read the plan's items with the engine and load each into the planner's target:
         large tensor items by probing their layout and reading only the slice asked for (into
         the target itself where it is one contiguous run), the rest whole, neighbours coalesced
-        into spans; ``_READ_AHEAD`` bytes in flight, span buffers reused (see ``._read``)."""
+        into spans; ``_READ_AHEAD`` bytes in flight, span buffers reused (see ``._read``).
+        Requests shared with other ranks come over the ``share_group`` (a collective then)."""
+        if self.share_group is not None and isinstance(plan.storage_data, Schedule):
+            share_read(plan, planner, plan.storage_data, rank=dist.get_rank(self.share_group),
+                       group=self.share_group, read=self._read_plan, agree=self._agree)
+        else:
+            self._read_plan(plan, planner)
+        fut: TorchFuture[None] = TorchFuture()
+        fut.set_result(None)
+        return fut
+
+    def _agree(self, failed: BaseException | None) -> None:
+        """Every rank's read outcome to every rank; if any rank failed, raise on each: one
+        :class:`CheckpointCorruptError` naming the ranks and items when a checksum failed, else
+        the rank's own error where it failed and a :class:`CheckpointFormatError` elsewhere."""
+        said: list[Any] = [None] * dist.get_world_size(self.share_group)
+        dist.all_gather_object(said, None if failed is None else (type(failed).__name__, str(failed)),
+                               group=self.share_group)
+        bad = [(r, s) for r, s in enumerate(said) if s is not None]
+        if not bad:
+            return
+        text = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in bad)
+        if any(kind == CheckpointCorruptError.__name__ for _, (kind, _) in bad):
+            raise CheckpointCorruptError(f"reading the checkpoint: {text}") from failed
+        if failed is not None:
+            raise failed
+        raise CheckpointFormatError(f"reading the checkpoint failed on another rank ({text})")
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         try:
             handle = self.fs.handle()
             jobs: list[Job] = []
@@ -217,9 +276,6 @@ class NVMeStorageReader(FileSystemReader):
                      ahead=_READ_AHEAD)
         finally:
             self.fs.close()
-        fut: TorchFuture[None] = TorchFuture()
-        fut.set_result(None)
-        return fut
 
     def _items_per_file(self, plan: LoadPlan) -> dict[str, list[tuple[ReadItem, Any]]]:
         """The plan's items with their storage info, by data file path; CheckpointFormatError
@@ -245,13 +301,14 @@ class NVMeStorageReader(FileSystemReader):
         probed = [i for i, (req, info) in enumerate(items)
                   if req.type == LoadItemType.TENSOR and not info.transform_descriptors
                   and info.length >= PROBE_MIN]
+        windows: list[tuple[memoryview, memoryview]] = []
         layouts = probe_layouts(handle, path, [(items[i][1].offset, items[i][1].length)
-                                               for i in probed]) if probed else []
+                                               for i in probed], windows) if probed else []
         jobs: list[Job] = []
         sliced = set()
-        for i, layout in zip(probed, layouts):
+        for i, layout, window in zip(probed, layouts, windows):
             if layout is not None:
-                jobs.append(_slice_job(path, *items[i], layout, planner))
+                jobs.append(_slice_job(path, *items[i], layout, planner, self._whole_check(items[i], layout, window)))
                 sliced.add(i)
         whole = [i for i in range(len(items)) if i not in sliced]
         extents = [(items[i][1].offset, items[i][1].length) for i in whole]
@@ -264,9 +321,23 @@ class NVMeStorageReader(FileSystemReader):
                  for span in coalesce(extents, gap=_READ_GAP, cap=_READ_SPAN)]
         return jobs
 
+    def _whole_check(self, item: tuple[ReadItem, Any], layout: TensorLayout,
+                     window: tuple[memoryview, memoryview]) -> Callable[[torch.Tensor], None] | None:
+        """With ``item_sums``: the check of a probed item from its storage record's bytes and its
+        probe windows (which hold the rest of the item); None where they do not cover it."""
+        sums, (req, info), (head, tail) = self.item_sums, item, window
+        end, tail_start = layout.record + layout.record_length, info.length - len(tail)
+        if sums is None or layout.record > len(head) or end < tail_start:
+            return None
+        name = os.fspath(info.relative_path)
+        return lambda record: sums.check(req.storage_index, name, head[:layout.record], record,
+                                         tail[end - tail_start:])
+
     def _load_item(self, req: ReadItem, info: Any, data: torch.Tensor, planner: LoadPlanner) -> None:
         """Deserialize one item from its bytes: tensors parsed in place and copied into the
         planner's target (``torch.load`` for anything the parser does not know), bytes as-is."""
+        if self.item_sums is not None:
+            self.item_sums.check(req.storage_index, os.fspath(info.relative_path), data)
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(bytes(byte_view(data))))
             return
@@ -288,7 +359,7 @@ class NVMeStorageReader(FileSystemReader):
 
 
 def _slice_job(path: str, req: ReadItem, info: Any, layout: TensorLayout,
-               planner: LoadPlanner) -> SliceJob:
+               planner: LoadPlanner, check: Callable[[torch.Tensor], None] | None = None) -> SliceJob:
     """The read of ``req``'s slice of a probed tensor item; CheckpointFormatError if the saved
     tensor does not hold that slice."""
 
@@ -299,7 +370,8 @@ def _slice_job(path: str, req: ReadItem, info: Any, layout: TensorLayout,
     try:
         return SliceJob(path, info.offset, layout, req.storage_offsets, req.lengths,
                         resolve=lambda: planner.resolve_tensor(req).detach(), copy=copy,
-                        commit=lambda target: planner.commit_tensor(req, target))
+                        commit=lambda target: planner.commit_tensor(req, target),
+                        check=check)
     except ValueError as exc:
         raise CheckpointFormatError(f"{path!r}: {req.storage_index.fqn!r} (the item at byte "
                                     f"{info.offset}) does not hold the slice to load: {exc}") from None

@@ -21,7 +21,7 @@ from ...memory.views import byte_view, storage_bytes
 from .._tree import named_storages
 
 __all__ = ["ALGORITHMS", "resolve_algorithm", "hasher", "named_storages", "record_names", "checksum",
-           "file_checksum"]
+           "file_checksum", "Running"]
 
 # algorithm -> (module, function taking a buffer and returning an int)
 ALGORITHMS: dict[str, tuple[str, str]] = {"crc32c": ("crc32c", "crc32c"),
@@ -58,26 +58,41 @@ def checksum(fn: Callable[[Any], int], data: torch.UntypedStorage | torch.Tensor
     return fn(byte_view(tensor))
 
 
+class Running:
+    """A checksum fed in pieces, in order (the same value as hashing the bytes in one call).
+    Not thread-safe."""
+
+    def __init__(self, algorithm: str) -> None:
+        self._fn = hasher(algorithm)  # the install hint, if the package is missing
+        self.algorithm = algorithm
+        self._crc = 0
+        self._xx: Any = None
+        if algorithm == "xxh64":
+            import xxhash
+
+            self._xx = xxhash.xxh64()
+
+    def update(self, data: Any) -> None:
+        """Add the bytes of a buffer (a ``memoryview``, bytes)."""
+        if self._xx is not None:
+            self._xx.update(data)
+        else:
+            self._crc = self._fn(data, self._crc)  # type: ignore[call-arg]
+
+    def value(self) -> int:
+        return int(self._xx.intdigest()) if self._xx is not None else int(self._crc)
+
+
 def file_checksum(algorithm: str, path: str, *, chunk: int = 8 << 20) -> int:
     """The ``algorithm`` checksum of the whole file ``path``, read in ``chunk``-byte pieces (memory:
     one chunk); the same value as hashing the file's bytes in one call."""
-    hasher(algorithm)  # the install hint, if the package is missing
+    running = Running(algorithm)
     buf = bytearray(chunk)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        if algorithm == "crc32c":
-            import crc32c
-
-            value = 0
-            while n := f.readinto(buf):
-                value = crc32c.crc32c(view[:n], value)
-            return int(value)
-        import xxhash
-
-        state = xxhash.xxh64()
         while n := f.readinto(buf):
-            state.update(view[:n])
-        return int(state.intdigest())
+            running.update(view[:n])
+    return running.value()
 
 
 def record_names(saved: Mapping[str, Any], layout: Any) -> tuple[dict[str, str], list[str]]:

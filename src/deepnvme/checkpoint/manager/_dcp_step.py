@@ -14,6 +14,7 @@ phase each; :mod:`._ranks` runs the phases and the agreement between them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -23,6 +24,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -38,12 +40,14 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...config import IOConfig
+from ...errors import DeepNVMeError
 from ..dcp import NVMeStorageReader, NVMeStorageWriter
-from ._checksums import file_checksum
+from ..dcp._sums import ItemSums, item_key
+from ._checksums import Running, file_checksum
 from ._steps import FORMAT, MANIFEST
 
-__all__ = ["KIND", "state_dicts", "load_into", "local_plan", "global_plans", "stage",
-           "write_share", "finish_step", "file_sums", "read_step", "rng_entry"]
+__all__ = ["KIND", "LocalPlan", "PlanCache", "state_dicts", "load_into", "local_plan", "global_plans", "stage",
+           "write_share", "Written", "item_sums", "finish_step", "read_step", "rng_entry"]
 
 KIND = "dcp"  # the manifest's "layout" of a multi-rank step
 Staged = dict[MetadataIndex, "torch.Tensor | io.BytesIO"]
@@ -131,6 +135,42 @@ def global_plans(planner: DefaultSavePlanner, plans: list[SavePlan]) -> tuple[li
     return final, metadata
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanCache:
+    """A save's plan kept for the next saves while the state's structure stays the same:
+    this rank's local plan and per-rank state keys (what is compared), its final plan, the
+    checkpoint's metadata and every rank's per-rank state keys."""
+
+    local: SavePlan
+    keys: list[str] | None
+    final: SavePlan
+    metadata: Metadata
+    rank_keys: dict[str, list[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalPlan:
+    """This rank's planner (set up on the state to save) and local plan, or why it failed."""
+
+    planner: DefaultSavePlanner | None
+    plan: SavePlan | None
+    keys: list[str] | None  # the per-rank state's keys
+    error: BaseException | None
+
+    def same_as(self, cache: PlanCache) -> bool:
+        """Whether this plan is the cached one: the same items (keys, shapes, dtypes, chunks of
+        DTensor shards), the same nesting of the state and the same per-rank state keys."""
+        return (self.plan is not None and self.keys == cache.keys and self.plan.items == cache.local.items
+                and self.plan.planner_data == cache.local.planner_data)
+
+    def cached(self, plans: list[SavePlan], rank: int, rank_keys: dict[str, list[str]]) -> PlanCache:
+        """The global plan made from every rank's local ``plans``, kept (see :class:`PlanCache`)."""
+        if self.planner is None or self.plan is None:
+            raise RuntimeError("a failed local plan has no global plan")
+        final, metadata = global_plans(self.planner, plans)
+        return PlanCache(self.plan, self.keys, final[rank], metadata, rank_keys)
+
+
 def stage(planner: DefaultSavePlanner, plan: SavePlan) -> Staged:
     """A snapshot of this rank's share: a CPU copy of each tensor the plan assigns it (DTensor
     shards: the local shard) and the pickled bytes of its plain items. Memory: this rank's share."""
@@ -168,25 +208,49 @@ class _StagedPlanner(SavePlanner):
         return data
 
 
-def _writer(building: str, rank: int, config: IOConfig) -> NVMeStorageWriter:
+def _writer(building: str, rank: int, config: IOConfig, algorithm: str | None = None) -> NVMeStorageWriter:
     writer = NVMeStorageWriter(building, config=config)
     writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    if algorithm is not None:
+        writer.fs.hashing = functools.partial(Running, algorithm)
     return writer
 
 
-def write_share(building: str, plan: SavePlan, staged: Staged, *, rank: int,
-                config: IOConfig) -> list[WriteResult]:
-    """Write this rank's staged share into ``building`` (each file fsynced); its write results."""
-    return _writer(building, rank, config).write_data(plan, _StagedPlanner(staged)).wait()
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What one rank wrote of a step: DCP's write results, and with checksums on, each file's
+    and each item's checksum, computed from the bytes as they were written."""
+
+    results: list[WriteResult]
+    file_sums: dict[str, int]
+    item_sums: dict[str, int]
 
 
-def finish_step(building: str, step: int, metadata: Metadata, results: list[list[WriteResult]],
-                config: IOConfig, *, algorithm: str | None = None, sums: Mapping[str, int] | None = None,
+def write_share(building: str, plan: SavePlan, staged: Staged, *, rank: int, config: IOConfig,
+                algorithm: str | None = None) -> Written:
+    """Write this rank's staged share into ``building`` (each file fsynced; the directory made
+    if rank 0 has not yet: with a cached plan no exchange orders them); what it wrote. With
+    ``algorithm``: checksums of each file and item, hashed while writing (nothing is read back)."""
+    os.makedirs(building, exist_ok=True)
+    writer = _writer(building, rank, config, algorithm)
+    results = writer.write_data(plan, _StagedPlanner(staged)).wait()
+    items: dict[str, int] = {}
+    for res in results if algorithm is not None else []:
+        info = res.storage_data
+        found = writer.fs.item_sums.get(os.fspath(info.relative_path), {}).get((info.offset, info.length))
+        if found is not None:
+            items[item_key(res.index)] = found
+    return Written(results, dict(writer.fs.sums), items)
+
+
+def finish_step(building: str, step: int, metadata: Metadata, written: list[Written],
+                config: IOConfig, *, algorithm: str | None = None,
                 rank_state: Mapping[str, list[str]] | None = None) -> None:
     """Rank 0, after every rank wrote: ``.metadata`` (fsynced, renamed into place) and the
     manifest (fsynced by the publish that follows) in the step's building directory. With
-    ``algorithm``: ``sums`` holds every data file's checksum (computed by the rank that wrote it);
-    ``.metadata``'s is added here. ``rank_state``: the keys of each rank's per-rank state."""
+    ``algorithm``: every data file's and item's checksum (computed by the rank that wrote it) and
+    ``.metadata``'s. ``rank_state``: the keys of each rank's per-rank state."""
+    results = [w.results for w in written]
     _writer(building, 0, config).finish(metadata, results)
     files = sorted(n for n in os.listdir(building) if n != MANIFEST)
     ranks = [{"rank": r, "files": sorted({os.fspath(w.storage_data.relative_path) for w in res}),
@@ -197,29 +261,38 @@ def finish_step(building: str, step: int, metadata: Metadata, results: list[list
         "ranks": ranks}
     if algorithm is not None:
         manifest["checksum"] = algorithm
-        manifest["file_checksums"] = {**(sums or {}),
+        manifest["file_checksums"] = {**{n: c for w in written for n, c in w.file_sums.items()},
                                       ".metadata": file_checksum(algorithm, os.path.join(building, ".metadata"))}
+        manifest["tensor_checksums"] = {n: c for w in written for n, c in sorted(w.item_sums.items())}
     if rank_state:
         manifest["rank_state"] = dict(rank_state)
     with open(os.path.join(building, MANIFEST), "w", encoding="utf-8") as f:  # publish_dir fsyncs it
         json.dump(manifest, f, indent=1)
 
 
-def file_sums(building: str, results: list[WriteResult], algorithm: str | None) -> dict[str, int]:
-    """The ``algorithm`` checksum of each file this rank wrote into ``building`` (read back once,
-    after its fsync; memory: one read chunk). Empty without an algorithm."""
-    if algorithm is None:
-        return {}
-    names = sorted({os.fspath(w.storage_data.relative_path) for w in results})
-    return {n: file_checksum(algorithm, os.path.join(building, n)) for n in names}
+def item_sums(manifest: Mapping[str, Any]) -> ItemSums | None:
+    """The per-item checksums a step's manifest holds, for its reader (None: none stored)."""
+    algorithm, sums = manifest.get("checksum"), manifest.get("tensor_checksums")
+    return None if not algorithm or sums is None else ItemSums(algorithm, sums, functools.partial(Running, algorithm))
 
 
 def read_step(path: str, saved: dict[str, Any], *, group: Any, config: IOConfig,
-              partial: bool = False) -> None:
+              partial: bool = False, sums: ItemSums | None = None) -> None:
     """Load the step directory ``path`` into ``saved`` in place, DCP resharding where the saving
-    world differs. ``group``: the process group of the readers (None: this process alone)."""
+    world differs. ``group``: the (gloo) process group of the readers (None: this process alone);
+    what several of them load is read once and broadcast over it. ``sums``: items read whole are
+    checked against them (:class:`CheckpointCorruptError`). A failure on any rank raises that
+    rank's error (a deepnvme error as it is) on every rank."""
+    reader = NVMeStorageReader(path, config=config, share_group=group)
+    reader.item_sums = sums
     with warnings.catch_warnings():  # without a group, DCP warns that it assumes one process: it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp_load(saved, storage_reader=NVMeStorageReader(path, config=config),
-                 planner=DefaultLoadPlanner(allow_partial_load=partial), process_group=group,
-                 no_dist=group is None)
+        try:
+            dcp_load(saved, storage_reader=reader,
+                     planner=DefaultLoadPlanner(allow_partial_load=partial), process_group=group,
+                     no_dist=group is None)
+        except CheckpointException as exc:
+            first = exc.failures[min(exc.failures)][0] if exc.failures else None
+            if isinstance(first, DeepNVMeError):
+                raise first from exc
+            raise

@@ -85,7 +85,7 @@ class CheckpointManager:
             ``steps``, ``latest_step`` and ``close`` are collectives that every rank calls in
             the same order, ``directory`` is one directory all ranks see, and a step is a
             ``torch.distributed.checkpoint`` checkpoint (see docs/checkpoints.md, "Several
-            ranks"; ``checksums`` are per file there); snapshot staging only.
+            ranks"; ``checksums`` are per file and per item there); snapshot staging only.
         timeout: seconds a rank waits for the others in the manager's own collectives before a
             :class:`~deepnvme.RanksTimeoutError` naming the ranks that did not arrive.
         replicas: 2: each rank's files of a step are also kept on another node (several ranks,

@@ -6,15 +6,18 @@ across the nodes, their replicas and the durable tier).
 A save (:meth:`RankSteps.save`, the caller's thread): the ranks vote on the step (rank 0's view
 of the committed steps and of the interval rule decides for all); each rank plans with DCP
 (:mod:`._dcp_step`), the plans are exchanged and every rank derives the same deduplicated
-global plan; each rank copies its share (the snapshot) and returns. On the writer thread: each
-rank writes and fsyncs its files into the step's hidden building directory, the ranks vote
-(every rank's success or error), then rank 0 writes ``.metadata`` and the manifest, publishes
-``step-N`` in one rename and applies retention, and tells the others. A failure on any rank
+global plan, kept for the next saves: while every rank's local plan stays the same (said in the
+vote), a save reuses it with no planning exchange. Each rank copies its share (the snapshot) and
+returns. On the writer thread: each rank writes and fsyncs its files into the step's hidden
+building directory, the ranks vote (every rank's success or error, and its checksums, computed
+while writing), then rank 0 writes ``.metadata`` and the manifest, publishes ``step-N`` in one
+rename and applies retention, and tells the others. A failure on any rank
 fails the save on every rank and removes the building directory; earlier steps stay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno as errno_mod
 import logging
 import os
@@ -24,19 +27,19 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
-from torch.distributed.checkpoint.storage import WriteResult
 
 from ...config import IOConfig
 from ...errors import CheckpointCorruptError, FileNotFoundIOError
 from ...io import durable
 from .._writer import Call, Writer
 from ._commit import StepCommit
-from ._dcp_restore import restore_dcp
+from ._dcp_restore import files_to_check, restore_dcp
 from ._dcp_step import (
+    LocalPlan,
+    PlanCache,
     Staged,
-    file_sums,
+    Written,
     finish_step,
-    global_plans,
     local_plan,
     rng_entry,
     stage,
@@ -66,6 +69,16 @@ __all__ = ["RankSteps", "restore_dcp"]  # restore_dcp: re-exported for the singl
 
 log = logging.getLogger(__name__)
 
+PHASES = ("staging", "writing", "agreement", "rename", "retention")
+
+
+def _no_hook(phase: str) -> None:
+    """Where a save has got to (one of :data:`PHASES`); tests replace :data:`at_phase` to stop a job there."""
+
+
+at_phase: Callable[[str], None] = _no_hook
+
+
 class RankSteps:
     """Steps of ``directory`` saved and restored by the ranks of ``group`` together (see the
     module). One thread drives it; rank 0 holds the directory's writer lock while saving."""
@@ -82,6 +95,8 @@ class RankSteps:
         # nodes and tiers (_nodes, _tiers): None for one directory shared by every rank, no tiers
         self.layout = layout or Layout(rank=group.rank, nodes=(tuple(range(group.world)),))
         self.tiers, self.after_commit, self.closing = tiers, after_commit, closing
+        self._cache: PlanCache | None = None  # the last save's plan, reused while the structure holds
+        self.planned = 0  # saves that ran DCP's global planning (and its exchange)
         if self.layout.leader:
             tidy(directory)
 
@@ -97,19 +112,24 @@ class RankSteps:
         its error (the same on every rank, as the ranks agreed on it). ``rank_state``: this
         rank's own entries, kept apart (:mod:`._rank_state`)."""
         g = self.group
-        vote: Any = (step, force)
+        # the structure is compared with the cached plan's before the vote when the save looks
+        # due here, so that a steady-state save needs no planning exchange (see _plan)
+        early = self._cache is not None and (force or rule(last_step, since_last))
+        local = self._plan(state, rng, rank_state) if early else None
+        same = local is not None and local.error is None and self._cache is not None and local.same_as(self._cache)
+        vote: Any = (step, force, same)
         if g.rank == 0:
             newest = max([*list_steps(self.directory)[-1:], *([] if last_step is None else [last_step])],
                          default=None)
             bad = newest is not None and step <= newest
-            vote = (step, force, None if bad else rule(newest, since_last) or force,
+            vote = (step, force, same, None if bad else rule(newest, since_last) or force,
                     f"step {step} is not greater than the newest saved step {newest}" if bad else None,
                     building_path(self.directory, step))
         votes = g.gather(vote, thread="main", what=f"save({step})")
         if others := [r for r, v in enumerate(votes) if v[0] != step]:
             raise ValueError(f"CheckpointManager.save({step}): ranks {others} passed other steps "
                              f"({[votes[r][0] for r in others]}); every rank saves the same step")
-        _, _, due, refused, building = votes[0]
+        _, _, _, due, refused, building = votes[0]
         building = os.path.join(self.directory, os.path.basename(building))  # this node's
         if refused is not None:
             raise ValueError(f"CheckpointManager.save: {refused} in {self.directory!r}")
@@ -117,39 +137,57 @@ class RankSteps:
             return None
         settle()
         own: BaseException | None = None
-        plan: SavePlan | None = None
         try:
             if self.layout.leader:
                 self._prepare(building)
-            if reserved := [k for k in (self.rng_key, RANK_STATE_KEY) if k in state]:
-                raise ValueError(f"CheckpointManager.save: state keys {reserved} are reserved for the manager")
-            saved = state_dicts(state)
-            if rng:
-                saved[self.rng_key] = {rng_entry(g.rank): capture_rng()}
-            if rank_state is not None:
-                saved[RANK_STATE_KEY] = {rng_entry(g.rank): pack(rank_state)}
-            planner, plan = local_plan(saved, g.rank)
         except BaseException as exc:  # reported to every rank below
             own = exc
-        keys = None if rank_state is None else sorted(rank_state)
-        plans = g.gather((plan, _describe(own), keys), thread="main", what=f"save({step}) planning")
-        rank_keys = {rng_entry(r): p[2] for r, p in enumerate(plans) if p[2] is not None}
-        if any(p[1] is not None for p in plans):
-            if self.layout.leader:
-                shutil.rmtree(building, ignore_errors=True)
-            raise _failed(f"checkpoint step {step} (planning)", [p[1] for p in plans], own)
-        final, metadata = global_plans(planner, [p[0] for p in plans])
-        mine = planner.finish_plan(final[g.rank])
+        if local is None:
+            local = self._plan(state, rng, rank_state)
+        if all(v[2] for v in votes) and self._cache is not None and own is None:
+            cache = self._cache  # every rank's structure is the cached plan's: no planning exchange
+        else:
+            own = own or local.error
+            plans = g.gather((local.plan, _describe(own), local.keys), thread="main", what=f"save({step}) planning")
+            if any(p[1] is not None for p in plans):
+                self._cache = None
+                if self.layout.leader:
+                    shutil.rmtree(building, ignore_errors=True)
+                raise _failed(f"checkpoint step {step} (planning)", [p[1] for p in plans], own)
+            cache = self._cache = local.cached([p[0] for p in plans], g.rank,
+                                               {rng_entry(r): p[2] for r, p in enumerate(plans) if p[2] is not None})
+            self.planned += 1
+        planner = local.planner
+        if planner is None:  # not reached: a failed plan raised above
+            raise RuntimeError(f"CheckpointManager.save({step}): no save planner")
+        mine = planner.finish_plan(cache.final)
+        metadata = dataclasses.replace(cache.metadata)  # its storage_data is set per save
         staged: Staged = {}
         try:
+            at_phase("staging")
             staged = stage(planner, mine)
         except BaseException as exc:  # the writer thread still votes, so no rank waits for this one
             own = exc
-        call = Call(fn=lambda: self._write(step, building, mine, staged, metadata, own, rank_keys))
+        call = Call(fn=lambda: self._write(step, building, mine, staged, metadata, own, cache.rank_keys))
         self._start().submit(call)
         if own is not None:
             raise own
         return call
+
+    def _plan(self, state: Mapping[str, Any], rng: bool, rank_state: Mapping[str, Any] | None) -> LocalPlan:
+        """This rank's planner and local plan of ``state`` (the error instead, if planning failed)."""
+        try:
+            if reserved := [k for k in (self.rng_key, RANK_STATE_KEY) if k in state]:
+                raise ValueError(f"CheckpointManager.save: state keys {reserved} are reserved for the manager")
+            saved = state_dicts(state)
+            if rng:
+                saved[self.rng_key] = {rng_entry(self.group.rank): capture_rng()}
+            if rank_state is not None:
+                saved[RANK_STATE_KEY] = {rng_entry(self.group.rank): pack(rank_state)}
+            planner, plan = local_plan(saved, self.group.rank)
+        except BaseException as exc:  # reported to every rank by the caller
+            return LocalPlan(None, None, None if rank_state is None else sorted(rank_state), exc)
+        return LocalPlan(planner, plan, None if rank_state is None else sorted(rank_state), None)
 
     def _prepare(self, building: str) -> None:
         """A node's lowest rank: the writer lock (at the first save; leftovers of killed saves
@@ -157,7 +195,7 @@ class RankSteps:
         if self._lock is None:
             self._lock = try_lock(self.directory)
             remove_leftovers(self.directory)
-        os.mkdir(building)
+        os.makedirs(building, exist_ok=True)  # a rank's writer may have made it (a cached plan)
 
     def _start(self) -> Writer:
         if self._writer is None:
@@ -166,33 +204,33 @@ class RankSteps:
 
     def _write(self, step: int, building: str, plan: SavePlan, staged: Staged, metadata: Metadata,
                own: BaseException | None, rank_keys: dict[str, list[str]]) -> None:
-        """The writer thread: write this rank's share (and checksum its files), vote, rank 0
+        """The writer thread: write this rank's share (checksummed as written), vote, rank 0
         commits, everyone hears."""
         g = self.group
-        results: list[WriteResult] = []
-        sums: dict[str, int] = {}
+        written = Written([], {}, {})
         if own is None:
             try:
-                results = write_share(building, plan, staged, rank=g.rank, config=self.config)
-                sums = file_sums(building, results, self.algorithm)
+                written = write_share(building, plan, staged, rank=g.rank, config=self.config,
+                                      algorithm=self.algorithm)
+                at_phase("writing")  # written and fsynced, not agreed
             except BaseException as exc:
                 own = exc
         staged.clear()
         what = f"checkpoint step {step} in {self.directory!r} (earlier steps are intact)"
-        votes = g.gather((results, sums, _describe(own)), thread="writer", what=f"step {step} vote")
-        if any(v[2] is not None for v in votes):
+        votes = g.gather((written, _describe(own)), thread="writer", what=f"step {step} vote")
+        at_phase("agreement")
+        if any(v[1] is not None for v in votes):
             if self.layout.leader:
                 shutil.rmtree(building, ignore_errors=True)
-            raise _failed(what, [v[2] for v in votes], own)
+            raise _failed(what, [v[1] for v in votes], own)
         if len(self.layout.nodes) > 1:  # each node publishes its own directory
             failures, own = publish_nodes(g, self.layout, directory=self.directory, building=building, step=step,
                                           finish=lambda: finish_step(
                                               building, step, metadata, [v[0] for v in votes], self.config,
-                                              algorithm=self.algorithm,
-                                              sums={n: c for v in votes for n, c in v[1].items()},
-                                              rank_state=rank_keys))
+                                              algorithm=self.algorithm, rank_state=rank_keys))
             if any(failures):
                 raise _failed(what, failures, own)
+            at_phase("retention")
             retire_nodes(g, self.layout, self.directory, self._commit.keep)
             if self.after_commit is not None:
                 self.after_commit(step)
@@ -200,8 +238,8 @@ class RankSteps:
         if g.rank == 0:
             try:
                 finish_step(building, step, metadata, [v[0] for v in votes], self.config,
-                            algorithm=self.algorithm, sums={n: c for v in votes for n, c in v[1].items()},
-                            rank_state=rank_keys)
+                            algorithm=self.algorithm, rank_state=rank_keys)
+                at_phase("rename")
                 durable.publish_dir(building, step_dir(self.directory, step))
             except BaseException as exc:
                 own = exc
@@ -211,6 +249,7 @@ class RankSteps:
         if outcome is not None:
             raise _failed(what, [outcome], own)
         if g.rank == 0:
+            at_phase("retention")
             self._commit.retire()
         if self.after_commit is not None:
             self.after_commit(step)
@@ -252,14 +291,13 @@ class RankSteps:
             for path, done in sources:  # with tiers: the fastest first, then the durable one
                 try:
                     problem = self._check(path, chosen)
-                    if problem is None:
-                        if not is_dcp_step(path):
-                            single(chosen)
-                            return chosen
-                        restore_dcp(path, chosen, state, group=g.group("main"), rank=g.rank, world=g.world,
-                                    rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
-                                    rank_state=rank_state)
+                    if problem is None and not is_dcp_step(path):
+                        single(chosen)
                         return chosen
+                    if problem is None:
+                        problem = self._read(path, chosen, state, rng=rng, strict=strict, rank_state=rank_state)
+                        if problem is None:
+                            return chosen
                 finally:
                     if done is not None:
                         done()
@@ -268,6 +306,27 @@ class RankSteps:
             log.warning("deepnvme.CheckpointManager.restore: skipping %s; trying the previous step", problem)
             problems.append(str(problem))
         raise CheckpointCorruptError(f"no intact checkpoint in {self.directory!r}: {'; '.join(problems)}")
+
+    def _read(self, path: str, step: int, state: MutableMapping[str, Any], *, rng: bool, strict: bool,
+              rank_state: Any) -> str | None:
+        """Collective: restore the multi-rank step at ``path``; what is corrupt in it on any rank
+        (items are checked as read; None: restored). Other failures raise on every rank."""
+        g = self.group
+        own: BaseException | None = None
+        try:
+            restore_dcp(path, step, state, group=g.group("main"), rank=g.rank, world=g.world,
+                        rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
+                        rank_state=rank_state)
+        except BaseException as exc:  # heard by every rank below, so that all act alike
+            own = exc
+        said = g.gather(_describe(own), thread="main", what=f"restore(step={step}) read")
+        if corrupt := [v[1] for v in said if v is not None and v[0] == CheckpointCorruptError.__name__]:
+            return "; ".join(dict.fromkeys(corrupt))  # each names the step, and the file and item
+        if any(v is not None for v in said):
+            if own is not None:
+                raise own
+            raise _failed(f"restore of checkpoint step {step} in {self.directory!r}", said, own)
+        return None
 
     def _check(self, path: str, step: int) -> str | None:
         """Collective: what is wrong with the multi-rank step at ``path`` (None: intact). Each
@@ -279,7 +338,8 @@ class RankSteps:
         if is_dcp_step(path):
             try:
                 manifest = read_manifest(path, step)
-                wrong = check_step_files(path, manifest, sorted(manifest.get("files", {}))[g.rank::g.world])
+                wrong = check_step_files(path, files_to_check(manifest, g.world),
+                                         sorted(manifest.get("files", {}))[g.rank::g.world])
                 found = "; ".join(wrong) or None
             except CheckpointCorruptError as exc:
                 found = str(exc)

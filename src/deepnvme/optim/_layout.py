@@ -9,7 +9,7 @@ import torch
 
 from ..io.plan import align_up
 
-__all__ = ["StateEntry", "StateLayout", "partition", "plan_layout", "ALIGN", "swapped"]
+__all__ = ["StateEntry", "StateLayout", "partition", "plan_layout", "slice_spans", "ALIGN", "swapped"]
 
 ALIGN = 64  # bytes between packed state tensors: keeps every view aligned for any dtype/SIMD
 
@@ -42,6 +42,15 @@ def partition(sizes: Sequence[int], sub_group_bytes: int) -> list[range]:
     if start < len(sizes):
         runs.append(range(start, len(sizes)))
     return runs
+
+
+def slice_spans(numel: int, itemsize: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Cut ``numel`` elements of ``itemsize`` bytes into contiguous ``(start, stop)`` spans of at
+    most ``max_bytes`` each, every span but the last a multiple of 4096 bytes (file offsets stay
+    page-aligned; at least one page per span, so a span may exceed a ``max_bytes`` under 4096)."""
+    align = 4096 // itemsize if itemsize and 4096 % itemsize == 0 else 1
+    per = max(align, (max_bytes // max(itemsize, 1)) // align * align)
+    return [(a, min(a + per, numel)) for a in range(0, numel, per)]
 
 
 @dataclass(frozen=True)

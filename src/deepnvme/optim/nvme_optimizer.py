@@ -5,8 +5,9 @@ sub-group's state (views into a pinned buffer just read from its swap file), nar
 param groups to that sub-group's parameters and calls the wrapped optimizer's own ``step()``,
 then writes the state back. Reads of sub-group i+1 and writes of i-1 run on the engine's
 threads while i is updated, so results are bitwise those of the wrapped optimizer in memory.
-Sub-groups are planned by :mod:`._subgroups`, their state moved by :mod:`._state`; parameters
-held by a parameter offload are updated through it (:mod:`._protocol`).
+Sub-groups are planned by :mod:`._subgroups`, their state moved by :mod:`._state`; a parameter
+larger than a sub-group is updated in slices by an element-wise optimizer (:mod:`._slices`);
+parameters held by a parameter offload are updated through it (:mod:`._protocol`).
 
 Memory bound: ``buffer_count`` pinned buffers of one sub-group's state (plus, on the first step
 or after a state layout change, one sub-group's freshly created state). Small per-parameter
@@ -26,8 +27,10 @@ import torch
 
 from ..config import IOConfig
 from ..handles.aio import AioHandle
+from ..memory.heap import trim_heap
 from ..swap import SwapBufferError, SwapError, TensorSwapper
-from ._protocol import OffloadedParameters, find_offload
+from ._protocol import OffloadedParameters, find_offload, offload_of
+from ._slices import Slices, is_elementwise
 from ._state import StateSwap, Writes
 from ._subgroups import Member, SubGroups
 
@@ -38,8 +41,6 @@ log = logging.getLogger(__name__)
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
-# elementwise updates: bitwise the same with any number of threads (update_threads="auto")
-_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _USAGE = "NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=..., lr=...)"
 
 
@@ -90,8 +91,12 @@ class NVMeOptimizer(torch.optim.Optimizer):
             (created if missing; removed by :meth:`close`, with ``swap_dir`` itself if this
             optimizer created it and nothing else is in it).
         sub_group_bytes: parameter bytes per sub-group, the unit read, updated and written
-            together. Its state on disk is that times the optimizer's state per parameter byte
-            (2 for Adam/AdamW, 1 for SGD with momentum); a larger parameter forms its own
+            together (DeepSpeed's ``sub_group_size``, in bytes). Its state on disk is that times
+            the optimizer's state per parameter byte (2 for Adam/AdamW, 1 for SGD with
+            momentum). A larger parameter is updated in contiguous slices of at most this size
+            (page multiples) by an element-wise optimizer (SGD, Adam, AdamW, or a class with
+            ``deepnvme_elementwise = True``), bitwise as whole, so memory stays bounded by the
+            sub-group, not the largest parameter; for any other optimizer it forms its own
             sub-group. Lowered to fit a parameter offload's budget.
         buffer_count: pinned buffers of one sub-group's state (>= 2; 3 overlaps read, update
             and write).
@@ -103,11 +108,11 @@ class NVMeOptimizer(torch.optim.Optimizer):
             each sub-group's update, restored after it; None keeps the caller's. The update
             runs while the next sub-group is read and the previous one written, and where the
             I/O threads need the cores that torch's threads use, fewer threads finish sooner.
-            Elementwise optimizers (SGD, Adam, AdamW) give bitwise the
+            Element-wise optimizers (SGD, Adam, AdamW) give bitwise the
             same results with any thread count; one that reduces (a norm) may round
-            differently. ``"auto"``: for ``torch.optim.SGD``, ``Adam`` and ``AdamW``
-            themselves, torch's threads less the I/O handle's threads (at least 1); for any
-            other optimizer, None.
+            differently. ``"auto"``: for element-wise optimizers (``torch.optim.SGD``, ``Adam``
+            and ``AdamW`` themselves, or a declared class), torch's threads less the I/O
+            handle's threads (at least 1); for any other optimizer, None.
         **optimizer_kwargs: the options of ``optimizer_cls`` (``lr``, ``betas``, ...).
 
     Raises:
@@ -136,13 +141,14 @@ class NVMeOptimizer(torch.optim.Optimizer):
         self._offload: OffloadedParameters | None = None
         self._join_offload(self._all_params())
         self._subs = SubGroups(self.optimizer)
-        bounds = self._subs.add(self._all_params(), self.sub_group_bytes)
+        bounds = self._subs.add(self._all_params(), self.sub_group_bytes, self._sliceable)
         swapper = TensorSwapper(swap_dir, config=config, buffer_bytes=max(bounds + [1]),
                                 buffer_count=buffer_count, min_swap_bytes=0, stale=stale,
                                 handle=handle)
         self._state = StateSwap(self.optimizer, self._subs, swapper)
+        self._slices = Slices(self.optimizer, self._subs, self._state)
         self.update_threads = update_threads if isinstance(update_threads, int) else None
-        if update_threads == "auto" and type(self.optimizer) in _ELEMENTWISE:
+        if update_threads == "auto" and is_elementwise(type(self.optimizer)):
             io_threads = swapper.io_config.intra_op_parallelism
             self.update_threads = max(1, torch.get_num_threads() - io_threads)
 
@@ -171,6 +177,11 @@ class NVMeOptimizer(torch.optim.Optimizer):
         return len(self._subs)
 
     @property
+    def num_sliced_params(self) -> int:
+        """Parameters updated in slices (larger than a sub-group, element-wise optimizer)."""
+        return len(self._slices.by_param())
+
+    @property
     def swapped_bytes(self) -> int:
         """Bytes of optimizer state in the swap files now (packed, with alignment padding)."""
         return sum(layout.total for layout in self._subs.layouts if layout is not None)
@@ -192,12 +203,20 @@ class NVMeOptimizer(torch.optim.Optimizer):
         found = find_offload(p for _, p in self._all_params())
         if found is None:
             return
-        found.check_updatable(p for _, p in params)
-        self._offload = found
         if self.sub_group_bytes > found.update_bytes():
             self.sub_group_bytes = found.update_bytes()
             log.info("NVMeOptimizer: sub_group_bytes lowered to %d to fit the parameter "
                      "offload's budget", self.sub_group_bytes)
+        found.check_updatable(p for _, p in params   # sliced ones need a slice's room only
+                              if not (self._sliceable(p)
+                                      and p.numel() * p.element_size() > self.sub_group_bytes))
+        self._offload = found
+
+    def _sliceable(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` may be updated in slices: an element-wise optimizer, and a parameter
+        whose elements are contiguous (an offloaded one always is, in its file)."""
+        return (is_elementwise(type(self.optimizer)) and p.numel() > 0
+                and (p.is_contiguous() or offload_of(p) is not None))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; its parameters form new sub-groups (offloaded
@@ -210,7 +229,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
             fresh = [(gi, p) for gi, p in self._all_params() if id(p) not in known]
             _check_cpu(fresh)
             self._join_offload(fresh)
-            bounds = self._subs.add(fresh, self.sub_group_bytes)
+            bounds = self._subs.add(fresh, self.sub_group_bytes, self._sliceable)
             swapper = self._state.swapper
             if max(bounds + [0]) > swapper.buffer_bytes:
                 raise ValueError(f"the new group's sub-groups need {max(bounds)} bytes of state but "
@@ -245,18 +264,20 @@ class NVMeOptimizer(torch.optim.Optimizer):
                 _raise_failed_writes(writes)
                 if i + 1 < n:
                     state.prefetch(i + 1)
+                self._slices.open(i)
                 state.install(i)
                 current = i
                 for g in groups:
                     g["params"] = []
-                for gi, p in self._subs.members[i]:
+                for (gi, _), p in zip(self._subs.members[i], state.owners(i)):
                     groups[gi]["params"].append(p)
                 fresh = self._subs.layouts[i] is None   # the wrapped optimizer creates its state
                 self._update(i)
                 done = i
                 fut = state.store(i)
+                self._slices.close(i)
                 if fresh and self._offload is not None:
-                    self._offload.finish_updates()  # the created state left the heap: trim now
+                    trim_heap()  # the created state left the heap: give it back now
                 current = None
                 if fut is not None:
                     writes.append((i, fut))
@@ -264,6 +285,11 @@ class NVMeOptimizer(torch.optim.Optimizer):
             for g, ps in zip(groups, saved):
                 g["params"] = ps
             failed = state.settle(writes, installed=current)
+            if self._offload is not None:
+                try:
+                    self._offload.finish_updates()
+                except OSError as late:   # the step's own error is the one to raise
+                    log.error("NVMeOptimizer: after the step stopped, a write failed too: %s", late)
             if failed is not None and isinstance(exc, SwapBufferError):
                 exc = failed  # no buffer came free because a write failed: report the write
             raise self._step_error(exc, done) from exc
@@ -271,7 +297,10 @@ class NVMeOptimizer(torch.optim.Optimizer):
             g["params"] = ps
         failed = state.settle(writes, installed=None)
         if self._offload is not None:
-            self._offload.finish_updates()
+            try:
+                self._offload.finish_updates()
+            except OSError as exc:   # a slice of a parameter could not be written
+                failed = failed or exc
         if failed is not None:
             raise self._step_error(failed, done) from failed
         return loss
@@ -281,9 +310,11 @@ class NVMeOptimizer(torch.optim.Optimizer):
         CPU tensors (so it needs memory for the whole state; it does not change the files)."""
         try:
             self._state.read_back()
+            self._slices.assemble()
             return self.optimizer.state_dict()
         finally:
             self._state.drop(range(len(self._subs)), fresh_dicts=True)
+            self._slices.strip()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer, then write the state of every sub-group to NVMe."""
@@ -291,9 +322,10 @@ class NVMeOptimizer(torch.optim.Optimizer):
         self._subs.layouts = [None] * len(self._subs)
         writes: Writes = []
         for i in range(len(self._subs)):
-            fut = self._state.store(i)
+            fut = self._state.store(i) if self._subs.spans[i] is None else None
             if fut is not None:
                 writes.append((i, fut))
+        writes += self._slices.split_loaded()
         failed = self._state.settle(writes, installed=None)
         if failed is not None:
             raise failed
@@ -316,20 +348,57 @@ class NVMeOptimizer(torch.optim.Optimizer):
     def _update(self, i: int) -> None:
         """The wrapped optimizer's step on sub-group i (narrowed param groups), with offloaded
         parameters and gradients read in first and written back after (i+1's read ahead)."""
+        span = self._subs.spans[i]
+        if span is not None:
+            self._update_slice(i, span)
+            return
         offload = self._offload
         if offload is None:
             self._wrapped_step()
             return
         params = self._subs.params(i)
         offload.begin_update(params)
-        if i + 1 < len(self._subs):
-            offload.prefetch_update(self._subs.params(i + 1))
+        self._prefetch_next(i)
         try:
             self._wrapped_step()
         except BaseException:
             offload.abort_update(params)
             raise
         offload.end_update(params)
+
+    def _update_slice(self, i: int, span: tuple[int, int]) -> None:
+        """Sub-group i is a slice of one parameter: its stand-in gets the slice of the
+        parameter and of its gradient (from the offload, or views of the tensors in memory)."""
+        p = self._slices.param(i)
+        offload = self._offload if offload_of(p) is not None else None
+        if offload is None:
+            self._slices.bind(i, *self._slices.in_memory(i))
+            try:
+                self._wrapped_step()
+            finally:
+                self._slices.unbind(i)
+            return
+        self._slices.bind(i, *offload.begin_slice(p, *span))
+        self._prefetch_next(i)
+        try:
+            self._wrapped_step()
+        except BaseException:
+            self._slices.unbind(i)
+            offload.abort_slice(p, *span)
+            raise
+        self._slices.unbind(i)
+        offload.end_slice(p, *span)
+
+    def _prefetch_next(self, i: int) -> None:
+        """Have the offload read sub-group i+1's parameters (or slice) ahead."""
+        offload = self._offload
+        if offload is None or i + 1 >= len(self._subs):
+            return
+        span = self._subs.spans[i + 1]
+        if span is None:
+            offload.prefetch_update(self._subs.params(i + 1))
+        elif offload_of(self._slices.param(i + 1)) is not None:
+            offload.prefetch_slice(self._slices.param(i + 1), *span)
 
     def _wrapped_step(self) -> None:
         """The wrapped optimizer's step, with ``update_threads`` torch threads if set."""

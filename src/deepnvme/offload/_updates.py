@@ -3,10 +3,11 @@ the protocol through which :class:`~deepnvme.NVMeOptimizer` updates offloaded pa
 
 Each optimizer sub-group's parameters and gradients are brought in (``begin_update``), the next
 sub-group's are read ahead (``prefetch_update``), and the updated parameters are written back
-(``end_update``) while the next sub-group updates; ``finish_updates`` ends the step. A parameter larger than a sub-group is updated in
-slices: each slice of its file and of its gradient's is read into a buffer of the store, and the
-updated slice written back to its place in the file; the parameter is never whole in memory
-(it is let go before its first slice, so no stale copy outlives the step).
+(``end_update``) while the next sub-group updates; ``finish_updates`` ends the step. A
+parameter larger than a sub-group is updated in slices: each slice of its file and of its
+gradient's is read into a buffer of the store, and the updated slice written back to its
+place in the file; the parameter is never whole in memory (it is let go before its first
+slice, so no stale copy outlives the step).
 Memory: one sub-group's parameters and gradients (or one slice of each) plus the next one's
 read ahead, within the offload's budget (``update_bytes`` sizes the sub-groups so).
 """
@@ -45,6 +46,9 @@ class UpdateSide(OffloadedParameters):
 
     _store: TensorStore
     _entries: dict[int, tuple[Entry, Entry]]   # id(param) -> (data, grad)
+    # made on first use (the offload's constructor does not know of slices)
+    _slices_in_memory: dict[tuple[int, int], _Slice]   # (data key, start) -> slice read in
+    _slice_writes: list[Future[None]]                  # this step's slice writes
 
     def _pairs(self, params: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, Entry, Entry]]:
         for p in params:
@@ -133,7 +137,8 @@ class UpdateSide(OffloadedParameters):
         slices = self._open_slices()
         for key in list(slices):
             self._let_go(slices.pop(key), write=None)
-        writes, self._slice_writes = self._slice_write_list(), []
+        writes = self._slice_write_list()
+        self._slice_writes = []
         trim_heap()
         for fut in writes:
             fut.result()

@@ -29,6 +29,7 @@ from ..config import IOConfig
 from ..handles.aio import AioHandle
 from ..memory.heap import trim_heap
 from ..swap import SwapBufferError, SwapError, TensorSwapper
+from ._checks import check_arguments, check_cpu, raise_failed_writes
 from ._protocol import OffloadedParameters, find_offload, offload_of
 from ._slices import Slices, is_elementwise
 from ._state import StateSwap, Writes
@@ -41,37 +42,6 @@ log = logging.getLogger(__name__)
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
-_USAGE = "NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=..., lr=...)"
-
-
-def _check_arguments(params: object, optimizer_cls: object) -> None:
-    """Refuse the natural misreadings of the signature with the call to write instead."""
-    if isinstance(params, torch.optim.Optimizer):
-        name = type(params).__name__
-        raise TypeError(f"NVMeOptimizer builds the optimizer itself: pass the parameters and the "
-                        f"optimizer class with its options, e.g. {_USAGE}, not an optimizer "
-                        f"object (got {name}; to carry its param groups over: NVMeOptimizer("
-                        f"optimizer.param_groups, type(optimizer), swap_dir=...))")
-    if isinstance(params, torch.nn.Module):
-        raise TypeError(f"NVMeOptimizer takes the model's parameters, not the "
-                        f"{type(params).__name__} module: {_USAGE}")
-    if isinstance(optimizer_cls, torch.optim.Optimizer):
-        raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, "
-                        f"not an optimizer object (got {type(optimizer_cls).__name__}); pass its "
-                        f"options as keyword arguments: {_USAGE}")
-    if not callable(optimizer_cls):
-        raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, "
-                        f"got {type(optimizer_cls).__name__}: {_USAGE}")
-
-
-def _check_cpu(params: list[Member]) -> None:
-    for gi, p in params:
-        if p.device.type != "cpu":
-            raise ValueError(f"NVMeOptimizer needs CPU parameters (with the master copy and the "
-                             f"update on the CPU, as in ZeRO-Infinity's CPU optimizer); a "
-                             f"parameter of group {gi} is on {p.device}")
-
-
 class NVMeOptimizer(torch.optim.Optimizer):
     """Drop-in optimizer whose state lives in files under ``swap_dir`` between steps.
 
@@ -125,7 +95,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
                  buffer_count: int = 3, config: IOConfig | None = None, stale: str = "warn",
                  handle: AioHandle | None = None, update_threads: int | str | None = "auto",
                  **optimizer_kwargs: Any) -> None:
-        _check_arguments(params, optimizer_cls)
+        check_arguments(params, optimizer_cls)
         if update_threads not in ("auto", None) and (
                 isinstance(update_threads, bool) or not isinstance(update_threads, int) or update_threads < 1):
             raise ValueError(f"update_threads must be an int >= 1, 'auto' or None, got {update_threads!r}")
@@ -133,7 +103,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"buffer_count must be >= 2 (3 overlaps read, update and write), "
                              f"got {buffer_count}")
         self.optimizer = optimizer_cls(params, **optimizer_kwargs)
-        _check_cpu(self._all_params())
+        check_cpu(self._all_params())
         for name in _HOOK_DICTS:
             setattr(self, name, OrderedDict())
         self._patch_step_function()
@@ -227,7 +197,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
         try:
             fresh = [(gi, p) for gi, p in self._all_params() if id(p) not in known]
-            _check_cpu(fresh)
+            check_cpu(fresh)
             self._join_offload(fresh)
             bounds = self._subs.add(fresh, self.sub_group_bytes, self._sliceable)
             swapper = self._state.swapper
@@ -261,7 +231,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
             n = len(self._subs)
             state.prefetch(0)
             for i in range(n):
-                _raise_failed_writes(writes)
+                raise_failed_writes(writes)
                 if i + 1 < n:
                     state.prefetch(i + 1)
                 self._slices.open(i)
@@ -426,10 +396,3 @@ class NVMeOptimizer(torch.optim.Optimizer):
                          f"{resident} is kept in memory", path=getattr(exc, "path", None),
                          offset=getattr(exc, "offset", None), size=getattr(exc, "size", None),
                          errno=exc.errno or errno.EIO)
-
-
-def _raise_failed_writes(writes: Writes) -> None:
-    for _, fut in writes:
-        exc = fut.exception() if fut.done() else None
-        if exc is not None:
-            raise exc

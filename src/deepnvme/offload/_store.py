@@ -27,7 +27,7 @@ import itertools
 import os
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -71,6 +71,9 @@ class TensorStore:
         self._resident: list[tuple[Entry, Entry]] = []
         self.kept_gradients: list[Entry] = []   # see keep_gradients
         self.backups: dict[int, torch.Tensor] = {}   # resident key -> room for its old value
+        # set by an optimizer that updates in the backward: takes (parameter, gradient), True
+        # if it consumed the gradient (then nothing is stored)
+        self.on_gradient: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
 
     # --- accounting ----------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ read ahead, within the offload's budget (``update_bytes`` sizes the sub-groups s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -142,6 +142,11 @@ class UpdateSide(OffloadedParameters):
         trim_heap()
         for fut in writes:
             fut.result()
+
+    def set_gradient_consumer(self, consumer: Callable[[torch.Tensor, torch.Tensor], bool] | None
+                              ) -> None:
+        """Hand each new gradient to ``consumer`` first (see the protocol); None: store them."""
+        self._store.on_gradient = consumer
 
     # --- slices of a parameter larger than a sub-group --------------------------------------
 

@@ -45,11 +45,14 @@ def partition(sizes: Sequence[int], sub_group_bytes: int) -> list[range]:
 
 
 def slice_spans(numel: int, itemsize: int, max_bytes: int) -> list[tuple[int, int]]:
-    """Cut ``numel`` elements of ``itemsize`` bytes into contiguous ``(start, stop)`` spans of at
-    most ``max_bytes`` each, every span but the last a multiple of 4096 bytes (file offsets stay
-    page-aligned; at least one page per span, so a span may exceed a ``max_bytes`` under 4096)."""
+    """Cut ``numel`` elements of ``itemsize`` bytes into the fewest contiguous ``(start, stop)``
+    spans of at most ``max_bytes`` each, of equal size (the last one shorter) and each a multiple
+    of 4096 bytes but the last (file offsets stay page-aligned, and equal buffers are reused);
+    a span holds at least one page, so it may exceed a ``max_bytes`` under 4096."""
     align = 4096 // itemsize if itemsize and 4096 % itemsize == 0 else 1
-    per = max(align, (max_bytes // max(itemsize, 1)) // align * align)
+    most = max(align, (max_bytes // max(itemsize, 1)) // align * align)
+    count = -(-numel // most)
+    per = align_up(-(-numel // count), align)   # numel / count, rounded up to a page
     return [(a, min(a + per, numel)) for a in range(0, numel, per)]
 
 

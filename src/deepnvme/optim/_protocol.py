@@ -10,7 +10,7 @@ and never the reverse.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -64,6 +64,12 @@ class OffloadedParameters(Protocol):
     def finish_updates(self) -> None:
         """The optimizer step ended (every sub-group was updated or the step stopped): let
         what was read ahead go, and raise the first failed write of a slice."""
+        ...
+
+    def set_gradient_consumer(self, consumer: Callable[[torch.Tensor, torch.Tensor], bool] | None
+                              ) -> None:
+        """Hand each gradient autograd produces to ``consumer(param, grad)`` first (an update
+        fused into the backward); where it returns True the gradient is not stored. None: off."""
         ...
 
     def prefetch_slice(self, param: torch.Tensor, start: int, stop: int) -> None:

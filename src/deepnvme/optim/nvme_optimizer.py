@@ -26,14 +26,17 @@ from typing import Any
 import torch
 
 from ..config import IOConfig
+from ..errors import OffloadMemoryError
 from ..handles.aio import AioHandle
 from ..memory.heap import trim_heap
 from ..swap import SwapBufferError, SwapError, TensorSwapper
 from ._checks import check_arguments, check_cpu, raise_failed_writes
+from ._fused import FusedBackward
 from ._protocol import OffloadedParameters, find_offload, offload_of
 from ._slices import Slices, is_elementwise
 from ._state import StateSwap, Writes
 from ._subgroups import Member, SubGroups
+from ._updating import Updating
 
 __all__ = ["NVMeOptimizer"]
 
@@ -42,7 +45,7 @@ log = logging.getLogger(__name__)
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
-class NVMeOptimizer(torch.optim.Optimizer):
+class NVMeOptimizer(Updating, torch.optim.Optimizer):
     """Drop-in optimizer whose state lives in files under ``swap_dir`` between steps.
 
     ``optimizer_cls(params, **optimizer_kwargs)`` is built and does every update, so param
@@ -83,6 +86,11 @@ class NVMeOptimizer(torch.optim.Optimizer):
             differently. ``"auto"``: for element-wise optimizers (``torch.optim.SGD``, ``Adam``
             and ``AdamW`` themselves, or a declared class), torch's threads less the I/O
             handle's threads (at least 1); for any other optimizer, None.
+        fuse_backward: update each sub-group inside the backward pass, as soon as all its
+            parameters have their gradients (post-accumulate-grad hooks; an offloaded
+            gradient is then never written and read back); ``step()`` finishes the step. Not
+            with gradient accumulation (a second gradient before ``step()`` raises) nor
+            gradient clipping (the gradients are consumed one by one).
         **optimizer_kwargs: the options of ``optimizer_cls`` (``lr``, ``betas``, ...).
 
     Raises:
@@ -94,7 +102,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
                  *, swap_dir: str | os.PathLike[str], sub_group_bytes: int = 256 << 20,
                  buffer_count: int = 3, config: IOConfig | None = None, stale: str = "warn",
                  handle: AioHandle | None = None, update_threads: int | str | None = "auto",
-                 **optimizer_kwargs: Any) -> None:
+                 fuse_backward: bool = False, **optimizer_kwargs: Any) -> None:
         check_arguments(params, optimizer_cls)
         if update_threads not in ("auto", None) and (
                 isinstance(update_threads, bool) or not isinstance(update_threads, int) or update_threads < 1):
@@ -121,6 +129,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
         if update_threads == "auto" and is_elementwise(type(self.optimizer)):
             io_threads = swapper.io_config.intra_op_parallelism
             self.update_threads = max(1, torch.get_num_threads() - io_threads)
+        self._current, self._done = None, -1
+        self._fused = FusedBackward(self) if fuse_backward else None
 
     # --- the torch.optim.Optimizer surface -------------------------------------------------
 
@@ -164,12 +174,15 @@ class NVMeOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the wrapped optimizer's gradients, and those of offloaded parameters."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._fused is not None:
+            self._fused.pending.clear()
         if self._offload is not None:
             self._offload.zero_grad()
 
     def _join_offload(self, params: list[Member]) -> None:
-        """Find the parameter offload holding any of ``params`` (one per optimizer), check that
-        each of them can be updated within its budget, and fit the sub-groups to that budget."""
+        """Find the parameter offload holding any of ``params`` (one per optimizer), fit the
+        sub-groups to its budget, and check that each parameter not updated in slices can be
+        updated whole within it."""
         found = find_offload(p for _, p in self._all_params())
         if found is None:
             return
@@ -177,16 +190,24 @@ class NVMeOptimizer(torch.optim.Optimizer):
             self.sub_group_bytes = found.update_bytes()
             log.info("NVMeOptimizer: sub_group_bytes lowered to %d to fit the parameter "
                      "offload's budget", self.sub_group_bytes)
-        found.check_updatable(p for _, p in params   # sliced ones need a slice's room only
-                              if not (self._sliceable(p)
-                                      and p.numel() * p.element_size() > self.sub_group_bytes))
         self._offload = found
+        found.check_updatable(p for _, p in params if not self._sliceable(p))
 
     def _sliceable(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` may be updated in slices: an element-wise optimizer, and a parameter
-        whose elements are contiguous (an offloaded one always is, in its file)."""
-        return (is_elementwise(type(self.optimizer)) and p.numel() > 0
-                and (p.is_contiguous() or offload_of(p) is not None))
+        """Whether ``p`` is updated in slices: an element-wise optimizer, a parameter larger
+        than a sub-group whose elements are contiguous (an offloaded one always is, in its
+        file) and, if offloaded, too large to be updated whole within the offload's budget."""
+        if not (is_elementwise(type(self.optimizer)) and p.numel() > 0
+                and p.numel() * p.element_size() > self.sub_group_bytes):
+            return False
+        offload = self._offload if offload_of(p) is not None else None
+        if offload is None:
+            return p.is_contiguous()
+        try:
+            offload.check_updatable([p])
+        except OffloadMemoryError:
+            return True
+        return False
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; its parameters form new sub-groups (offloaded
@@ -210,6 +231,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
             del self.optimizer.param_groups[n_groups:]
             self._subs.truncate(n_subs, n_groups)
             raise
+        if self._fused is not None:
+            self._fused.attach()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -222,10 +245,11 @@ class NVMeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
+        if self._fused is not None:
+            self._fused.finish()
+            return loss
         writes: Writes = []
-        done, current = -1, None
+        self._current, self._done = None, -1
         state = self._state
         try:
             n = len(self._subs)
@@ -234,37 +258,14 @@ class NVMeOptimizer(torch.optim.Optimizer):
                 raise_failed_writes(writes)
                 if i + 1 < n:
                     state.prefetch(i + 1)
-                self._slices.open(i)
-                state.install(i)
-                current = i
-                for g in groups:
-                    g["params"] = []
-                for (gi, _), p in zip(self._subs.members[i], state.owners(i)):
-                    groups[gi]["params"].append(p)
                 fresh = self._subs.layouts[i] is None   # the wrapped optimizer creates its state
-                self._update(i)
-                done = i
-                fut = state.store(i)
-                self._slices.close(i)
+                fut = self._run_sub_group(i, lambda i=i: self._update(i))  # type: ignore[misc]
                 if fresh and self._offload is not None:
                     trim_heap()  # the created state left the heap: give it back now
-                current = None
                 if fut is not None:
                     writes.append((i, fut))
         except BaseException as exc:
-            for g, ps in zip(groups, saved):
-                g["params"] = ps
-            failed = state.settle(writes, installed=current)
-            if self._offload is not None:
-                try:
-                    self._offload.finish_updates()
-                except OSError as late:   # the step's own error is the one to raise
-                    log.error("NVMeOptimizer: after the step stopped, a write failed too: %s", late)
-            if failed is not None and isinstance(exc, SwapBufferError):
-                exc = failed  # no buffer came free because a write failed: report the write
-            raise self._step_error(exc, done) from exc
-        for g, ps in zip(groups, saved):
-            g["params"] = ps
+            raise self._stopped(exc, writes) from exc
         failed = state.settle(writes, installed=None)
         if self._offload is not None:
             try:
@@ -272,7 +273,7 @@ class NVMeOptimizer(torch.optim.Optimizer):
             except OSError as exc:   # a slice of a parameter could not be written
                 failed = failed or exc
         if failed is not None:
-            raise self._step_error(failed, done) from failed
+            raise self._step_error(failed, self._done) from failed
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -303,6 +304,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Delete the swap files (the state is lost unless saved) and the private directory
         holding them, and ``swap_dir`` if this optimizer created it and it is empty. Idempotent."""
+        if self._fused is not None:
+            self._fused.detach()
         self._state.swapper.close()
 
     def __enter__(self) -> NVMeOptimizer:
@@ -315,76 +318,22 @@ class NVMeOptimizer(torch.optim.Optimizer):
         return (f"NVMeOptimizer({type(self.optimizer).__name__}, sub_groups={len(self._subs)}, "
                 f"swap_dir={self.swap_directory!r})")
 
-    def _update(self, i: int) -> None:
-        """The wrapped optimizer's step on sub-group i (narrowed param groups), with offloaded
-        parameters and gradients read in first and written back after (i+1's read ahead)."""
-        span = self._subs.spans[i]
-        if span is not None:
-            self._update_slice(i, span)
-            return
-        offload = self._offload
-        if offload is None:
-            self._wrapped_step()
-            return
-        params = self._subs.params(i)
-        offload.begin_update(params)
-        self._prefetch_next(i)
-        try:
-            self._wrapped_step()
-        except BaseException:
-            offload.abort_update(params)
-            raise
-        offload.end_update(params)
-
-    def _update_slice(self, i: int, span: tuple[int, int]) -> None:
-        """Sub-group i is a slice of one parameter: its stand-in gets the slice of the
-        parameter and of its gradient (from the offload, or views of the tensors in memory)."""
-        p = self._slices.param(i)
-        offload = self._offload if offload_of(p) is not None else None
-        if offload is None:
-            self._slices.bind(i, *self._slices.in_memory(i))
-            try:
-                self._wrapped_step()
-            finally:
-                self._slices.unbind(i)
-            return
-        self._slices.bind(i, *offload.begin_slice(p, *span))
-        self._prefetch_next(i)
-        try:
-            self._wrapped_step()
-        except BaseException:
-            self._slices.unbind(i)
-            offload.abort_slice(p, *span)
-            raise
-        self._slices.unbind(i)
-        offload.end_slice(p, *span)
-
-    def _prefetch_next(self, i: int) -> None:
-        """Have the offload read sub-group i+1's parameters (or slice) ahead."""
-        offload = self._offload
-        if offload is None or i + 1 >= len(self._subs):
-            return
-        span = self._subs.spans[i + 1]
-        if span is None:
-            offload.prefetch_update(self._subs.params(i + 1))
-        elif offload_of(self._slices.param(i + 1)) is not None:
-            offload.prefetch_slice(self._slices.param(i + 1), *span)
-
-    def _wrapped_step(self) -> None:
-        """The wrapped optimizer's step, with ``update_threads`` torch threads if set."""
-        threads = self.update_threads
-        if threads is None:
-            self.optimizer.step()
-            return
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            self.optimizer.step()
-        finally:
-            torch.set_num_threads(before)
-
     def _all_params(self) -> list[Member]:
         return [(gi, p) for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]]
+
+    def _stopped(self, exc: BaseException, writes: Writes) -> BaseException:
+        """After an update stopped: settle the writes (keeping what could not be written in
+        memory) and return the error to raise."""
+        failed = self._state.settle(writes, installed=self._current)
+        self._current = None
+        if self._offload is not None:
+            try:
+                self._offload.finish_updates()
+            except OSError as late:   # the step's own error is the one to raise
+                log.error("NVMeOptimizer: after the step stopped, a write failed too: %s", late)
+        if failed is not None and isinstance(exc, SwapBufferError):
+            exc = failed  # no buffer came free because a write failed: report the write
+        return self._step_error(exc, self._done)
 
     def _step_error(self, exc: BaseException, done: int) -> BaseException:
         if not isinstance(exc, OSError):

@@ -173,3 +173,5 @@ def test_slice_spans_are_page_multiples():
     assert slice_spans(10_000, 4, 16 << 10) == [(0, 4096), (4096, 8192), (8192, 10_000)]
     assert slice_spans(100, 4, 10) == [(0, 100)]          # at least a page per slice
     assert slice_spans(3000, 2, 4096) == [(0, 2048), (2048, 3000)]
+    # the fewest spans, of equal size: two halves rather than 3/4 + 1/4
+    assert slice_spans(262144, 4, 786432) == [(0, 131072), (131072, 262144)]

@@ -116,7 +116,8 @@ def warm_up(threads: int) -> int:
     return status("VmRSS")
 
 
-def time_steps(step: Callable[[], None], steps: int, baseline: int) -> dict[str, Any]:
+def time_steps(step: Callable[[], None], steps: int, baseline: int,
+               after_first: Callable[[], None] | None = None) -> dict[str, Any]:
     """One untimed step (it creates the optimizer state), VmHWM reset, then ``steps`` timed:
     wall and CPU seconds each, and the peak RSS above ``baseline``."""
     times, cpu = [], []
@@ -129,6 +130,8 @@ def time_steps(step: Callable[[], None], steps: int, baseline: int) -> dict[str,
             first = status("VmHWM") - baseline
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
+            if after_first is not None:
+                after_first()
             continue
         times.append(time.perf_counter() - t0)
         r1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -169,9 +172,12 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         opt.step()
 
     out = {"mode": args.mode, "n_params": sum(p.numel() for p in model.parameters()),
-           **time_steps(step, args.steps, baseline)}
+           **time_steps(step, args.steps, baseline,
+                        after_first=offload.reset_stats if offload is not None else None)}
     if offload is not None:
         s = offload.stats()
+        out.update(param_grad_read_per_step=s.bytes_read / args.steps,
+                   param_grad_written_per_step=s.bytes_written / args.steps)
         assert isinstance(opt, deepnvme.NVMeOptimizer)
         out.update(budget=s.budget_bytes, peak_held=s.peak_bytes, sub_groups=opt.num_sub_groups,
                    sliced_params=opt.num_sliced_params, sub_group_bytes=opt.sub_group_bytes,

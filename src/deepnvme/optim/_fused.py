@@ -15,16 +15,12 @@ usual reverse order), beside the optimizer's buffers and the offload's budget.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from ._protocol import offload_of
 from ._state import Writes
-
-if TYPE_CHECKING:
-    from .nvme_optimizer import NVMeOptimizer
+from ._updating import Updating
 
 __all__ = ["FusedBackward"]
 
@@ -32,7 +28,7 @@ __all__ = ["FusedBackward"]
 class FusedBackward:
     """The hooks and the pending gradients of one NVMeOptimizer (see the module doc)."""
 
-    def __init__(self, opt: NVMeOptimizer) -> None:
+    def __init__(self, opt: Updating) -> None:
         self.opt = opt
         self.pending: dict[int, torch.Tensor] = {}   # id(param) -> its gradient, until used
         self.updated: set[int] = set()                # id(param): updated since step()

@@ -16,7 +16,6 @@ values (0-d tensors such as Adam's ``step``, numbers, None) stay in ``optimizer.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from collections import OrderedDict
@@ -29,7 +28,7 @@ from ..config import IOConfig
 from ..errors import OffloadMemoryError
 from ..handles.aio import AioHandle
 from ..memory.heap import trim_heap
-from ..swap import SwapBufferError, SwapError, TensorSwapper
+from ..swap import TensorSwapper
 from ._checks import check_arguments, check_cpu, raise_failed_writes
 from ._fused import FusedBackward
 from ._protocol import OffloadedParameters, find_offload, offload_of
@@ -117,6 +116,8 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         self._patch_step_function()
         self.sub_group_bytes = int(sub_group_bytes)
         self._offload: OffloadedParameters | None = None
+        self._whole_io: set[int] = set()
+        self._open_whole: torch.Tensor | None = None
         self._join_offload(self._all_params())
         self._subs = SubGroups(self.optimizer)
         bounds = self._subs.add(self._all_params(), self.sub_group_bytes, self._sliceable)
@@ -191,12 +192,14 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
             log.info("NVMeOptimizer: sub_group_bytes lowered to %d to fit the parameter "
                      "offload's budget", self.sub_group_bytes)
         self._offload = found
-        found.check_updatable(p for _, p in params if not self._sliceable(p))
+        found.check_updatable(p for _, p in params
+                              if not self._sliceable(p) or id(p) in self._whole_io)
 
     def _sliceable(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is updated in slices: an element-wise optimizer, a parameter larger
+        """Whether ``p`` is updated in slices: an element-wise optimizer, and a parameter larger
         than a sub-group whose elements are contiguous (an offloaded one always is, in its
-        file) and, if offloaded, too large to be updated whole within the offload's budget."""
+        file). An offloaded one whose whole update fits the offload's budget is read in and
+        written back whole (its state still goes slice by slice): noted in ``_whole_io``."""
         if not (is_elementwise(type(self.optimizer)) and p.numel() > 0
                 and p.numel() * p.element_size() > self.sub_group_bytes):
             return False
@@ -206,8 +209,10 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         try:
             offload.check_updatable([p])
         except OffloadMemoryError:
+            self._whole_io.discard(id(p))
             return True
-        return False
+        self._whole_io.add(id(p))
+        return True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; its parameters form new sub-groups (offloaded
@@ -317,31 +322,3 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (f"NVMeOptimizer({type(self.optimizer).__name__}, sub_groups={len(self._subs)}, "
                 f"swap_dir={self.swap_directory!r})")
-
-    def _all_params(self) -> list[Member]:
-        return [(gi, p) for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]]
-
-    def _stopped(self, exc: BaseException, writes: Writes) -> BaseException:
-        """After an update stopped: settle the writes (keeping what could not be written in
-        memory) and return the error to raise."""
-        failed = self._state.settle(writes, installed=self._current)
-        self._current = None
-        if self._offload is not None:
-            try:
-                self._offload.finish_updates()
-            except OSError as late:   # the step's own error is the one to raise
-                log.error("NVMeOptimizer: after the step stopped, a write failed too: %s", late)
-        if failed is not None and isinstance(exc, SwapBufferError):
-            exc = failed  # no buffer came free because a write failed: report the write
-        return self._step_error(exc, self._done)
-
-    def _step_error(self, exc: BaseException, done: int) -> BaseException:
-        if not isinstance(exc, OSError):
-            return exc
-        n = len(self._subs)
-        updated = f"sub-groups 0..{done} of {n} were updated" if done >= 0 else "no sub-group was updated"
-        resident = [i for i, lay in enumerate(self._subs.layouts) if lay is None]
-        return SwapError(f"NVMeOptimizer.step stopped: {exc}; {updated}; the state of sub-groups "
-                         f"{resident} is kept in memory", path=getattr(exc, "path", None),
-                         offset=getattr(exc, "offset", None), size=getattr(exc, "size", None),
-                         errno=exc.errno or errno.EIO)

@@ -29,18 +29,18 @@ def models():
 @pytest.mark.parametrize("accum", [1, 2])
 def test_sliced_update_of_an_offloaded_parameter_is_bitwise(tmp_path, cls, kw, offload_gradients, accum):
     """Accumulating a gradient on NVMe needs it twice in memory (stored + autograd's): a budget
-    of 2x, which also fits the whole update, so the weight is then updated whole (as it is with
-    its gradient kept in memory: the update needs only the weight's room)."""
+    of 2x, which also fits the whole update: the weight is then read and written whole (as it
+    is with its gradient kept in memory: the update needs only the weight's room), its state
+    still slice by slice."""
     ref_model, model = models()
     config = deepnvme.IOConfig(block_size=16 << 10)
-    sliced = accum == 1 and offload_gradients
     budget = 2 * BIG if accum == 2 and offload_gradients else BIG
     off = offload_parameters(model, tmp_path / "p", max_in_memory_bytes=budget, config=config,
                              offload_gradients=offload_gradients)
     opt = deepnvme.NVMeOptimizer(model.parameters(), cls, swap_dir=tmp_path / "s", **kw)
     ref = cls(ref_model.parameters(), **kw)
     try:
-        assert opt.sub_group_bytes == budget // 4 and opt.num_sliced_params == int(sliced)
+        assert opt.sub_group_bytes == budget // 4 and opt.num_sliced_params == 1
         g = torch.Generator().manual_seed(3)
         data = [torch.randn(5, 256, generator=g) for _ in range(3 * accum)]
         update_peak = 0
@@ -96,4 +96,32 @@ def test_non_elementwise_optimizer_still_needs_the_whole_parameter(tmp_path):
                                  r"optimizer update"):
             deepnvme.NVMeOptimizer(model.parameters(), torch.optim.Adagrad, swap_dir=tmp_path / "s")
     finally:
+        off.close()
+
+
+def test_a_parameter_whose_update_fits_is_moved_whole_and_its_state_in_slices(tmp_path):
+    """Budget 4x the weight: the weight and its gradient are read whole (no range I/O) while
+    the optimizer's state buffers hold one slice's state, not the weight's."""
+    ref_model, model = models()
+    off = offload_parameters(model, tmp_path / "p", max_in_memory_bytes=4 * BIG)
+    opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=tmp_path / "s",
+                                 sub_group_bytes=BIG // 4, lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    ranges = []
+    swapper = off._store.swapper
+    real = swapper.swap_in_range
+    swapper.swap_in_range = lambda *a: ranges.append(a) or real(*a)
+    try:
+        assert opt.num_sliced_params == 1 and opt.buffer_bytes < 2 * BIG // 2
+        x = torch.randn(5, 256)
+        for m, o in ((ref_model, ref), (model, opt)):
+            for _ in range(2):
+                o.zero_grad()
+                m(x).pow(2).sum().backward()
+                o.step()
+        got = off.state_dict()
+        assert all(torch.equal(v, got[k]) for k, v in ref_model.state_dict().items())
+        assert ranges == []
+    finally:
+        opt.close()
         off.close()

@@ -209,7 +209,9 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
             "stage": 3,
             "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
                               "buffer_size": largest,
-                              "buffer_count": max(2, budget_elems // largest), "max_in_cpu": 0},
+                              # one buffer per live parameter (fixed size: the largest one);
+                              # fewer than 8 asserts "Not enough buffers" in a block
+                              "buffer_count": max(8, budget_elems // largest), "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
                                   "buffer_count": 4},
             "stage3_max_live_parameters": budget_elems,

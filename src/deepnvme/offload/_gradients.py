@@ -25,7 +25,12 @@ _PAGE = 4096
 
 def accept_gradient(store: TensorStore, entry: Entry, grad: torch.Tensor) -> None:
     """Add ``grad`` to ``entry`` (a gradient entry: the first since zero_grad is stored, a later
-    one is added to the stored one, as ``param.grad += grad``) and start writing it."""
+    one is added to the stored one, as ``param.grad += grad``) and start writing it; or hand it
+    to the optimizer's update fused into the backward (``store.on_gradient``), which then
+    updates the parameter and stores nothing."""
+    consumer = store.on_gradient
+    if consumer is not None and not entry.valid and consumer(entry.param, grad):
+        return
     with store.lock:
         if entry.resident:
             _keep(store, entry, grad)

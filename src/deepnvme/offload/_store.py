@@ -73,6 +73,9 @@ class TensorStore:
         self.backups: dict[int, torch.Tensor] = {}   # resident key -> room for its old value
         # makes each new buffer of nbytes (a device-trained offload's are page-locked)
         self.new_buffer: Callable[[int], Buffer] = Buffer
+        # set by an optimizer that updates in the backward: takes (parameter, gradient), True
+        # if it consumed the gradient (then nothing is stored)
+        self.on_gradient: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
 
     # --- accounting ----------------------------------------------------------------------
 
@@ -346,6 +349,40 @@ class TensorStore:
             except BaseException:
                 self.unpin(pinned)
                 raise
+
+    # --- ranges of an entry's file (an optimizer update in slices) -------------------------
+
+    def read_range(self, entry: Entry, start: int, stop: int, *, demand: bool,
+                   what: str = "") -> tuple[torch.Tensor, Buffer, Future[torch.Tensor]] | None:
+        """Start reading elements ``start..stop`` of ``entry``'s file (flattened) into a
+        counted buffer: ``(1-D tensor, its buffer, the read)``; None if a prefetch finds no
+        room. Give the buffer back with :meth:`release_range`."""
+        with self.lock:
+            item = entry.dtype.itemsize
+            nbytes = (stop - start) * item
+            buf = self.buffer(nbytes, demand=demand, what=what)
+            if buf is None:
+                return None
+            out = buf.raw[:nbytes].view(entry.dtype)
+            fut = self.swapper.swap_in_range(entry.key, out, start * item)
+            self.bytes_read += nbytes
+            return out, buf, fut
+
+    def write_range(self, entry: Entry, tensor: torch.Tensor, start: int) -> Future[None]:
+        """Start writing ``tensor`` (1-D) as elements from ``start`` of ``entry``'s file."""
+        with self.lock:
+            fut = self.swapper.swap_out_range(entry.key, tensor, start * entry.dtype.itemsize)
+            self.bytes_written += tensor.numel() * tensor.element_size()
+            return fut
+
+    def release_range(self, buf: Buffer, nbytes: int, io: Future[Any] | None = None) -> None:
+        """A range's buffer is no longer used (drop every view of it first): back to the free
+        buffers now, or once ``io`` (a write from it, a read into it) ended."""
+        with self.lock:
+            if io is not None and not io.done():
+                self._orphans.append((io, nbytes, buf, False))
+                return
+            self._give_back(buf, nbytes)
 
     def unpin(self, entries: Iterable[Entry]) -> None:
         with self.lock:

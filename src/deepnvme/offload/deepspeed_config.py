@@ -10,6 +10,10 @@ swapped-in parameters); optimizer state goes to :class:`NVMeOptimizer` under
 ``zero_optimization.stage3_param_persistence_threshold`` (elements; DeepSpeed keeps parameters
 with fewer elements whole on every rank) becomes ``min_offload_bytes``: such parameters stay in
 memory; without the key, deepnvme's own default applies.
+``zero_optimization.sub_group_size`` (elements; DeepSpeed's unit of optimizer state swapped and
+updated together) becomes :class:`NVMeOptimizer`'s ``sub_group_bytes`` (times the parameters'
+element size): a larger parameter is updated in slices of that size, as DeepSpeed does; without
+the key, deepnvme's own default applies.
 ``device: "cpu"`` or ``"none"`` keeps that part in memory (a CPU loop already has it there).
 ``zero_optimization.stage`` 3 under torch.distributed (an initialized process group of several
 ranks): :meth:`DeepSpeedOffloadSettings.apply` shards the model with FSDP2 first, so each rank
@@ -45,6 +49,7 @@ _DEVICES = ("none", "cpu", "nvme")
 _PARAM_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size")
 _OPTIMIZER_KEYS = ("device", "nvme_path", "buffer_count")
 _PERSISTENCE = "stage3_param_persistence_threshold"
+_SUB_GROUP = "sub_group_size"
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,11 @@ class OptimizerOffloadSettings:
     nvme_path: str
     buffer_count: int = 4
     pin_memory: bool = False
+    sub_group_size: int | None = None   # elements; None: deepnvme's sub_group_bytes default
+
+    def sub_group_bytes(self, element_size: int) -> int | None:
+        """``sub_group_size`` elements of ``element_size`` bytes (None: deepnvme's default)."""
+        return None if self.sub_group_size is None else self.sub_group_size * element_size
 
 
 @dataclass(frozen=True)
@@ -102,16 +112,18 @@ class DeepSpeedOffloadSettings:
         """``optimizer_cls`` over ``params``: an :class:`NVMeOptimizer` when ``offload_optimizer``
         is on NVMe or the parameters are offloaded (their update reads them from files)."""
         params = list(params)
-        offloaded = any(getattr(p, "_deepnvme_offload", None) is not None
-                        for p in params if isinstance(p, torch.Tensor))
+        offloaded = any(getattr(p, "_deepnvme_offload", None) is not None for p in _tensors(params))
         if self.optimizer is None and not offloaded:
             return optimizer_cls(params, **optimizer_kwargs)
         if self.optimizer is None:
             raise ConfigError("zero_optimization.offload_optimizer: the parameters are offloaded "
                               "to NVMe, so the optimizer must be too (set its device to 'nvme')")
+        first = next((p for p in _tensors(params)), None)
+        sub_group = self.optimizer.sub_group_bytes(4 if first is None else first.element_size())
+        extra: dict[str, Any] = {} if sub_group is None else {"sub_group_bytes": sub_group}
         return NVMeOptimizer(params, optimizer_cls, swap_dir=self.optimizer.nvme_path,
                              buffer_count=self.optimizer.buffer_count, config=self.io,
-                             **optimizer_kwargs)
+                             **extra, **optimizer_kwargs)
 
     def apply(self, model: torch.nn.Module,
               optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
@@ -127,6 +139,17 @@ class DeepSpeedOffloadSettings:
             if offload is not None:
                 offload.close()
             raise
+
+
+def _tensors(params: list[Any]) -> list[torch.Tensor]:
+    """The tensors of ``params`` (tensors, or param group dicts holding them)."""
+    out: list[torch.Tensor] = []
+    for p in params:
+        if isinstance(p, torch.Tensor):
+            out.append(p)
+        elif isinstance(p, Mapping):
+            out.extend(t for t in p.get("params", ()) if isinstance(t, torch.Tensor))
+    return out
 
 
 def _load(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
@@ -198,7 +221,7 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike[str]
     if not isinstance(zero, Mapping):
         raise ConfigError(f"zero_optimization must be an object, got {type(zero).__name__}")
     unused += [f"zero_optimization.{k}" for k in zero
-               if k not in ("offload_param", "offload_optimizer", _PERSISTENCE, "stage")]
+               if k not in ("offload_param", "offload_optimizer", _PERSISTENCE, "stage", _SUB_GROUP)]
     stage = _count(zero, "stage", "zero_optimization", 0, 0) if "stage" in zero else None
     if stage is not None and stage > 3:
         raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
@@ -218,6 +241,8 @@ def from_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike[str]
     if param is None and _PERSISTENCE in zero:   # it acts on offloaded parameters only
         unused.append(f"zero_optimization.{_PERSISTENCE}")
     optimizer = _optimizer_settings(zero, unused)
+    if optimizer is None and _SUB_GROUP in zero:   # it sizes the NVMe optimizer's sub-groups only
+        unused.append(f"zero_optimization.{_SUB_GROUP}")
     if unused:
         warnings.warn(f"deepnvme ignores these DeepSpeed config keys (no effect on NVMe offload "
                       f"of a plain torch loop): {', '.join(unused)}", UserWarning, stacklevel=2)
@@ -246,4 +271,6 @@ def _optimizer_settings(zero: Mapping[str, Any], unused: list[str]) -> Optimizer
         return None
     return OptimizerOffloadSettings(nvme_path=os.fspath(s["nvme_path"]),
                                     buffer_count=_count(s, "buffer_count", where, 4, 2),
-                                    pin_memory=_flag(s, "pin_memory", where))
+                                    pin_memory=_flag(s, "pin_memory", where),
+                                    sub_group_size=(_count(zero, _SUB_GROUP, "zero_optimization", 1, 1)
+                                                    if _SUB_GROUP in zero else None))

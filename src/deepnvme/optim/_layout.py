@@ -9,7 +9,7 @@ import torch
 
 from ..io.plan import align_up
 
-__all__ = ["StateEntry", "StateLayout", "partition", "plan_layout", "ALIGN", "swapped"]
+__all__ = ["StateEntry", "StateLayout", "partition", "plan_layout", "slice_spans", "ALIGN", "swapped"]
 
 ALIGN = 64  # bytes between packed state tensors: keeps every view aligned for any dtype/SIMD
 
@@ -42,6 +42,18 @@ def partition(sizes: Sequence[int], sub_group_bytes: int) -> list[range]:
     if start < len(sizes):
         runs.append(range(start, len(sizes)))
     return runs
+
+
+def slice_spans(numel: int, itemsize: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Cut ``numel`` elements of ``itemsize`` bytes into the fewest contiguous ``(start, stop)``
+    spans of at most ``max_bytes`` each, of equal size (the last one shorter) and each a multiple
+    of 4096 bytes but the last (file offsets stay page-aligned, and equal buffers are reused);
+    a span holds at least one page, so it may exceed a ``max_bytes`` under 4096."""
+    align = 4096 // itemsize if itemsize and 4096 % itemsize == 0 else 1
+    most = max(align, (max_bytes // max(itemsize, 1)) // align * align)
+    count = -(-numel // most)
+    per = align_up(-(-numel // count), align)   # numel / count, rounded up to a page
+    return [(a, min(a + per, numel)) for a in range(0, numel, per)]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ and never the reverse.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -27,7 +27,10 @@ class OffloadedParameters(Protocol):
     Call order per optimizer step, for each sub-group in turn: :meth:`begin_update` (the
     parameters' ``.data`` and ``.grad`` are present), optionally :meth:`prefetch_update` for
     the next sub-group, the update, then :meth:`end_update` (or :meth:`abort_update` if the
-    update raised); :meth:`finish_updates` once the step ended.
+    update raised); :meth:`finish_updates` once the step ended. A parameter larger than a
+    sub-group, updated in slices (contiguous ranges of its flattened elements), goes through
+    :meth:`prefetch_slice`, :meth:`begin_slice` and :meth:`end_slice` (or :meth:`abort_slice`)
+    instead, slice by slice; only its slices are in memory, never the whole parameter.
     """
 
     def update_bytes(self) -> int:
@@ -59,7 +62,33 @@ class OffloadedParameters(Protocol):
         ...
 
     def finish_updates(self) -> None:
-        """The optimizer step ended (every sub-group was updated or the step stopped)."""
+        """The optimizer step ended (every sub-group was updated or the step stopped): let
+        what was read ahead go, and raise the first failed write of a slice."""
+        ...
+
+    def set_gradient_consumer(self, consumer: Callable[[torch.Tensor, torch.Tensor], bool] | None
+                              ) -> None:
+        """Hand each gradient autograd produces to ``consumer(param, grad)`` first (an update
+        fused into the backward); where it returns True the gradient is not stored. None: off."""
+        ...
+
+    def prefetch_slice(self, param: torch.Tensor, start: int, stop: int) -> None:
+        """Start reading elements ``start..stop`` of ``param`` and of its gradient."""
+        ...
+
+    def begin_slice(self, param: torch.Tensor, start: int,
+                    stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Elements ``start..stop`` of ``param`` (flattened) and of its gradient (None if it has
+        none), as 1-D tensors to update in place; blocks on the reads."""
+        ...
+
+    def end_slice(self, param: torch.Tensor, start: int, stop: int) -> None:
+        """Write the updated slice back and let it and its gradient's slice go (drop every
+        reference to them first: their buffers are reused)."""
+        ...
+
+    def abort_slice(self, param: torch.Tensor, start: int, stop: int) -> None:
+        """The slice's update failed: let it go with its values from before it."""
         ...
 
 

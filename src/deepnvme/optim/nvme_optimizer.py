@@ -5,8 +5,9 @@ sub-group's state (views into a pinned buffer just read from its swap file), nar
 param groups to that sub-group's parameters and calls the wrapped optimizer's own ``step()``,
 then writes the state back. Reads of sub-group i+1 and writes of i-1 run on the engine's
 threads while i is updated, so results are bitwise those of the wrapped optimizer in memory.
-Sub-groups are planned by :mod:`._subgroups`, their state moved by :mod:`._state`; parameters
-held by a parameter offload are updated through it (:mod:`._protocol`).
+Sub-groups are planned by :mod:`._subgroups`, their state moved by :mod:`._state`; a parameter
+larger than a sub-group is updated in slices by an element-wise optimizer (:mod:`._slices`);
+parameters held by a parameter offload are updated through it (:mod:`._protocol`).
 
 Memory bound: ``buffer_count`` pinned buffers of one sub-group's state (plus, on the first step
 or after a state layout change, one sub-group's freshly created state). Small per-parameter
@@ -15,7 +16,6 @@ values (0-d tensors such as Adam's ``step``, numbers, None) stay in ``optimizer.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from collections import OrderedDict
@@ -25,12 +25,18 @@ from typing import Any
 import torch
 
 from ..config import IOConfig
+from ..errors import OffloadMemoryError
 from ..handles.aio import AioHandle
-from ..swap import SwapBufferError, SwapError, TensorSwapper
+from ..memory.heap import trim_heap
+from ..swap import TensorSwapper
+from ._checks import check_arguments, check_cpu, raise_failed_writes
+from ._fused import FusedBackward
 from ._protocol import OffloadedParameters, find_offload, offload_of
 from ._sharded import local_parameters
+from ._slices import Slices, is_elementwise
 from ._state import StateSwap, Writes
 from ._subgroups import Member, SubGroups
+from ._updating import Updating
 
 __all__ = ["NVMeOptimizer"]
 
@@ -39,40 +45,7 @@ log = logging.getLogger(__name__)
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
-# elementwise updates: bitwise the same with any number of threads (update_threads="auto")
-_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-_USAGE = "NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=..., lr=...)"
-
-
-def _check_arguments(params: object, optimizer_cls: object) -> None:
-    """Refuse the natural misreadings of the signature with the call to write instead."""
-    if isinstance(params, torch.optim.Optimizer):
-        name = type(params).__name__
-        raise TypeError(f"NVMeOptimizer builds the optimizer itself: pass the parameters and the "
-                        f"optimizer class with its options, e.g. {_USAGE}, not an optimizer "
-                        f"object (got {name}; to carry its param groups over: NVMeOptimizer("
-                        f"optimizer.param_groups, type(optimizer), swap_dir=...))")
-    if isinstance(params, torch.nn.Module):
-        raise TypeError(f"NVMeOptimizer takes the model's parameters, not the "
-                        f"{type(params).__name__} module: {_USAGE}")
-    if isinstance(optimizer_cls, torch.optim.Optimizer):
-        raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, "
-                        f"not an optimizer object (got {type(optimizer_cls).__name__}); pass its "
-                        f"options as keyword arguments: {_USAGE}")
-    if not callable(optimizer_cls):
-        raise TypeError(f"optimizer_cls must be an optimizer class such as torch.optim.AdamW, "
-                        f"got {type(optimizer_cls).__name__}: {_USAGE}")
-
-
-def _check_cpu(params: list[Member]) -> None:
-    for gi, p in params:   # an offload's parameters are updated on its host copies
-        if p.device.type != "cpu" and offload_of(p) is None:
-            raise ValueError(f"NVMeOptimizer needs CPU parameters (with the master copy and the "
-                             f"update on the CPU, as in ZeRO-Infinity's CPU optimizer); a "
-                             f"parameter of group {gi} is on {p.device}")
-
-
-class NVMeOptimizer(torch.optim.Optimizer):
+class NVMeOptimizer(Updating, torch.optim.Optimizer):
     """Drop-in optimizer whose state lives in files under ``swap_dir`` between steps.
 
     ``optimizer_cls(params, **optimizer_kwargs)`` is built and does every update, so param
@@ -91,8 +64,12 @@ class NVMeOptimizer(torch.optim.Optimizer):
             (created if missing; removed by :meth:`close`, with ``swap_dir`` itself if this
             optimizer created it and nothing else is in it).
         sub_group_bytes: parameter bytes per sub-group, the unit read, updated and written
-            together. Its state on disk is that times the optimizer's state per parameter byte
-            (2 for Adam/AdamW, 1 for SGD with momentum); a larger parameter forms its own
+            together (DeepSpeed's ``sub_group_size``, in bytes). Its state on disk is that times
+            the optimizer's state per parameter byte (2 for Adam/AdamW, 1 for SGD with
+            momentum). A larger parameter is updated in contiguous slices of at most this size
+            (page multiples) by an element-wise optimizer (SGD, Adam, AdamW, or a class with
+            ``deepnvme_elementwise = True``), bitwise as whole, so memory stays bounded by the
+            sub-group, not the largest parameter; for any other optimizer it forms its own
             sub-group. Lowered to fit a parameter offload's budget.
         buffer_count: pinned buffers of one sub-group's state (>= 2; 3 overlaps read, update
             and write).
@@ -104,11 +81,16 @@ class NVMeOptimizer(torch.optim.Optimizer):
             each sub-group's update, restored after it; None keeps the caller's. The update
             runs while the next sub-group is read and the previous one written, and where the
             I/O threads need the cores that torch's threads use, fewer threads finish sooner.
-            Elementwise optimizers (SGD, Adam, AdamW) give bitwise the
+            Element-wise optimizers (SGD, Adam, AdamW) give bitwise the
             same results with any thread count; one that reduces (a norm) may round
-            differently. ``"auto"``: for ``torch.optim.SGD``, ``Adam`` and ``AdamW``
-            themselves, torch's threads less the I/O handle's threads (at least 1); for any
-            other optimizer, None.
+            differently. ``"auto"``: for element-wise optimizers (``torch.optim.SGD``, ``Adam``
+            and ``AdamW`` themselves, or a declared class), torch's threads less the I/O
+            handle's threads (at least 1); for any other optimizer, None.
+        fuse_backward: update each sub-group inside the backward pass, as soon as all its
+            parameters have their gradients (post-accumulate-grad hooks; an offloaded
+            gradient is then never written and read back); ``step()`` finishes the step. Not
+            with gradient accumulation (a second gradient before ``step()`` raises) nor
+            gradient clipping (the gradients are consumed one by one).
         **optimizer_kwargs: the options of ``optimizer_cls`` (``lr``, ``betas``, ...).
 
     Raises:
@@ -120,8 +102,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
                  *, swap_dir: str | os.PathLike[str], sub_group_bytes: int = 256 << 20,
                  buffer_count: int = 3, config: IOConfig | None = None, stale: str = "warn",
                  handle: AioHandle | None = None, update_threads: int | str | None = "auto",
-                 **optimizer_kwargs: Any) -> None:
-        _check_arguments(params, optimizer_cls)
+                 fuse_backward: bool = False, **optimizer_kwargs: Any) -> None:
+        check_arguments(params, optimizer_cls)
         if update_threads not in ("auto", None) and (
                 isinstance(update_threads, bool) or not isinstance(update_threads, int) or update_threads < 1):
             raise ValueError(f"update_threads must be an int >= 1, 'auto' or None, got {update_threads!r}")
@@ -129,23 +111,28 @@ class NVMeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"buffer_count must be >= 2 (3 overlaps read, update and write), "
                              f"got {buffer_count}")
         self.optimizer = optimizer_cls(local_parameters(params), **optimizer_kwargs)
-        _check_cpu(self._all_params())
+        check_cpu(self._all_params())
         for name in _HOOK_DICTS:
             setattr(self, name, OrderedDict())
         self._patch_step_function()
         self.sub_group_bytes = int(sub_group_bytes)
         self._offload: OffloadedParameters | None = None
+        self._whole_io: set[int] = set()
+        self._open_whole: torch.Tensor | None = None
         self._join_offload(self._all_params())
         self._subs = SubGroups(self.optimizer)
-        bounds = self._subs.add(self._all_params(), self.sub_group_bytes)
+        bounds = self._subs.add(self._all_params(), self.sub_group_bytes, self._sliceable)
         swapper = TensorSwapper(swap_dir, config=config, buffer_bytes=max(bounds + [1]),
                                 buffer_count=buffer_count, min_swap_bytes=0, stale=stale,
                                 handle=handle)
         self._state = StateSwap(self.optimizer, self._subs, swapper)
+        self._slices = Slices(self.optimizer, self._subs, self._state)
         self.update_threads = update_threads if isinstance(update_threads, int) else None
-        if update_threads == "auto" and type(self.optimizer) in _ELEMENTWISE:
+        if update_threads == "auto" and is_elementwise(type(self.optimizer)):
             io_threads = swapper.io_config.intra_op_parallelism
             self.update_threads = max(1, torch.get_num_threads() - io_threads)
+        self._current, self._done = None, -1
+        self._fused = FusedBackward(self) if fuse_backward else None
 
     # --- the torch.optim.Optimizer surface -------------------------------------------------
 
@@ -172,6 +159,11 @@ class NVMeOptimizer(torch.optim.Optimizer):
         return len(self._subs)
 
     @property
+    def num_sliced_params(self) -> int:
+        """Parameters updated in slices (larger than a sub-group, element-wise optimizer)."""
+        return len(self._slices.by_param())
+
+    @property
     def swapped_bytes(self) -> int:
         """Bytes of optimizer state in the swap files now (packed, with alignment padding)."""
         return sum(layout.total for layout in self._subs.layouts if layout is not None)
@@ -184,21 +176,44 @@ class NVMeOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the wrapped optimizer's gradients, and those of offloaded parameters."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._fused is not None:
+            self._fused.pending.clear()
         if self._offload is not None:
             self._offload.zero_grad()
 
     def _join_offload(self, params: list[Member]) -> None:
-        """Find the parameter offload holding any of ``params`` (one per optimizer), check that
-        each of them can be updated within its budget, and fit the sub-groups to that budget."""
+        """Find the parameter offload holding any of ``params`` (one per optimizer), fit the
+        sub-groups to its budget, and check that each parameter not updated in slices can be
+        updated whole within it."""
         found = find_offload(p for _, p in self._all_params())
         if found is None:
             return
-        found.check_updatable(p for _, p in params)
-        self._offload = found
         if self.sub_group_bytes > found.update_bytes():
             self.sub_group_bytes = found.update_bytes()
             log.info("NVMeOptimizer: sub_group_bytes lowered to %d to fit the parameter "
                      "offload's budget", self.sub_group_bytes)
+        self._offload = found
+        found.check_updatable(p for _, p in params
+                              if not self._sliceable(p) or id(p) in self._whole_io)
+
+    def _sliceable(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is updated in slices: an element-wise optimizer, and a parameter larger
+        than a sub-group whose elements are contiguous (an offloaded one always is, in its
+        file). An offloaded one whose whole update fits the offload's budget is read in and
+        written back whole (its state still goes slice by slice): noted in ``_whole_io``."""
+        if not (is_elementwise(type(self.optimizer)) and p.numel() > 0
+                and p.numel() * p.element_size() > self.sub_group_bytes):
+            return False
+        offload = self._offload if offload_of(p) is not None else None
+        if offload is None:
+            return p.is_contiguous()
+        try:
+            offload.check_updatable([p])
+        except OffloadMemoryError:
+            self._whole_io.discard(id(p))
+            return True
+        self._whole_io.add(id(p))
+        return True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; its parameters form new sub-groups (offloaded
@@ -209,9 +224,9 @@ class NVMeOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(local_parameters([param_group])[0])
         try:
             fresh = [(gi, p) for gi, p in self._all_params() if id(p) not in known]
-            _check_cpu(fresh)
+            check_cpu(fresh)
             self._join_offload(fresh)
-            bounds = self._subs.add(fresh, self.sub_group_bytes)
+            bounds = self._subs.add(fresh, self.sub_group_bytes, self._sliceable)
             swapper = self._state.swapper
             if max(bounds + [0]) > swapper.buffer_bytes:
                 raise ValueError(f"the new group's sub-groups need {max(bounds)} bytes of state but "
@@ -222,6 +237,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
             del self.optimizer.param_groups[n_groups:]
             self._subs.truncate(n_subs, n_groups)
             raise
+        if self._fused is not None:
+            self._fused.attach()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -234,47 +251,35 @@ class NVMeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
+        if self._fused is not None:
+            self._fused.finish()
+            return loss
         writes: Writes = []
-        done, current = -1, None
+        self._current, self._done = None, -1
         state = self._state
         try:
             n = len(self._subs)
             state.prefetch(0)
             for i in range(n):
-                _raise_failed_writes(writes)
+                raise_failed_writes(writes)
                 if i + 1 < n:
                     state.prefetch(i + 1)
-                state.install(i)
-                current = i
-                for g in groups:
-                    g["params"] = []
-                for gi, p in self._subs.members[i]:
-                    groups[gi]["params"].append(p)
                 fresh = self._subs.layouts[i] is None   # the wrapped optimizer creates its state
-                self._update(i)
-                done = i
-                fut = state.store(i)
+                fut = self._run_sub_group(i, lambda i=i: self._update(i))  # type: ignore[misc]
                 if fresh and self._offload is not None:
-                    self._offload.finish_updates()  # the created state left the heap: trim now
-                current = None
+                    trim_heap()  # the created state left the heap: give it back now
                 if fut is not None:
                     writes.append((i, fut))
         except BaseException as exc:
-            for g, ps in zip(groups, saved):
-                g["params"] = ps
-            failed = state.settle(writes, installed=current)
-            if failed is not None and isinstance(exc, SwapBufferError):
-                exc = failed  # no buffer came free because a write failed: report the write
-            raise self._step_error(exc, done) from exc
-        for g, ps in zip(groups, saved):
-            g["params"] = ps
+            raise self._stopped(exc, writes) from exc
         failed = state.settle(writes, installed=None)
         if self._offload is not None:
-            self._offload.finish_updates()
+            try:
+                self._offload.finish_updates()
+            except OSError as exc:   # a slice of a parameter could not be written
+                failed = failed or exc
         if failed is not None:
-            raise self._step_error(failed, done) from failed
+            raise self._step_error(failed, self._done) from failed
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -282,9 +287,11 @@ class NVMeOptimizer(torch.optim.Optimizer):
         CPU tensors (so it needs memory for the whole state; it does not change the files)."""
         try:
             self._state.read_back()
+            self._slices.assemble()
             return self.optimizer.state_dict()
         finally:
             self._state.drop(range(len(self._subs)), fresh_dicts=True)
+            self._slices.strip()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer, then write the state of every sub-group to NVMe."""
@@ -292,9 +299,10 @@ class NVMeOptimizer(torch.optim.Optimizer):
         self._subs.layouts = [None] * len(self._subs)
         writes: Writes = []
         for i in range(len(self._subs)):
-            fut = self._state.store(i)
+            fut = self._state.store(i) if self._subs.spans[i] is None else None
             if fut is not None:
                 writes.append((i, fut))
+        writes += self._slices.split_loaded()
         failed = self._state.settle(writes, installed=None)
         if failed is not None:
             raise failed
@@ -302,6 +310,8 @@ class NVMeOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Delete the swap files (the state is lost unless saved) and the private directory
         holding them, and ``swap_dir`` if this optimizer created it and it is empty. Idempotent."""
+        if self._fused is not None:
+            self._fused.detach()
         self._state.swapper.close()
 
     def __enter__(self) -> NVMeOptimizer:
@@ -313,55 +323,3 @@ class NVMeOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (f"NVMeOptimizer({type(self.optimizer).__name__}, sub_groups={len(self._subs)}, "
                 f"swap_dir={self.swap_directory!r})")
-
-    def _update(self, i: int) -> None:
-        """The wrapped optimizer's step on sub-group i (narrowed param groups), with offloaded
-        parameters and gradients read in first and written back after (i+1's read ahead)."""
-        offload = self._offload
-        if offload is None:
-            self._wrapped_step()
-            return
-        params = self._subs.params(i)
-        offload.begin_update(params)
-        if i + 1 < len(self._subs):
-            offload.prefetch_update(self._subs.params(i + 1))
-        try:
-            self._wrapped_step()
-        except BaseException:
-            offload.abort_update(params)
-            raise
-        offload.end_update(params)
-
-    def _wrapped_step(self) -> None:
-        """The wrapped optimizer's step, with ``update_threads`` torch threads if set."""
-        threads = self.update_threads
-        if threads is None:
-            self.optimizer.step()
-            return
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            self.optimizer.step()
-        finally:
-            torch.set_num_threads(before)
-
-    def _all_params(self) -> list[Member]:
-        return [(gi, p) for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]]
-
-    def _step_error(self, exc: BaseException, done: int) -> BaseException:
-        if not isinstance(exc, OSError):
-            return exc
-        n = len(self._subs)
-        updated = f"sub-groups 0..{done} of {n} were updated" if done >= 0 else "no sub-group was updated"
-        resident = [i for i, lay in enumerate(self._subs.layouts) if lay is None]
-        return SwapError(f"NVMeOptimizer.step stopped: {exc}; {updated}; the state of sub-groups "
-                         f"{resident} is kept in memory", path=getattr(exc, "path", None),
-                         offset=getattr(exc, "offset", None), size=getattr(exc, "size", None),
-                         errno=exc.errno or errno.EIO)
-
-
-def _raise_failed_writes(writes: Writes) -> None:
-    for _, fut in writes:
-        exc = fut.exception() if fut.done() else None
-        if exc is not None:
-            raise exc

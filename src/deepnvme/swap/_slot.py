@@ -144,9 +144,11 @@ class _Slot:
         return self.read
 
     def write(self, handle: AioHandle, lender: Lender, data: torch.Tensor, source: Lease | None,
-              from_own: bool) -> Future[None]:
+              from_own: bool, *, offset: int | None = None) -> Future[None]:
         """Queue writing ``data`` (inside ``source``'s buffer, if any; the key's own buffer at
-        its start if ``from_own``). A failed write from the own buffer keeps that buffer."""
+        its start if ``from_own``). A failed write from the own buffer keeps that buffer.
+        ``offset``: write a range of the file at that byte (the key's value stays; a success
+        does not clear an earlier write's failure)."""
         if source is not None:
             lender.use(source)
 
@@ -159,6 +161,8 @@ class _Slot:
                                   "is lost (swap_in returns it; release(key, force=True) frees it)",
                                   self.key)
                     lender.done_using(source)
+                if exc is None and offset is not None:
+                    return
                 if exc is None:
                     self.write_error = None
                     for lease in self.leases():
@@ -166,12 +170,13 @@ class _Slot:
                     return
                 self.write_error = err = self.wrap("swap_out", exc)
             raise err
-        return self.chain.then(lambda: handle.submit_write(data, self.path, keep_open=True), settle)
+        return self.chain.then(lambda: handle.submit_write(data, self.path, offset=offset or 0,
+                                                           keep_open=True), settle)
 
     def read_into(self, handle: AioHandle, lender: Lender, target: torch.Tensor,
-                  lease: Lease | None, result: Callable[[], Any]) -> Future[Any]:
-        """Queue reading the file into ``target`` (inside ``lease``'s buffer, if any); the
-        future gives ``result()``."""
+                  lease: Lease | None, result: Callable[[], Any], *, offset: int = 0) -> Future[Any]:
+        """Queue reading the file (from byte ``offset``) into ``target`` (inside ``lease``'s
+        buffer, if any); the future gives ``result()``."""
         if lease is not None:
             lender.use(lease)
 
@@ -180,7 +185,7 @@ class _Slot:
                 raise SwapError(f"swap_in of key {self.key!r} impossible: the swap_out before it "
                                 f"failed ({self.write_error})", path=self.path, offset=0,
                                 size=self.nbytes, errno=errno.EIO)
-            return handle.submit_read(target, self.path, keep_open=True)
+            return handle.submit_read(target, self.path, offset=offset, keep_open=True)
 
         def settle(exc: BaseException | None, _n: int) -> Any:
             if lease is not None:
@@ -209,6 +214,12 @@ class _Slot:
                          path=getattr(exc, "path", None) or self.path,
                          offset=getattr(exc, "offset", 0), size=getattr(exc, "size", None) or self.nbytes,
                          errno=exc.errno)
+
+    def check_range(self, offset: int, nbytes: int) -> None:
+        """Refuse a range outside the value on disk (or a key kept in memory)."""
+        if not self.on_disk or offset < 0 or offset + nbytes > self.nbytes:
+            raise SwapBufferError(f"range {offset}..{offset + nbytes} of key {self.key!r} is not "
+                                  f"inside its {self.nbytes} bytes on disk")
 
     def check_out(self, out: torch.Tensor) -> None:
         check_io_tensor(out, "out")

@@ -209,6 +209,31 @@ class TensorSwapper:
                 return held
             return slot.read_into_lease(self._handle, self._lender, lease)
 
+    def swap_in_range(self, key: Hashable, out: torch.Tensor, offset: int) -> Future[torch.Tensor]:
+        """Start reading ``out``'s byte size from byte ``offset`` of ``key``'s file into ``out``
+        (contiguous CPU); ordered after the key's earlier writes. The future gives ``out``."""
+        self._check_open()
+        check_io_tensor(out, "out")
+        slot = self._slot(key)
+        data = cast_to_byte_tensor(out)
+        with self._lock:
+            slot.check_range(offset, data.numel())
+            return slot.read_into(self._handle, self._lender, data, self._lender.find(out),
+                                  lambda: out, offset=offset)
+
+    def swap_out_range(self, key: Hashable, tensor: torch.Tensor, offset: int) -> Future[None]:
+        """Start writing ``tensor``'s bytes at byte ``offset`` of ``key``'s file, inside the
+        value last swapped out (whose shape stays); ordered after the key's earlier I/O. Leave
+        ``tensor`` unchanged until the future completes."""
+        self._check_open()
+        check_io_tensor(tensor, f"tensor for key {key!r}")
+        slot = self._slot(key)
+        data = cast_to_byte_tensor(tensor)
+        with self._lock:
+            slot.check_range(offset, data.numel())
+            return slot.write(self._handle, self._lender, data, self._lender.find(tensor), False,
+                              offset=offset)
+
     def prefetch(self, keys: Iterable[Hashable]) -> None:
         """Start swapping ``keys`` in to pool buffers; a later ``swap_in(key)`` picks them up.
         Blocks only while waiting for free buffers."""

@@ -163,3 +163,30 @@ def test_the_persistence_threshold_without_nvme_params_is_unused_and_checked():
         from_deepspeed_config({"zero_optimization": {
             "stage3_param_persistence_threshold": -1,
             "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
+
+
+def test_sub_group_size_sizes_the_nvme_optimizer_and_slices_larger_parameters(tmp_path):
+    """DeepSpeed's sub_group_size (elements) becomes NVMeOptimizer's sub_group_bytes: a weight
+    of 4096 elements under a sub-group of 1024 is updated in 4 slices."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the key acts: not named as unused
+        s = from_deepspeed_config({"zero_optimization": {
+            "sub_group_size": 1024,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+    assert s.optimizer is not None and s.optimizer.sub_group_size == 1024
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    opt = s.make_optimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
+    try:
+        assert opt.sub_group_bytes == 4096 and opt.num_sliced_params == 1
+        assert opt.num_sub_groups == 4 + 1
+    finally:
+        opt.close()
+
+
+def test_sub_group_size_without_the_nvme_optimizer_is_unused_and_checked():
+    with pytest.warns(UserWarning, match="zero_optimization.sub_group_size"):
+        from_deepspeed_config({"zero_optimization": {"sub_group_size": 10}})
+    with pytest.raises(ConfigError, match=r"zero_optimization.sub_group_size must be an integer "
+                                          r">= 1, got 0"):
+        from_deepspeed_config({"zero_optimization": {
+            "sub_group_size": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})

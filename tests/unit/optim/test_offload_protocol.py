@@ -36,6 +36,21 @@ class Fake:
     def finish_updates(self):
         pass
 
+    def set_gradient_consumer(self, consumer):
+        pass
+
+    def prefetch_slice(self, param, start, stop):
+        pass
+
+    def begin_slice(self, param, start, stop):
+        return param, None
+
+    def end_slice(self, param, start, stop):
+        pass
+
+    def abort_slice(self, param, start, stop):
+        pass
+
 
 def test_the_mark_finds_the_one_offload_and_refuses_two():
     a, b, free = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))

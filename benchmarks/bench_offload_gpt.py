@@ -1,0 +1,325 @@
+"""A GPT trained beyond memory at default settings: deepnvme vs DeepSpeed ZeRO-3 (NVMe offload).
+
+Model: token and position embeddings, ``--layers`` pre-norm transformer blocks (attention with
+``F.scaled_dot_product_attention``, a 4x GELU MLP), an untied LM head; fp32, AdamW, batch
+``--batch`` x ``--seq`` tokens. The token embedding and the head are the largest parameters
+(``--vocab`` x ``--dim``). Budget: ``--budget-frac`` of the parameters' bytes (a quarter by
+default): the embedding is larger than half of it, so its optimizer update must go in slices.
+
+Each mode runs in its own subprocess (its peak RSS its own: VmHWM above the RSS after importing
+torch and a warm-up step, reset after the first step), ``--reps`` interleaved repetitions:
+
+- ``memory``: the model and AdamW in memory;
+- ``defaults``: ``offload_parameters(model, dir, max_in_memory_bytes=budget, source=init)`` and
+  ``NVMeOptimizer(model.parameters(), AdamW, swap_dir=dir, lr=...)``, nothing else set;
+- ``keepgrads``: the same with ``offload_gradients=False`` (gradients in memory, as ZeRO-3);
+- ``fused``: the defaults with the update fused into the backward (``fuse_backward=True``);
+- ``deepspeed`` (with ``--ds-python``): ZeRO-3, ``offload_param`` and ``offload_optimizer`` on
+  nvme under ``dir``, its parameter buffers holding the budget (at least two of the largest
+  parameter), ``sub_group_size`` a quarter of the budget, torch's AdamW, DeepSpeed's CPU
+  accelerator and gloo (one rank).
+
+Reported: the median step (s), CPU seconds per step (getrusage, all threads), peak RSS, and
+each offloaded mode's step over DeepSpeed's. GB = 1e9 bytes.
+
+    python benchmarks/bench_offload_gpt.py --dir /mnt/nvme/x --ds-python /venv-ds/bin/python \
+        --json benchmarks/results/out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, HERE)
+from offload_bench import status  # noqa: E402  (same folder)
+
+OFFLOADED = ("defaults", "keepgrads", "fused")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
+def make_model(args: argparse.Namespace) -> GPT:
+    return GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
+
+
+def init(name: str, t: torch.Tensor) -> None:
+    """GPT-2's init: weights N(0, 0.02), LayerNorm weights 1, biases 0."""
+    if t.dim() > 1:
+        t.normal_(0.0, 0.02)
+    elif name.endswith("weight"):
+        t.fill_(1.0)
+    else:
+        t.zero_()
+
+
+def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def loss_of(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def warm_up(threads: int) -> int:
+    """Page in autograd and AdamW before the baseline; returns the RSS baseline."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    warm = nn.Linear(64, 64)
+    torch.optim.AdamW(warm.parameters()).step(warm(torch.randn(8, 64)).sum().backward())
+    return status("VmRSS")
+
+
+def time_steps(step: Callable[[], None], steps: int, baseline: int,
+               after_first: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One untimed step (it creates the optimizer state), VmHWM reset, then ``steps`` timed:
+    wall and CPU seconds each, and the peak RSS above ``baseline``."""
+    times, cpu = [], []
+    first = 0
+    for i in range(steps + 1):
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        step()
+        if i == 0:
+            first = status("VmHWM") - baseline
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            if after_first is not None:
+                after_first()
+            continue
+        times.append(time.perf_counter() - t0)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+    return {"step_s": times, "cpu_s": cpu, "rss": status("VmHWM") - baseline, "rss_first_step": first}
+
+
+def budget_of(args: argparse.Namespace, n_params: int) -> int:
+    return int(4 * n_params * args.budget_frac)
+
+
+def run_ours(args: argparse.Namespace) -> dict[str, Any]:
+    import deepnvme
+
+    baseline = warm_up(args.threads)
+    x, y = batch(args)
+    if args.mode == "memory":
+        model = make_model(args)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                init(name, p)
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        offload = None
+    else:
+        with torch.device("meta"):
+            model = make_model(args)
+        budget = budget_of(args, sum(p.numel() for p in model.parameters()))
+        extra: dict[str, Any] = {"offload_gradients": False} if args.mode == "keepgrads" else {}
+        offload = deepnvme.offload_parameters(model, args.dir, max_in_memory_bytes=budget,
+                                              source=init, **extra)
+        fused = {"fuse_backward": True} if args.mode == "fused" else {}
+        opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=args.dir,
+                                     lr=1e-4, **fused)
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_of(model(x), y).backward()
+        opt.step()
+
+    out = {"mode": args.mode, "n_params": sum(p.numel() for p in model.parameters()),
+           **time_steps(step, args.steps, baseline,
+                        after_first=offload.reset_stats if offload is not None else None)}
+    if offload is not None:
+        s = offload.stats()
+        out.update(param_grad_read_per_step=s.bytes_read / args.steps,
+                   param_grad_written_per_step=s.bytes_written / args.steps)
+        assert isinstance(opt, deepnvme.NVMeOptimizer)
+        out.update(budget=s.budget_bytes, peak_held=s.peak_bytes, sub_groups=opt.num_sub_groups,
+                   sliced_params=opt.num_sliced_params, sub_group_bytes=opt.sub_group_bytes,
+                   opt_buffers=3 * opt.buffer_bytes, state_bytes=opt.swapped_bytes)
+        offload.close()
+        opt.close()
+    return out
+
+
+def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # the side environment's (--ds-python)
+
+    baseline = warm_up(args.threads)
+    deepspeed.init_distributed(dist_backend="gloo")
+    n_params = sum(p.numel() for p in make_model_meta(args).parameters())
+    budget_elems = budget_of(args, n_params) // 4
+    largest = args.vocab * args.dim
+    nvme = os.path.join(args.dir, "deepspeed")
+    os.makedirs(nvme, exist_ok=True)
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
+                              "buffer_size": largest,
+                              # one buffer per live parameter (fixed size: the largest one);
+                              # fewer than 8 asserts "Not enough buffers" in a block
+                              "buffer_count": max(8, budget_elems // largest), "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
+                                  "buffer_count": 4},
+            "stage3_max_live_parameters": budget_elems,
+            "stage3_prefetch_bucket_size": budget_elems // 4,
+            "sub_group_size": budget_elems // 4,
+        },
+    }
+    with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
+        model = make_model(args)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    x, y = batch(args)
+
+    def step() -> None:
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+
+    return {"mode": "deepspeed", "n_params": n_params, "deepspeed": deepspeed.__version__,
+            **time_steps(step, args.steps, baseline)}
+
+
+def make_model_meta(args: argparse.Namespace) -> GPT:
+    with torch.device("meta"):
+        return make_model(args)
+
+
+def spawn(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    python = args.ds_python if mode == "deepspeed" else sys.executable
+    cmd = [python, os.path.abspath(__file__), "--child", mode, "--dir", os.path.join(args.dir, mode)]
+    for k in ("vocab", "dim", "layers", "heads", "seq", "batch", "budget_frac", "steps", "threads"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    shutil.rmtree(os.path.join(args.dir, mode), ignore_errors=True)
+    if proc.returncode:   # a failed run is a result (named in the table), not the end
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        return {"mode": mode, "error": lines[-1] if lines else f"exit {proc.returncode}"}
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--dir", required=True, help="directory on the storage to test")
+    ap.add_argument("--vocab", type=int, default=12288)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--budget-frac", type=float, default=0.25, help="budget / parameter bytes")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per run (after one untimed)")
+    ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions of each mode")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--modes", default="memory,defaults,keepgrads,fused",
+                    help="comma-separated (deepspeed is added by --ds-python)")
+    ap.add_argument("--ds-python", default=None, help="python of a side environment with DeepSpeed")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for mode, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            rows[mode] = {"error": rs[0]["error"]}
+            continue
+        rows[mode] = {"step_s": statistics.median(t for r in ok for t in r["step_s"]),
+                      "cpu_s": statistics.median(t for r in ok for t in r["cpu_s"]),
+                      "rss_mib": max(r["rss"] for r in ok) / 2**20}
+    ds = rows.get("deepspeed", {}).get("step_s")
+    first = next(r for rs in runs.values() for r in rs if "error" not in r)
+    print(f"GPT {first['n_params'] / 1e6:.1f} M fp32 params (vocab {args.vocab}, dim {args.dim}, "
+          f"{args.layers} layers), AdamW, {args.batch} x {args.seq} tokens, budget "
+          f"{args.budget_frac} of the parameters' bytes; {args.threads} torch threads; medians of "
+          f"{args.reps} x {args.steps} steps; {args.dir}")
+    print(f"{'mode':<12}{'step s':>9}{'CPU s':>8}{'peak RSS MiB':>14}{'/ DeepSpeed':>13}")
+    for mode, row in rows.items():
+        if "error" in row:
+            print(f"{mode:<12} failed: {row['error']}")
+            continue
+        ratio = f"{row['step_s'] / ds:.2f}" if ds else "-"
+        print(f"{mode:<12}{row['step_s']:>9.2f}{row['cpu_s']:>8.2f}{row['rss_mib']:>14.0f}{ratio:>13}")
+    return rows
+
+
+def main() -> None:
+    args = parse()
+    if args.child:
+        args.mode = args.child
+        out = run_deepspeed(args) if args.child == "deepspeed" else run_ours(args)
+        print(json.dumps(out))
+        return
+    modes = [m for m in args.modes.split(",") if m] + (["deepspeed"] if args.ds_python else [])
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    os.makedirs(args.dir, exist_ok=True)
+    for rep in range(args.reps):
+        order = modes if rep % 2 == 0 else modes[::-1]   # interleaved, each order once
+        for mode in order:
+            runs[mode].append(spawn(args, mode))
+            print(f"[{time.strftime('%H:%M:%S')}] {mode}: "
+                  f"{runs[mode][-1].get('step_s', runs[mode][-1].get('error'))}", flush=True)
+    rows = report(args, runs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "args": {k: v for k, v in vars(args).items()
+                                                            if k != "child"},
+                       "runs": runs, "summary": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

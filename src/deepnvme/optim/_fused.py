@@ -1,0 +1,160 @@
+"""The optimizer update fused into the backward pass (``NVMeOptimizer(fuse_backward=True)``).
+
+Each sub-group is updated as soon as every parameter of it has its gradient (autograd's
+post-accumulate-grad hook, or the parameter offload handing the gradient over instead of
+storing it): an offloaded gradient is then never written and read back, and an offloaded
+parameter is updated while the backward has it in memory. ``step()`` updates the sub-groups
+still waiting (a member that got no gradient) and waits for the writes.
+
+Refused: a second gradient for a parameter before ``step()`` (gradient accumulation) raises;
+gradient clipping cannot work either (the gradients are consumed one by one, so
+``clip_grad_norm_`` would see none): use ``fuse_backward=False`` for both.
+Memory: the gradients of the sub-groups not yet complete (at most about one sub-group in the
+usual reverse order), beside the optimizer's buffers and the offload's budget.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from ._protocol import offload_of
+from ._state import Writes
+from ._updating import Updating
+
+__all__ = ["FusedBackward"]
+
+
+class FusedBackward:
+    """The hooks and the pending gradients of one NVMeOptimizer (see the module doc)."""
+
+    def __init__(self, opt: Updating) -> None:
+        self.opt = opt
+        self.pending: dict[int, torch.Tensor] = {}   # id(param) -> its gradient, until used
+        self.updated: set[int] = set()                # id(param): updated since step()
+        self.writes: Writes = []
+        self.prefetched: int | None = None            # the sub-group whose state is read ahead
+        self.hooks: list[RemovableHandle] = []
+        self.subs_of: dict[int, list[int]] = {}
+        self.attach()
+
+    def attach(self) -> None:
+        """Hook every parameter (again, after a param group was added)."""
+        self.detach()
+        opt = self.opt
+        for i, members in enumerate(opt._subs.members):
+            for _, p in members:
+                self.subs_of.setdefault(id(p), []).append(i)
+        if opt._offload is not None:
+            opt._offload.set_gradient_consumer(self.take)
+        for _, p in opt._all_params():
+            if p.requires_grad and offload_of(p) is None:
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    def detach(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        self.subs_of.clear()
+        if self.opt._offload is not None:
+            self.opt._offload.set_gradient_consumer(None)
+
+    def _hook(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        if grad is not None:
+            p.grad = None
+            self.take(p, grad)
+
+    def take(self, p: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Keep ``grad`` for ``p``; update its sub-group(s) once complete. False: not ours."""
+        key = id(p)
+        subs = self.subs_of.get(key)
+        if subs is None:
+            return False
+        if key in self.pending or key in self.updated:
+            raise RuntimeError(
+                f"NVMeOptimizer(fuse_backward=True) got a second gradient for a parameter of "
+                f"shape {list(p.shape)} before step(): with the update fused into the backward "
+                "gradients cannot be accumulated (nor clipped); call step() after each backward, "
+                "or create the NVMeOptimizer with fuse_backward=False")
+        self.pending[key] = grad
+        members = self.opt._subs.members[subs[0]]
+        if all(id(q) in self.pending for _, q in members if q.requires_grad):
+            self.update(subs)
+        return True
+
+    def update(self, subs: list[int]) -> None:
+        """Update sub-groups ``subs`` (one whole sub-group, or every slice of one parameter)
+        with the pending gradients; offloaded parameters are fetched whole and written back."""
+        opt = self.opt
+        params = opt._subs.params(subs[0])
+        grads = {id(q): self.pending.pop(id(q)) for q in params if id(q) in self.pending}
+        held = [q for q in params if offload_of(q) is not None]
+        offload = opt._offload if held else None
+        if offload is not None:
+            offload.begin_update(held)   # gradients consumed: only the parameters are read
+        opt._current, opt._done = None, -1
+        try:
+            for k, i in enumerate(subs):
+                if self.prefetched is None and k + 1 < len(subs):
+                    self._prefetch(subs[k + 1])
+                if self.prefetched == i:
+                    self.prefetched = None
+                fut = opt._run_sub_group(i, lambda i=i: self._apply(i, grads))  # type: ignore[misc]
+                if fut is not None:
+                    self.writes.append((i, fut))
+            if subs[0] > 0 and self.prefetched is None:
+                self._prefetch(subs[0] - 1)   # the backward goes on with the previous one
+        except BaseException as exc:
+            for q in params:
+                q.grad = None
+            if offload is not None:
+                offload.abort_update(held)
+            self.prefetched = None
+            writes, self.writes = self.writes, []
+            raise opt._stopped(exc, writes) from exc
+        for q in params:
+            q.grad = None
+        if offload is not None:
+            offload.end_update(held)
+        self.updated.update(grads)
+
+    def _prefetch(self, i: int) -> None:
+        self.prefetched = i
+        self.opt._state.prefetch(i)
+
+    def _apply(self, i: int, grads: dict[int, torch.Tensor]) -> None:
+        opt = self.opt
+        span = opt._subs.spans[i]
+        if span is None:
+            for q in opt._subs.params(i):
+                q.grad = grads.get(id(q))
+            opt._wrapped_step()
+            return
+        p = opt._subs.params(i)[0]
+        grad = grads.get(id(p))
+        opt._slices.bind(i, p.data.view(-1)[span[0]:span[1]],
+                         None if grad is None else grad.reshape(-1)[span[0]:span[1]])
+        try:
+            opt._wrapped_step()
+        finally:
+            opt._slices.unbind(i)
+
+    def finish(self) -> None:
+        """``step()``: update the sub-groups still waiting, wait for every write, and start
+        the next step's bookkeeping."""
+        opt = self.opt
+        waiting = sorted({self.subs_of[k][0] for k in self.pending}, reverse=True)
+        for first in waiting:
+            self.update(self.subs_of[id(opt._subs.params(first)[0])])
+        writes, self.writes = self.writes, []
+        self.prefetched = None
+        self.updated.clear()
+        failed = opt._state.settle(writes, installed=None)
+        if opt._offload is not None:
+            try:
+                opt._offload.finish_updates()
+            except OSError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise opt._step_error(failed, len(opt._subs) - 1) from failed

@@ -338,9 +338,10 @@ def offload_ranks(runs: Sequence[Run]) -> Rows:
                            f"{r['read_per_step'] / 1e9:.3f}" if r.get("read_per_step") else "-",
                            f"{r['rss'] / MiB:.0f}",
                            f"{r['peak_held'] / MiB:.0f} / {r['budget'] / MiB:.0f}" if r.get("budget") else "-"))
-    a = runs[0][1]["args"]
-    return out, (f"{a['layers']} x Linear({a['dim']}) + ReLU, AdamW, batch {a['batch']} per rank, {a['world']} gloo ranks; "
-                 f"load average {runs[0][1]['load_average'][0]:.0f} at the start (a shared machine): read the bytes first.")
+    a, load = runs[0][1]["args"], runs[0][1]["load_average"][0]
+    return out, (f"{a['layers']} x Linear({a['dim']}) + ReLU, AdamW, batch {a['batch']} per rank, "
+                 f"{a['world']} gloo ranks; load average {load:.0f} at the start (a shared machine): "
+                 "read the bytes first.")
 
 
 def hf_load(runs: Sequence[Run]) -> Rows:
@@ -348,9 +349,9 @@ def hf_load(runs: Sequence[Run]) -> Rows:
                  "peak RSS growth: deepnvme / transformers", left=1)
     for src, data in runs:
         m, r = data["medians"], data["summary"]
+        cpu = f"{m['deepnvme']['cpu_seconds']:.2f} / {m['transformers']['cpu_seconds']:.2f}"
         out.append(row(src.device, f"{m['deepnvme']['seconds']:.2f}", f"{m['transformers']['seconds']:.2f}",
-                       ratio(r["speedup"]), f"{m['deepnvme']['cpu_seconds']:.2f} / {m['transformers']['cpu_seconds']:.2f}",
-                       f"{r['rss_ratio']:.3f}"))
+                       ratio(r["speedup"]), cpu, f"{r['rss_ratio']:.3f}"))
     d = runs[0][1]
     return out, (f"Llama, {d['layers']} layers, hidden {d['hidden']}, {d['dtype']}, {gb(d['bytes'])} in "
                  f"{d['shard_size']} shards, transformers {d['transformers']}; medians of {d['reps']}.")

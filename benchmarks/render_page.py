@@ -445,6 +445,9 @@ TABLES: dict[str, Table] = {
     # two gloo ranks of a DDP job, a save every step
     "manager_ranks": Table(manager_ranks, (Source(DISK, "2026-11-27-manager-ranks-disk.json"),
                                            Source(RAM, "2026-11-27-manager-ranks-ramdev.json"))),
+    # the same after the shared restore reads and cached plans, on a heavily loaded machine
+    "manager_ranks_shared": Table(manager_ranks, (Source(DISK, "2026-11-27-manager-ranks-shared-disk.json"),
+                                                  Source(RAM, "2026-11-27-manager-ranks-shared-ramdev.json"))),
     "load": Table(load, (Source(DISK, "2026-11-26-load-fresh-disk.json"),
                          Source(RAM, "2026-11-26-load-fresh-ramdev.json"))),
     # files and folders in the same repetitions on each device

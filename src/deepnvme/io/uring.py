@@ -34,6 +34,7 @@ _ENTER_GETEVENTS = 1
 _FEAT_SINGLE_MMAP, _FEAT_NODROP, _FEAT_RW_CUR_POS = 1 << 0, 1 << 1, 1 << 3
 _OP_READ, _OP_WRITE, _OP_READ_FIXED, _OP_WRITE_FIXED = 22, 23, 4, 5
 _REGISTER_BUFFERS2, _REGISTER_BUFFERS_UPDATE, _RSRC_REGISTER_SPARSE = 15, 16, 1
+_REGISTER_CLONE_BUFFERS, _CLONE_DST_REPLACE = 30, 1 << 1  # Linux 6.13+: clone into one slot
 FIXED_SLOTS = 64  # registered-buffer table entries per ring
 _MAX_LEN = 0x7FFFF000  # the kernel's largest single read/write; longer chunks complete short
 
@@ -44,7 +45,16 @@ _PARAMS = struct.Struct("<10I" + "8IQ" + "8IQ")
 _SQE = struct.Struct("<BBHiQQIIQH22x")
 _RSRC_REGISTER = struct.Struct("<IIQQQ")  # nr, flags, resv2, data, tags
 _RSRC_UPDATE = struct.Struct("<IIQQII")  # offset, resv, data, tags, nr, resv2
+_CLONE = struct.Struct("<IIIII12x")  # src_fd, flags, src_off, dst_off, nr, pad
 _CQE = struct.Struct("<QiI")
+
+# Which rings of this process hold each registered allocation, so that another ring can
+# clone the registration (sharing the pinned pages) instead of pinning the whole allocation
+# again: with one ring per worker, registering per ring cost parallelism x the allocation's
+# pinning. Lock order: a queue's own lock, then this one (re-entrant, as the queue's: the GC
+# may run a release during a registration call).
+_holders_lock = threading.RLock()
+_holders: dict[Any, list[UringQueue]] = {}
 
 
 class UringQueue:
@@ -152,14 +162,42 @@ class UringQueue:
             if slot is not None or not self._free_slots:
                 return -1 if slot is None else slot
             slot = self._free_slots.pop()
-            try:
-                self._set_slot(slot, base, size)
-            except OSError as exc:  # e.g. a memlock limit: go on without for this region
-                log.debug("deepnvme: io_uring buffer registration refused (%s)", exc)
-                self._free_slots.append(slot)
-                return -1
+            with _holders_lock:
+                try:
+                    if not self._clone_slot(region, slot):
+                        self._set_slot(slot, base, size)
+                except OSError as exc:  # e.g. a memlock limit: go on without for this region
+                    log.debug("deepnvme: io_uring buffer registration refused (%s)", exc)
+                    self._free_slots.append(slot)
+                    return -1
+                _holders.setdefault(region, []).append(self)
             self._fixed[region] = slot
             return slot
+
+    def _clone_slot(self, region: object, slot: int) -> bool:
+        """Share ``region``'s registration from another ring of this process into ``slot``
+        (no new pinning); False where none holds it or the kernel cannot clone one slot.
+        Caller holds ``_holders_lock``, which keeps the source ring open."""
+        for src in list(_holders.get(region, ())):
+            src_slot = src._fixed.get(region) if src._fixed is not None else None
+            if src_slot is None or src.fd < 0:
+                continue
+            arg = bytearray(_CLONE.pack(src.fd, _CLONE_DST_REPLACE, src_slot, slot, 1))
+            try:
+                self._register(_REGISTER_CLONE_BUFFERS, arg, 1)
+            except OSError as exc:  # older kernel (EINVAL, EBUSY): register it here instead
+                log.debug("deepnvme: io_uring buffer clone refused (%s)", exc)
+                return False
+            return True
+        return False
+
+    def _forget(self, region: object) -> None:
+        """This ring no longer holds ``region`` (caller holds ``_holders_lock``)."""
+        rings = _holders.get(region)
+        if rings is not None and self in rings:
+            rings.remove(self)
+            if not rings:
+                del _holders[region]
 
     def region_released(self, region: object) -> None:
         """A locked allocation was freed: drop its registration (any thread)."""
@@ -169,6 +207,8 @@ class UringQueue:
             slot = self._fixed.pop(region, None)
             if slot is None:
                 return
+            with _holders_lock:
+                self._forget(region)
             try:
                 self._set_slot(slot, 0, 0)
             except OSError as exc:
@@ -238,7 +278,10 @@ class UringQueue:
         with self._fixed_lock:
             if self.fd < 0:
                 return
-            self._fixed = None  # closing the ring drops every registration
+            with _holders_lock:
+                for region in self._fixed or ():
+                    self._forget(region)
+                self._fixed = None  # closing the ring drops every registration
         for view in (self._sq, self._cq):
             view.release()
         for m in {id(self._sq_map): self._sq_map, id(self._cq_map): self._cq_map,

@@ -22,7 +22,7 @@ import threading
 from typing import Any
 
 from ..memory import pinned
-from .posix import syscall
+from .posix import syscall, syscall_function
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ _RSRC_REGISTER = struct.Struct("<IIQQQ")  # nr, flags, resv2, data, tags
 _RSRC_UPDATE = struct.Struct("<IIQQII")  # offset, resv, data, tags, nr, resv2
 _CLONE = struct.Struct("<IIIII12x")  # src_fd, flags, src_off, dst_off, nr, pad
 _CQE = struct.Struct("<QiI")
+# io_uring_enter(fd, to_submit, min_complete, flags, sigset, sigset size), typed once
+_enter = syscall_function(ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                          ctypes.c_void_p, ctypes.c_size_t)
 
 # Which rings of this process hold each registered allocation, so that another ring can
 # clone the registration (sharing the pinned pages) instead of pinning the whole allocation
@@ -117,6 +120,9 @@ class UringQueue:
         self._cq_head, self._cq_tail = cq_off[0] // 4, cq_off[1] // 4
         self._cq_mask = cq[cq_off[2] // 4]
         self._cqes = cq_off[5]
+        # the completion entries as u64 (user_data at 2*i) and i32 (res at 4*i + 2) views
+        self._cq_tags = memoryview(self._cq_map)[self._cqes:self._cqes + cq_entries * _CQE.size].cast("Q")
+        self._cq_res = memoryview(self._cq_map)[self._cqes:self._cqes + cq_entries * _CQE.size].cast("i")
         array = sq_off[6] // 4
         for i in range(sq_entries):  # identity map: ring slot i holds sqe i
             sq[array + i] = i
@@ -243,16 +249,13 @@ class UringQueue:
             pending = (self._tail - self._sq[self._sq_head]) & 0xFFFFFFFF
             batch = min(pending, 1) if single else pending
             last = batch == pending
-            try:
-                syscall(_SYS_ENTER, ctypes.c_uint(self.fd), ctypes.c_uint(batch),
-                        ctypes.c_uint(wait if last else 0),
-                        ctypes.c_uint(_ENTER_GETEVENTS if last and wait else 0), None,
-                        ctypes.c_size_t(0))
-            except InterruptedError:
-                continue
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EBUSY):
-                    raise
+            if _enter(_SYS_ENTER, self.fd, batch, wait if last else 0,
+                      _ENTER_GETEVENTS if last and wait else 0, None, 0) < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                if err not in (errno.EAGAIN, errno.EBUSY):
+                    raise OSError(err, os.strerror(err))
                 # the kernel is short of resources: take completions and try again
                 done = self._reap()
                 if done:
@@ -264,13 +267,12 @@ class UringQueue:
     def _reap(self) -> list[tuple[int, int]]:
         cq, head = self._cq, self._cq[self._cq_head]
         tail = cq[self._cq_tail]
-        out = []
-        base, mask, size, cqes = self._cqes, self._cq_mask, _CQE.size, self._cq_map
-        while head != tail:
-            tag, res, _flags = _CQE.unpack_from(cqes, base + (head & mask) * size)
-            out.append((tag, res))
-            head = (head + 1) & 0xFFFFFFFF
-        cq[self._cq_head] = head
+        if head == tail:
+            return []
+        tags, res, mask = self._cq_tags, self._cq_res, self._cq_mask
+        out = [(tags[2 * i], res[4 * i + 2])
+               for i in [(head + k) & mask for k in range((tail - head) & 0xFFFFFFFF)]]
+        cq[self._cq_head] = tail  # the entries are read: the kernel may reuse them
         return out
 
     def close(self) -> None:
@@ -282,7 +284,7 @@ class UringQueue:
                 for region in self._fixed or ():
                     self._forget(region)
                 self._fixed = None  # closing the ring drops every registration
-        for view in (self._sq, self._cq):
+        for view in (self._sq, self._cq, self._cq_tags, self._cq_res):
             view.release()
         for m in {id(self._sq_map): self._sq_map, id(self._cq_map): self._cq_map,
                   id(self._sqes): self._sqes}.values():

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import platform
 import struct
 
-from .posix import syscall
+from .posix import syscall, syscall_function
 
 __all__ = ["AioQueue", "probe_aio"]
 
@@ -25,6 +26,10 @@ _MAX_LEN = 0x7FFFF000
 # struct iocb (64 bytes, little-endian): data, key, rw_flags, opcode, reqprio, fd, buf, nbytes, offset
 _IOCB = struct.Struct("<QIiHhIQQq16x")
 _EVENT = struct.Struct("<QQqq")  # data, obj, res, res2
+# typed once: io_submit(ctx, nr, iocb pointers), io_getevents(ctx, min, max, events, timeout)
+_submit_call = syscall_function(ctypes.c_ulong, ctypes.c_long, ctypes.c_void_p)
+_getevents_call = syscall_function(ctypes.c_ulong, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                   ctypes.c_void_p)
 
 
 def _numbers() -> tuple[int, int, int, int]:
@@ -53,6 +58,7 @@ class AioQueue:
         self._base = ctypes.addressof(self._iocbs)
         self._ptrs = (ctypes.c_void_p * self.depth)()
         self._events = ctypes.create_string_buffer(_EVENT.size * self.depth)
+        self._event_words = memoryview(self._events).cast("B").cast("q")  # 4 per event
         self._queued: list[int] = []
         self._inflight = 0
 
@@ -77,13 +83,13 @@ class AioQueue:
             n = 1 if single else len(queued)
             for i in range(n):
                 ptrs[i] = base + queued[i] * size
-            try:
-                done = syscall(self._submit, self._ctx, ctypes.c_long(n), ptrs)
-            except InterruptedError:
-                continue
-            except OSError as exc:
-                if exc.errno != errno.EAGAIN or not self._inflight:
-                    raise
+            done = _submit_call(self._submit, self._ctx.value, n, ptrs)
+            if done < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                if err != errno.EAGAIN or not self._inflight:
+                    raise OSError(err, os.strerror(err))
                 done = 0
             del queued[:done]
             self._inflight += done
@@ -95,21 +101,20 @@ class AioQueue:
         if not self._inflight:
             return []
         while True:
-            try:
-                got = syscall(self._getevents, self._ctx, ctypes.c_long(min(wait, self._inflight)),
-                              ctypes.c_long(self.depth), self._events, None)
+            got = _getevents_call(self._getevents, self._ctx.value, min(wait, self._inflight),
+                                  self.depth, self._events, None)
+            if got >= 0:
                 break
-            except InterruptedError:
-                continue
+            err = ctypes.get_errno()
+            if err != errno.EINTR:
+                raise OSError(err, os.strerror(err))
         self._inflight -= got
-        ev, out = self._events, []
-        for i in range(got):
-            tag, _obj, res, _res2 = _EVENT.unpack_from(ev, i * _EVENT.size)
-            out.append((tag, res))
-        return out
+        words = self._event_words
+        return [(words[4 * i], words[4 * i + 2]) for i in range(got)]
 
     def close(self) -> None:
         """Destroy the context (pending entries must be reaped first)."""
+        self._event_words.release()
         if self._ctx.value:
             syscall(self._destroy, self._ctx)
             self._ctx = ctypes.c_ulong(0)

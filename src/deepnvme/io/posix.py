@@ -13,7 +13,7 @@ import ctypes.util
 import errno
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..errors import DeepNVMeIOError, ShortTransferError
 from .plan import Alignment
@@ -52,6 +52,17 @@ def syscall(number: int, *args: object) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return result
+
+
+def syscall_function(*argtypes: type) -> Callable[..., int]:
+    """A ``syscall(2)`` entry with fixed argument types (the number first): calls with plain
+    ints skip making a ctypes object per argument, for the per-batch calls of the kernel
+    movers. Returns the raw result (-1 and ``ctypes.get_errno()`` on failure); the GIL is
+    released for the call."""
+    fn = _libc["syscall"]  # a new function object: its argtypes are its own
+    fn.argtypes = [ctypes.c_long, *argtypes]
+    fn.restype = ctypes.c_long
+    return fn  # type: ignore[no-any-return]
 
 
 def madvise(addr: int, length: int, advice: int) -> None:

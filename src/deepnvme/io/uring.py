@@ -22,7 +22,7 @@ import threading
 from typing import Any
 
 from ..memory import pinned
-from .posix import syscall
+from .posix import syscall, syscall_function
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ _ENTER_GETEVENTS = 1
 _FEAT_SINGLE_MMAP, _FEAT_NODROP, _FEAT_RW_CUR_POS = 1 << 0, 1 << 1, 1 << 3
 _OP_READ, _OP_WRITE, _OP_READ_FIXED, _OP_WRITE_FIXED = 22, 23, 4, 5
 _REGISTER_BUFFERS2, _REGISTER_BUFFERS_UPDATE, _RSRC_REGISTER_SPARSE = 15, 16, 1
+_REGISTER_CLONE_BUFFERS, _CLONE_DST_REPLACE = 30, 1 << 1  # Linux 6.13+: clone into one slot
 FIXED_SLOTS = 64  # registered-buffer table entries per ring
 _MAX_LEN = 0x7FFFF000  # the kernel's largest single read/write; longer chunks complete short
 
@@ -44,7 +45,19 @@ _PARAMS = struct.Struct("<10I" + "8IQ" + "8IQ")
 _SQE = struct.Struct("<BBHiQQIIQH22x")
 _RSRC_REGISTER = struct.Struct("<IIQQQ")  # nr, flags, resv2, data, tags
 _RSRC_UPDATE = struct.Struct("<IIQQII")  # offset, resv, data, tags, nr, resv2
+_CLONE = struct.Struct("<IIIII12x")  # src_fd, flags, src_off, dst_off, nr, pad
 _CQE = struct.Struct("<QiI")
+# io_uring_enter(fd, to_submit, min_complete, flags, sigset, sigset size), typed once
+_enter = syscall_function(ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                          ctypes.c_void_p, ctypes.c_size_t)
+
+# Which rings of this process hold each registered allocation, so that another ring can
+# clone the registration (sharing the pinned pages) instead of pinning the whole allocation
+# again: with one ring per worker, registering per ring cost parallelism x the allocation's
+# pinning. Lock order: a queue's own lock, then this one (re-entrant, as the queue's: the GC
+# may run a release during a registration call).
+_holders_lock = threading.RLock()
+_holders: dict[Any, list[UringQueue]] = {}
 
 
 class UringQueue:
@@ -107,6 +120,9 @@ class UringQueue:
         self._cq_head, self._cq_tail = cq_off[0] // 4, cq_off[1] // 4
         self._cq_mask = cq[cq_off[2] // 4]
         self._cqes = cq_off[5]
+        # the completion entries as u64 (user_data at 2*i) and i32 (res at 4*i + 2) views
+        self._cq_tags = memoryview(self._cq_map)[self._cqes:self._cqes + cq_entries * _CQE.size].cast("Q")
+        self._cq_res = memoryview(self._cq_map)[self._cqes:self._cqes + cq_entries * _CQE.size].cast("i")
         array = sq_off[6] // 4
         for i in range(sq_entries):  # identity map: ring slot i holds sqe i
             sq[array + i] = i
@@ -152,14 +168,42 @@ class UringQueue:
             if slot is not None or not self._free_slots:
                 return -1 if slot is None else slot
             slot = self._free_slots.pop()
-            try:
-                self._set_slot(slot, base, size)
-            except OSError as exc:  # e.g. a memlock limit: go on without for this region
-                log.debug("deepnvme: io_uring buffer registration refused (%s)", exc)
-                self._free_slots.append(slot)
-                return -1
+            with _holders_lock:
+                try:
+                    if not self._clone_slot(region, slot):
+                        self._set_slot(slot, base, size)
+                except OSError as exc:  # e.g. a memlock limit: go on without for this region
+                    log.debug("deepnvme: io_uring buffer registration refused (%s)", exc)
+                    self._free_slots.append(slot)
+                    return -1
+                _holders.setdefault(region, []).append(self)
             self._fixed[region] = slot
             return slot
+
+    def _clone_slot(self, region: object, slot: int) -> bool:
+        """Share ``region``'s registration from another ring of this process into ``slot``
+        (no new pinning); False where none holds it or the kernel cannot clone one slot.
+        Caller holds ``_holders_lock``, which keeps the source ring open."""
+        for src in list(_holders.get(region, ())):
+            src_slot = src._fixed.get(region) if src._fixed is not None else None
+            if src_slot is None or src.fd < 0:
+                continue
+            arg = bytearray(_CLONE.pack(src.fd, _CLONE_DST_REPLACE, src_slot, slot, 1))
+            try:
+                self._register(_REGISTER_CLONE_BUFFERS, arg, 1)
+            except OSError as exc:  # older kernel (EINVAL, EBUSY): register it here instead
+                log.debug("deepnvme: io_uring buffer clone refused (%s)", exc)
+                return False
+            return True
+        return False
+
+    def _forget(self, region: object) -> None:
+        """This ring no longer holds ``region`` (caller holds ``_holders_lock``)."""
+        rings = _holders.get(region)
+        if rings is not None and self in rings:
+            rings.remove(self)
+            if not rings:
+                del _holders[region]
 
     def region_released(self, region: object) -> None:
         """A locked allocation was freed: drop its registration (any thread)."""
@@ -169,6 +213,8 @@ class UringQueue:
             slot = self._fixed.pop(region, None)
             if slot is None:
                 return
+            with _holders_lock:
+                self._forget(region)
             try:
                 self._set_slot(slot, 0, 0)
             except OSError as exc:
@@ -203,16 +249,13 @@ class UringQueue:
             pending = (self._tail - self._sq[self._sq_head]) & 0xFFFFFFFF
             batch = min(pending, 1) if single else pending
             last = batch == pending
-            try:
-                syscall(_SYS_ENTER, ctypes.c_uint(self.fd), ctypes.c_uint(batch),
-                        ctypes.c_uint(wait if last else 0),
-                        ctypes.c_uint(_ENTER_GETEVENTS if last and wait else 0), None,
-                        ctypes.c_size_t(0))
-            except InterruptedError:
-                continue
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EBUSY):
-                    raise
+            if _enter(_SYS_ENTER, self.fd, batch, wait if last else 0,
+                      _ENTER_GETEVENTS if last and wait else 0, None, 0) < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                if err not in (errno.EAGAIN, errno.EBUSY):
+                    raise OSError(err, os.strerror(err))
                 # the kernel is short of resources: take completions and try again
                 done = self._reap()
                 if done:
@@ -224,13 +267,12 @@ class UringQueue:
     def _reap(self) -> list[tuple[int, int]]:
         cq, head = self._cq, self._cq[self._cq_head]
         tail = cq[self._cq_tail]
-        out = []
-        base, mask, size, cqes = self._cqes, self._cq_mask, _CQE.size, self._cq_map
-        while head != tail:
-            tag, res, _flags = _CQE.unpack_from(cqes, base + (head & mask) * size)
-            out.append((tag, res))
-            head = (head + 1) & 0xFFFFFFFF
-        cq[self._cq_head] = head
+        if head == tail:
+            return []
+        tags, res, mask = self._cq_tags, self._cq_res, self._cq_mask
+        out = [(tags[2 * i], res[4 * i + 2])
+               for i in [(head + k) & mask for k in range((tail - head) & 0xFFFFFFFF)]]
+        cq[self._cq_head] = tail  # the entries are read: the kernel may reuse them
         return out
 
     def close(self) -> None:
@@ -238,8 +280,11 @@ class UringQueue:
         with self._fixed_lock:
             if self.fd < 0:
                 return
-            self._fixed = None  # closing the ring drops every registration
-        for view in (self._sq, self._cq):
+            with _holders_lock:
+                for region in self._fixed or ():
+                    self._forget(region)
+                self._fixed = None  # closing the ring drops every registration
+        for view in (self._sq, self._cq, self._cq_tags, self._cq_res):
             view.release()
         for m in {id(self._sq_map): self._sq_map, id(self._cq_map): self._cq_map,
                   id(self._sqes): self._sqes}.values():

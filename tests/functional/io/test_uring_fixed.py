@@ -135,3 +135,46 @@ def test_a_release_during_a_registration_on_the_same_thread_does_not_deadlock(tm
         assert call_in_thread(read, 30, "a release inside a registration deadlocked") is True
         assert fired and same_bytes(new[: 1 << 20], data) and victim
     h.close()
+
+
+def test_a_second_ring_clones_the_registration_instead_of_pinning_again(tmp_path, monkeypatch):
+    """One ring per worker: the allocation is pinned by the first ring only, the others share
+    its registration (where the kernel clones one slot, Linux 6.13+), and read through it."""
+    import os
+
+    pinned_here, cloned = [], []
+    real_set, real_register = uring.UringQueue._set_slot, uring.UringQueue._register
+
+    def set_slot(self, slot, base, size):
+        pinned_here.append(size)
+        real_set(self, slot, base, size)
+
+    def register(self, opcode, arg, nr):
+        real_register(self, opcode, arg, nr)
+        if opcode == uring._REGISTER_CLONE_BUFFERS:
+            cloned.append(self)
+
+    monkeypatch.setattr(uring.UringQueue, "_set_slot", set_slot)
+    monkeypatch.setattr(uring.UringQueue, "_register", register)
+    data = random_tensor(4 << 20, torch.uint8)
+    path = str(tmp_path / "f")
+    with deepnvme.AioHandle(block_size=1 << 20, engine="threads") as h:
+        h.sync_pwrite(data, path)
+    buf = deepnvme.new_cpu_locked_tensor(4 << 20, torch.uint8)
+    rings = [uring.UringQueue(4) for _ in range(3)]
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        for i, q in enumerate(rings):
+            slot = q.fixed_slot(buf.data_ptr() + (i << 20), 1 << 20)
+            assert slot >= 0
+            q.prep(7, False, fd, buf.data_ptr() + (i << 20), 1 << 20, i << 20, slot)
+            assert q.submit_and_wait(1) == [(7, 1 << 20)]
+        if not cloned:
+            pytest.skip("this kernel cannot clone one registered slot: each ring pins")
+        assert pinned_here == [buf.nbytes] and len(cloned) == 2
+        assert same_bytes(buf[: 3 << 20], data[: 3 << 20])
+    finally:
+        os.close(fd)
+        for q in rings:
+            q.close()
+    assert not uring._holders.get(pinned.locked_region(buf.data_ptr(), 1)[0])

@@ -62,7 +62,7 @@ def syscall_function(*argtypes: type) -> Callable[..., int]:
     fn = _libc["syscall"]  # a new function object: its argtypes are its own
     fn.argtypes = [ctypes.c_long, *argtypes]
     fn.restype = ctypes.c_long
-    return fn  # type: ignore[no-any-return]
+    return fn  # type: ignore[no-any-return,unused-ignore]
 
 
 def madvise(addr: int, length: int, advice: int) -> None:

@@ -361,8 +361,8 @@ def hf_load(runs: Sequence[Run]) -> Rows:
 
 
 def gpu_io(runs: Sequence[Run]) -> Rows:
-    out = header("run", "path", "write GB/s", "read GB/s", "write / CPU pinned", "read / CPU pinned",
-                 "write / KvikIO", "read / KvikIO", left=2)
+    out = header("device", "run", "path", "write GB/s", "read GB/s", "write / CPU pinned", "read / CPU pinned",
+                 "write / KvikIO", "read / KvikIO", left=3)
     for src, data in runs:
         rows = data["rows"]
         pinned = rows[0]
@@ -370,20 +370,21 @@ def gpu_io(runs: Sequence[Run]) -> Rows:
         for r in rows:
             vs_kvik = (["-", "-"] if kvik is None or r is kvik else
                        [ratio(r["write"] / kvik["write"]), ratio(r["read"] / kvik["read"])])
-            out.append(row(src.variant, r["peer"], f"{r['write']:.2f}", f"{r['read']:.2f}",
+            out.append(row(src.device, src.variant, r["peer"], f"{r['write']:.2f}", f"{r['read']:.2f}",
                            ratio(r["write"] / pinned["write"]), ratio(r["read"] / pinned["read"]), *vs_kvik))
     first = runs[0][1]
     return out, f"{first['machine']}; {gb(first['size'])} per transfer, medians of the runs in the JSON."
 
 
 def gpu_load(runs: Sequence[Run]) -> Rows:
-    out = header("run", "reader", "GB/s", "this reader / fastsafetensors (no GDS)", "equal to the CPU values", left=2)
+    out = header("device", "reader", "GB/s", "this reader / fastsafetensors (no GDS)", "equal to the CPU values",
+                 left=2)
     for src, data in runs:
         rows = {r["reader"]: r for r in data["rows"]}
         peer = rows.get("fastsafetensors", {}).get("gb_per_s")
         for name, r in rows.items():
             rate = r["gb_per_s"]
-            out.append(row(src.variant, name, f"{rate:.2f}" if rate else "failed",
+            out.append(row(src.device, name, f"{rate:.2f}" if rate else "failed",
                            ratio(rate / peer) if rate and peer and name != "fastsafetensors" else "-",
                            "yes" if r["equal"] else "no"))
     first = runs[0][1]
@@ -391,14 +392,14 @@ def gpu_load(runs: Sequence[Run]) -> Rows:
 
 
 def gpu_offload(runs: Sequence[Run]) -> Rows:
-    out = header("peer", "step s", "step / all on the GPU", "step / GPU with CPU update",
-                 "device memory held GiB", "device peak GiB", left=1)
-    for _src, data in runs:
+    out = header("device", "peer", "step s", "step / all on the GPU", "step / GPU with CPU update",
+                 "device memory held GiB", "device peak GiB", left=2)
+    for src, data in runs:
         peers = {p["peer"]: p for p in data["peers"]}
         gpu, cpu_update = peers["gpu"]["step_s_median"], peers["gpu, cpu update"]["step_s_median"]
         for name, p in peers.items():
             step = p["step_s_median"]
-            out.append(row(name, f"{step:.3f}", f"{step / gpu:.1f}x", f"{step / cpu_update:.2f}x",
+            out.append(row(src.device, name, f"{step:.3f}", f"{step / gpu:.1f}x", f"{step / cpu_update:.2f}x",
                            f"{p['device_held_bytes'] / 2**30:.3f}", f"{p['device_peak_bytes'] / 2**30:.3f}"))
     m = runs[0][1]["model"]
     return out, (f"GPT of {m['params'] / 1e6:.1f}M fp32 parameters, batch {m['batch']} x {m['seq']} tokens, AdamW; "
@@ -443,8 +444,6 @@ TABLES: dict[str, Table] = {
         Source(RAM, "2026-11-26-manager-restore-thp1-ramdev.json", THP + "1"),
         Source(RAM, "2026-11-26-manager-restore-thp0-ramdev.json", THP + "0"))),
     # two gloo ranks of a DDP job, a save every step
-    "manager_ranks": Table(manager_ranks, (Source(DISK, "2026-11-27-manager-ranks-disk.json"),
-                                           Source(RAM, "2026-11-27-manager-ranks-ramdev.json"))),
     # the same after the shared restore reads and cached plans, on a heavily loaded machine
     "manager_ranks_shared": Table(manager_ranks, (Source(DISK, "2026-11-27-manager-ranks-shared-disk.json"),
                                                   Source(RAM, "2026-11-27-manager-ranks-shared-ramdev.json"))),
@@ -472,8 +471,7 @@ TABLES: dict[str, Table] = {
                                Source(RAM, "2026-11-27-hf-load-ramdev.json"))),
     "gpu_io": Table(gpu_io, (Source("H200", "2026-11-27-gpu-io-h200-run2.json", "run 2"),
                              Source("H200", "2026-11-27-gpu-io-h200-run3.json", "run 3"))),
-    "gpu_load": Table(gpu_load, (Source("H200", "2026-11-27-gpu-load-h200-run2.json", "run 2: to CPU, then .to()"),
-                                 Source("H200", "2026-11-27-gpu-load-h200-run3.json", "run 3: pinned chunks"))),
+    "gpu_load": Table(gpu_load, (Source("H200", "2026-11-27-gpu-load-h200-run3.json", "run 3"),)),
     "gpu_offload": Table(gpu_offload, (Source("H200", "2026-11-27-gpu-offload-h200.json"),)),
     "data": Table(data_table, (Source(DISK, "2026-11-25-data-disk.json"), Source(RAM, "2026-11-25-data-ramdev.json"))),
 }

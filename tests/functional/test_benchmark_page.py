@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "BENCHMARKS.md"
 LOG = ROOT / "benchmarks" / "LOG.md"
 TABLE_NAMES = ["engines", "manager", "manager_latest", "restore", "load", "load_into", "dcp", "offload", "vllm_load",
-               "vllm_stream", "data", "manager_ranks"]
+               "vllm_stream", "data", "manager_ranks_shared", "offload_ranks", "hf_load", "gpu_io", "gpu_load",
+               "gpu_offload"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,9 @@ def test_page_is_up_to_date(renderer):
 
 def test_page_is_short_and_its_links_resolve():
     text = PAGE.read_text()
-    assert len(text.splitlines()) <= 350
+    # a results page, not a notebook: 350 lines held eleven sections; the GPU, multi-rank offload and
+    # Hugging Face sections of 2026-11-27 brought it to 420 (one table and a few lines of why each)
+    assert len(text.splitlines()) <= 420
     links = re.findall(r"\]\(([^)#]+)\)", text)
     assert any(link.startswith("benchmarks/results/") for link in links)
     missing = [link for link in links if not link.startswith("http") and not (ROOT / link).exists()]

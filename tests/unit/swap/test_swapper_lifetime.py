@@ -17,10 +17,12 @@ class ManualHandle:
         self.queue: list[tuple[str, torch.Tensor, str, Future]] = []
         self._engine = self  # the swapper drains a handle it does not own at exit
 
-    def submit_write(self, data, path, *, keep_open=False):
+    def submit_write(self, data, path, *, offset=0, keep_open=False):
+        assert offset == 0, "this fake holds whole files: ranges are tested elsewhere"
         return self._queue("w", data, path)
 
-    def submit_read(self, target, path, *, keep_open=False):
+    def submit_read(self, target, path, *, offset=0, keep_open=False):
+        assert offset == 0, "this fake holds whole files: ranges are tested elsewhere"
         return self._queue("r", target, path)
 
     def close_files(self, paths=(), *, under=None):

@@ -2,22 +2,59 @@
 
 While a hooked module runs its forward, saved-tensor hooks replace every saved parameter (or
 view of one) by a :class:`SavedParam`: the entry and the view's size, stride and offset. When
-the backward unpacks it, the parameter is read again (prefetching the units the learned backward
-order expects next) and the same view is rebuilt on the fresh tensor. Memory: a few integers per
-saved parameter; the parameter itself only while autograd uses the unpacked view.
+the backward unpacks it, the parameter is acquired again (prefetching the units the learned
+backward order expects next) and the same view is rebuilt on the fresh tensor. Where the
+parameters live while used (host memory, or device copies) is a :class:`Residence`, so the CPU
+and device paths share these hooks. Memory: a few integers per saved parameter; the parameter
+itself only while autograd uses the unpacked view.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from ._entry import Entry
 from ._order import OrderTracker
-from ._store import TensorStore
 from ._units import Units
 
-__all__ = ["SavedParam", "SavedParameters"]
+__all__ = ["Residence", "SavedParam", "SavedParameters"]
+
+
+class Residence(Protocol):
+    """Where an offloaded model's parameters are while modules use them: the hooks acquire a
+    unit before a module runs and release it after, and find the parameter a saved tensor views."""
+
+    setting: str     # the budget's keyword, for errors ("max_in_memory_bytes")
+    where: str       # where the budget applies, for errors ("" or " on the device")
+
+    @property
+    def budget(self) -> int:
+        """Bytes of parameters the residence may hold."""
+
+    def acquire(self, entries: list[Entry], what: str) -> None:
+        """Make ``entries`` present and hold them until :meth:`release`; ``what`` names the user."""
+
+    def release(self, entries: list[Entry]) -> None:
+        """Stop holding ``entries`` (they may be evicted)."""
+
+    def prefetch(self, entries: Iterable[Entry]) -> None:
+        """Start making ``entries`` present, without waiting."""
+
+    def unit_bytes(self, unit: list[Entry]) -> int:
+        """The bytes of ``unit`` that count against the budget while it is acquired."""
+
+    def viewed(self, t: torch.Tensor) -> tuple[Entry, torch.Tensor] | None:
+        """The present parameter whose memory ``t`` views (with the parameter's tensor), or None."""
+
+    def tensor(self, entry: Entry) -> torch.Tensor:
+        """The present tensor of an acquired ``entry``."""
+
+    def start_pass(self) -> None:
+        """A root forward begins (finish what the previous backward left in flight)."""
 
 
 class SavedParam:
@@ -38,8 +75,8 @@ class SavedParameters:
     marks that the next unpack begins a backward pass (for the backward order).
     """
 
-    def __init__(self, store: TensorStore, units: Units, backward: OrderTracker) -> None:
-        self._store = store
+    def __init__(self, residence: Residence, units: Units, backward: OrderTracker) -> None:
+        self._residence = residence
         self._units = units
         self._backward = backward
         self._pushed: list[tuple[int, saved_tensors_hooks]] = []
@@ -63,12 +100,12 @@ class SavedParameters:
         return False
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor | SavedParam:
-        if t.device.type != "cpu" or t.numel() == 0:
+        if t.numel() == 0:
             return t
-        entry = self._store.by_storage.get(t.untyped_storage().data_ptr())
-        if entry is None or t.dtype != entry.dtype or entry.tensor is None:
+        found = self._residence.viewed(t)
+        if found is None or t.dtype != found[0].dtype:
             return t
-        return SavedParam(entry, t, entry.tensor)
+        return SavedParam(found[0], t, found[1])
 
     def _unpack(self, saved: torch.Tensor | SavedParam) -> torch.Tensor:
         if not isinstance(saved, SavedParam):
@@ -77,14 +114,13 @@ class SavedParameters:
         if self._backward_pending:
             self._backward.start()
             self._backward_pending = False
-        self._store.fetch([entry], f"parameter {entry.name} (backward)")
+        self._residence.acquire([entry], f"parameter {entry.name} (backward)")
         try:
-            assert entry.tensor is not None  # fetch made it present; internal invariant
-            view = entry.tensor.as_strided(saved.size, saved.stride,
-                                           entry.tensor.storage_offset() + saved.offset)
+            base = self._residence.tensor(entry)
+            view = base.as_strided(saved.size, saved.stride, base.storage_offset() + saved.offset)
             ahead = self._backward.visit(self._units.first_holding(entry))
             if ahead:
-                self._store.prefetch(self._units.members(ahead))
+                self._residence.prefetch(self._units.members(ahead))
         finally:
-            self._store.unpin([entry])
+            self._residence.release([entry])
         return view

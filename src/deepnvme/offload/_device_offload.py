@@ -37,12 +37,14 @@ from ..config import IOConfig
 from ..errors import OffloadMemoryError
 from ..optim._protocol import mark_offloaded
 from . import parameters
+from ._autograd import SavedParameters
 from ._build import build
 from ._device import ComputeDevice, CudaDevice
 from ._device_copies import DeviceCopies
 from ._device_grads import DeviceGradients
-from ._device_hooks import DeviceHooks
+from ._device_hooks import DeviceResidence
 from ._entry import Buffer, Entry, _use_count, placeholder
+from ._hooks import ModuleHooks
 from ._order import OrderTracker
 from ._store import TensorStore
 from ._units import Units
@@ -104,8 +106,9 @@ class DeviceParameterOffload(parameters.ParameterOffload):
         self._copies = DeviceCopies(self._store, device, {})
         self._grads = DeviceGradients(self._store, device, cap=1, relieve=self._copies.settle)
         units = Units()
-        hooks = DeviceHooks(model, self._copies, self._grads, units, forward, backward)
-        self._modules = hooks  # type: ignore[assignment]
+        residence = DeviceResidence(self._copies, self._grads)
+        hooks = ModuleHooks(model, residence, units, SavedParameters(residence, units, backward), forward)
+        self._modules = hooks
         try:
             largest, largest_name = 0, ""
             for module, name, unit in self._build(dtype, config, min_offload_bytes):

@@ -46,7 +46,7 @@ from ._build import build
 from ._entry import Entry
 from ._fsdp import is_sharded_model
 from ._gradients import accept_gradient
-from ._hooks import ModuleHooks
+from ._hooks import ModuleHooks, StoreResidence
 from ._order import OrderTracker
 from ._ranks import ShardHooks, build_shards
 from ._sources import Init
@@ -98,8 +98,9 @@ class ParameterOffload(UpdateSide):
         self._entries: dict[int, tuple[Entry, Entry]] = {}    # id(param) -> (data, grad)
         self._dtensors: dict[int, tuple[Entry, Entry]] = {}   # FSDP2: id(DTensor param) -> pair
         units = Units()
+        residence = StoreResidence(self._store)
         self._modules: ModuleHooks | ShardHooks = ModuleHooks(
-            model, self._store, units, SavedParameters(self._store, units, backward), forward)
+            model, residence, units, SavedParameters(residence, units, backward), forward)
         self._grad_hooks: list[RemovableHandle] = []
         min_offload = MIN_OFFLOAD_BYTES if min_offload_bytes is None else min_offload_bytes
         if is_sharded_model(model):

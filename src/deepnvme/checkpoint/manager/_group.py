@@ -5,21 +5,30 @@ itself, one for the caller's thread (``save()``'s planning, ``restore``, ``steps
 and one for the background writer (each save's vote and commit), so the two threads never
 interleave collectives on one group and every rank issues each group's collectives in the same
 order (with ``durable=``, a third group for the durable tier's drain thread). Every exchange is
-a ``monitored_barrier`` (gloo reports which ranks did not arrive within the timeout) followed by
-``all_gather_object``; a rank that does not answer in time makes the others raise
-:class:`RanksTimeoutError` naming it.
+one ``all_gather`` of a fixed-size byte tensor holding each rank's pickled object (a second
+``all_gather`` only when some object is larger than :data:`INLINE_BYTES`; ``all_gather_object``
+would always run two, sizes then data). A rank that does not answer within the timeout fails the
+exchange; the others then run a ``monitored_barrier`` (gloo reports which ranks did not arrive)
+and raise :class:`RanksTimeoutError` naming it.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any
+import pickle
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ...errors import RanksTimeoutError
 
-__all__ = ["RankGroup", "RanksTimeoutError", "rank_group"]
+__all__ = ["INLINE_BYTES", "RankGroup", "RanksTimeoutError", "rank_group"]
+
+_T = TypeVar("_T")
+
+INLINE_BYTES = 4096 - 8  # an object pickled to at most this many bytes travels in the first all_gather
 
 
 class RankGroup:
@@ -36,20 +45,42 @@ class RankGroup:
         self.world = len(ranks)
 
     def gather(self, obj: Any, *, thread: str, what: str) -> list[Any]:
-        """Every rank's ``obj``, by group rank; :class:`RanksTimeoutError` naming the ranks that
-        did not arrive within the timeout."""
+        """Every rank's ``obj``, by group rank (one ``all_gather`` when every pickle fits
+        :data:`INLINE_BYTES`)."""
         group = self._groups[thread]
+        return self._guarded(lambda: _all_gather(obj, self.world, group), thread, what)
+
+    def collect(self, obj: Any, *, thread: str, what: str) -> list[Any] | None:
+        """Every rank's ``obj`` on group rank 0 (by group rank), None on the others: one
+        ``gather`` (a rank whose pickle does not fit also sends it to rank 0 on its own)."""
+        group = self._groups[thread]
+        return self._guarded(lambda: _gather_first(obj, self.rank, self.ranks, group), thread, what)
+
+    def announce(self, obj: Any, *, thread: str, what: str) -> Any:
+        """Group rank 0's ``obj`` on every rank (the others pass None): one ``broadcast``, two
+        when the pickle does not fit."""
+        group = self._groups[thread]
+        return self._guarded(lambda: _broadcast_first(obj, self.rank, self.ranks[0], group), thread, what)
+
+    def _guarded(self, exchange: Callable[[], _T], thread: str, what: str) -> _T:
+        """Run ``exchange``; only when it fails (a rank missing past the timeout) does a
+        ``monitored_barrier`` find out which ranks are missing, so a successful exchange costs
+        its collectives and no barrier."""
         try:
-            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=self.timeout),
-                                   wait_all_ranks=True)
-        except RuntimeError as exc:
+            return exchange()
+        except RuntimeError as failed:
+            try:
+                dist.monitored_barrier(group=self._groups[thread], wait_all_ranks=True,
+                                       timeout=datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as exc:
+                raise RanksTimeoutError(
+                    f"deepnvme.CheckpointManager: {what}: not every rank of {self.ranks} arrived within "
+                    f"{self.timeout:g} s (rank {dist.get_rank()} waited; gloo says: {exc}). Every rank "
+                    "must call the manager's save/restore/steps/close in the same order") from failed
             raise RanksTimeoutError(
-                f"deepnvme.CheckpointManager: {what}: not every rank of {self.ranks} arrived within "
-                f"{self.timeout:g} s (rank {dist.get_rank()} waited; gloo says: {exc}). Every rank "
-                "must call the manager's save/restore/steps/close in the same order") from exc
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=group)
-        return out
+                f"deepnvme.CheckpointManager: {what}: the exchange between ranks {self.ranks} failed "
+                f"(rank {dist.get_rank()}; gloo says: {failed}), though every rank answered a barrier "
+                "afterwards: a rank arrived later than the timeout, or the group's connection broke") from failed
 
     def group(self, thread: str) -> Any:
         """The process group of ``thread`` (for DCP's own collectives on that thread)."""
@@ -82,6 +113,89 @@ def rank_group(group: Any, timeout: float, *, extra: tuple[str, ...] = ()) -> Ra
             _new_group(ranks, datetime.timedelta(seconds=timeout))
         raise ValueError(f"CheckpointManager(group=...): rank {dist.get_rank()} is not in the group {ranks}")
     return RankGroup(ranks, timeout, ("main", "writer", *extra))
+
+
+def _packed(obj: Any) -> tuple[bytes, torch.Tensor]:
+    """``obj`` pickled, and the fixed-size head that carries it: an 8-byte length, then the
+    pickle when it fits :data:`INLINE_BYTES`."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    head = torch.zeros(8 + INLINE_BYTES, dtype=torch.uint8)
+    head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if len(data) <= INLINE_BYTES:
+        head[8:8 + len(data)] = _bytes_tensor(data)
+    return data, head
+
+
+def _bytes_tensor(data: bytes, size: int | None = None) -> torch.Tensor:
+    out = torch.zeros(len(data) if size is None else size, dtype=torch.uint8)
+    out[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
+
+
+def _size(head: torch.Tensor) -> int:
+    return int(head[:8].view(torch.int64))
+
+
+def _unpacked(buf: torch.Tensor, offset: int, size: int) -> Any:
+    return pickle.loads(buf[offset:offset + size].numpy().tobytes())
+
+
+def _all_gather(obj: Any, world: int, group: Any) -> list[Any]:
+    """Every rank's ``obj``: one ``all_gather`` of heads, and a second one, padded to the largest
+    pickle, only when some rank's does not fit."""
+    data, head = _packed(obj)
+    heads = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(heads, head, group=group)
+    sizes = [_size(h) for h in heads]
+    if max(sizes) <= INLINE_BYTES:
+        return [_unpacked(h, 8, n) for h, n in zip(heads, sizes)]
+    body = _bytes_tensor(data, max(sizes))
+    bodies = [torch.empty_like(body) for _ in range(world)]
+    dist.all_gather(bodies, body, group=group)
+    return [_unpacked(b, 0, n) for b, n in zip(bodies, sizes)]
+
+
+def _gather_first(obj: Any, rank: int, ranks: list[int], group: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on group rank 0: one ``gather`` of heads; a rank whose pickle does
+    not fit then sends it whole to rank 0, which knows its size from the head. ``ranks``: the
+    group's global ranks (torch's ``dst``/``src`` are global ranks)."""
+    data, head = _packed(obj)
+    if rank != 0:
+        dist.gather(head, None, dst=ranks[0], group=group)
+        if len(data) > INLINE_BYTES:
+            dist.send(_bytes_tensor(data), dst=ranks[0], group=group)
+        return None
+    heads = [torch.empty_like(head) for _ in ranks]
+    dist.gather(head, heads, dst=ranks[0], group=group)
+    out: list[Any] = []
+    for r, h in enumerate(heads):
+        n = _size(h)
+        if n <= INLINE_BYTES:
+            out.append(_unpacked(h, 8, n))
+        elif r == 0:
+            out.append(obj)
+        else:
+            body = torch.empty(n, dtype=torch.uint8)
+            dist.recv(body, src=ranks[r], group=group)
+            out.append(_unpacked(body, 0, n))
+    return out
+
+
+def _broadcast_first(obj: Any, rank: int, first: int, group: Any) -> Any:
+    """Group rank 0's ``obj`` everywhere: one ``broadcast`` of its head, a second of the whole
+    pickle when it does not fit."""
+    data, head = _packed(obj if rank == 0 else None)
+    dist.broadcast(head, src=first, group=group)
+    if rank == 0:
+        if len(data) > INLINE_BYTES:
+            dist.broadcast(_bytes_tensor(data), src=first, group=group)
+        return obj
+    n = _size(head)
+    if n <= INLINE_BYTES:
+        return _unpacked(head, 8, n)
+    body = torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(body, src=first, group=group)
+    return _unpacked(body, 0, n)
 
 
 def _new_group(ranks: list[int], timeout: datetime.timedelta) -> Any:

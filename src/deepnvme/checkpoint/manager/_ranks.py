@@ -217,42 +217,60 @@ class RankSteps:
                 own = exc
         staged.clear()
         what = f"checkpoint step {step} in {self.directory!r} (earlier steps are intact)"
+        if len(self.layout.nodes) > 1:  # each node publishes its own directory
+            self._commit_nodes(step, building, metadata, written, own, rank_keys, what)
+        else:
+            self._commit_one(step, building, metadata, written, own, rank_keys, what)
+        if self.after_commit is not None:
+            self.after_commit(step)
+
+    def _commit_one(self, step: int, building: str, metadata: Metadata, written: Written,
+                    own: BaseException | None, rank_keys: dict[str, list[str]], what: str) -> None:
+        """One directory for all ranks: rank 0 collects the votes, publishes when all succeeded,
+        and announces the outcome (two collectives, one hop each)."""
+        g = self.group
+        votes = g.collect((written, _describe(own)), thread="writer", what=f"step {step} vote")
+        at_phase("agreement")
+        outcome = None
+        if votes is not None:  # rank 0
+            if any(v[1] is not None for v in votes):
+                shutil.rmtree(building, ignore_errors=True)
+                outcome = [v[1] for v in votes]
+            else:
+                try:
+                    finish_step(building, step, metadata, [v[0] for v in votes], self.config,
+                                algorithm=self.algorithm, rank_state=rank_keys)
+                    at_phase("rename")
+                    durable.publish_dir(building, step_dir(self.directory, step))
+                except BaseException as exc:
+                    own = exc
+                    shutil.rmtree(building, ignore_errors=True)
+                    outcome = [_describe(exc)]
+        outcome = g.announce(outcome, thread="writer", what=f"step {step} commit")
+        if outcome is not None:
+            raise _failed(what, outcome, own)
+        if g.rank == 0:
+            at_phase("retention")
+            self._commit.retire()
+
+    def _commit_nodes(self, step: int, building: str, metadata: Metadata, written: Written,
+                      own: BaseException | None, rank_keys: dict[str, list[str]], what: str) -> None:
+        """One directory per node: every rank hears every vote, each node's leader publishes."""
+        g = self.group
         votes = g.gather((written, _describe(own)), thread="writer", what=f"step {step} vote")
         at_phase("agreement")
         if any(v[1] is not None for v in votes):
             if self.layout.leader:
                 shutil.rmtree(building, ignore_errors=True)
             raise _failed(what, [v[1] for v in votes], own)
-        if len(self.layout.nodes) > 1:  # each node publishes its own directory
-            failures, own = publish_nodes(g, self.layout, directory=self.directory, building=building, step=step,
-                                          finish=lambda: finish_step(
-                                              building, step, metadata, [v[0] for v in votes], self.config,
-                                              algorithm=self.algorithm, rank_state=rank_keys))
-            if any(failures):
-                raise _failed(what, failures, own)
-            at_phase("retention")
-            retire_nodes(g, self.layout, self.directory, self._commit.keep)
-            if self.after_commit is not None:
-                self.after_commit(step)
-            return
-        if g.rank == 0:
-            try:
-                finish_step(building, step, metadata, [v[0] for v in votes], self.config,
-                            algorithm=self.algorithm, rank_state=rank_keys)
-                at_phase("rename")
-                durable.publish_dir(building, step_dir(self.directory, step))
-            except BaseException as exc:
-                own = exc
-                shutil.rmtree(building, ignore_errors=True)
-        outcome = g.gather(_describe(own) if g.rank == 0 else None, thread="writer",
-                           what=f"step {step} commit")[0]
-        if outcome is not None:
-            raise _failed(what, [outcome], own)
-        if g.rank == 0:
-            at_phase("retention")
-            self._commit.retire()
-        if self.after_commit is not None:
-            self.after_commit(step)
+        failures, own = publish_nodes(g, self.layout, directory=self.directory, building=building, step=step,
+                                      finish=lambda: finish_step(
+                                          building, step, metadata, [v[0] for v in votes], self.config,
+                                          algorithm=self.algorithm, rank_state=rank_keys))
+        if any(failures):
+            raise _failed(what, failures, own)
+        at_phase("retention")
+        retire_nodes(g, self.layout, self.directory, self._commit.keep)
 
     # ---- reading --------------------------------------------------------------------------
 

@@ -24,22 +24,25 @@ from ._engines import EngineStatus, engine_statuses
 from ._system import block_device, mount_of
 from ._units import GB, fmt_size
 
-__all__ = ["OK", "WARN", "FAIL", "Check", "Report", "run_report"]
+__all__ = ["OK", "WARN", "FAIL", "UNKNOWN", "Check", "Report", "run_report"]
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
+UNKNOWN = "UNKNOWN"  # the facts a check needs could not be read (storage checks only)
 _NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "9p", "ceph", "glusterfs", "lustre")
 
 
 @dataclasses.dataclass(frozen=True)
 class Check:
     """One line of the report; ``data`` holds its facts as numbers and booleans for ``--json``
-    (``value`` is the text for people)."""
+    (``value`` is the text for people); ``hint`` says what to change and ``command`` (storage
+    checks) is a shell command that changes it."""
 
     name: str
     status: str
     value: str
     hint: str = ""
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    command: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ Each function is blocking, prints nothing, and returns a frozen dataclass (with 
 for JSON): :func:`run_report` (is this environment usable?), :func:`run_bench` (write and
 cold-read GB/s against plain Python and fio), :func:`run_load_bench` (checkpoint readers on a
 checkpoint), :func:`run_data_bench` (token-dataset readers), :func:`run_tune` (the best handle
-settings), :func:`plan_interval` with :func:`checkpoint_size` and :func:`measure_write_gbps`
+settings), :func:`run_storage_report` (what to change in the storage under a path),
+:func:`plan_interval` with :func:`checkpoint_size` and :func:`measure_write_gbps`
 (how often to checkpoint). GB means 1e9 bytes throughout.
 """
 
@@ -16,6 +17,7 @@ from .interval import CheckpointPlan, CheckpointSize, checkpoint_size, measure_w
 from .load import LoadBenchResult, LoadOptions, run_load_bench
 from .report import Check, Report, run_report
 from .storage import run_bench
+from .storage_report import StorageReport, run_storage_report
 from .tune import Trial, TuneInterrupted, TuneResult, run_tune
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "OpStats",
     "Report",
     "Stats",
+    "StorageReport",
     "Trial",
     "TuneInterrupted",
     "TuneResult",
@@ -44,5 +47,6 @@ __all__ = [
     "run_data_bench",
     "run_load_bench",
     "run_report",
+    "run_storage_report",
     "run_tune",
 ]

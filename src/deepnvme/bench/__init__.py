@@ -6,7 +6,8 @@ cold-read GB/s against plain Python and fio), :func:`run_load_bench` (checkpoint
 checkpoint), :func:`run_data_bench` (token-dataset readers), :func:`run_tune` (the best handle
 settings), :func:`run_storage_report` (what to change in the storage under a path),
 :func:`plan_interval` with :func:`checkpoint_size` and :func:`measure_write_gbps`
-(how often to checkpoint). GB means 1e9 bytes throughout.
+(how often to checkpoint), :func:`size_storage` (the NVMe storage a model's training
+needs). GB means 1e9 bytes throughout.
 """
 
 from ._storage_types import BenchOptions, BenchResult, OpStats
@@ -16,6 +17,7 @@ from .data import DataBenchResult, DataOptions, run_data_bench
 from .interval import CheckpointPlan, CheckpointSize, checkpoint_size, measure_write_gbps, plan_interval
 from .load import LoadBenchResult, LoadOptions, run_load_bench
 from .report import Check, Report, run_report
+from .sizing import StorageSizing, parse_count, size_storage
 from .storage import run_bench
 from .storage_report import StorageReport, run_storage_report
 from .tune import Trial, TuneInterrupted, TuneResult, run_tune
@@ -34,6 +36,7 @@ __all__ = [
     "Report",
     "Stats",
     "StorageReport",
+    "StorageSizing",
     "Trial",
     "TuneInterrupted",
     "TuneResult",
@@ -42,6 +45,7 @@ __all__ = [
     "default_space",
     "load_space",
     "measure_write_gbps",
+    "parse_count",
     "plan_interval",
     "run_bench",
     "run_data_bench",
@@ -49,4 +53,5 @@ __all__ = [
     "run_report",
     "run_storage_report",
     "run_tune",
+    "size_storage",
 ]

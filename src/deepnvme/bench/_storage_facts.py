@@ -19,7 +19,8 @@ from ..io.durable import create_temp
 from ..io.posix import O_DIRECT, POSIX
 from ._system import Mount, mount_of
 
-__all__ = ["QueueFacts", "RaidFacts", "StorageFacts", "gather_storage_facts", "data_devices"]
+__all__ = ["QueueFacts", "RaidFacts", "StorageFacts", "gather_storage_facts", "data_devices",
+           "probe_o_direct"]
 
 # btrfs allocation profiles, and the bytes one device holds of a stripe (BTRFS_STRIPE_LEN)
 _BTRFS_PROFILES = ("raid0", "raid10", "raid5", "raid6", "raid1", "raid1c3", "raid1c4", "dup", "single")
@@ -197,16 +198,17 @@ def _btrfs_raid(root: str, mount: Mount) -> tuple[RaidFacts, list[str]] | None:
     return None
 
 
-def _probe_o_direct(directory: str) -> tuple[bool, str, int | None, int | None]:
+def probe_o_direct(directory: str) -> tuple[bool, str, int | None, int | None]:
     """(accepted, detail, memory alignment, offset alignment) of one aligned O_DIRECT write and
-    read of a temporary file in ``directory`` (removed after)."""
+    read of a temporary file in ``directory`` (removed after). Raises OSError when no file can
+    be created there."""
     path = create_temp(directory, "deepnvme-report")
     buf = mmap.mmap(-1, mmap.PAGESIZE)
     try:
         try:
             fd = os.open(path, os.O_RDWR | O_DIRECT)
         except OSError as exc:
-            return False, f"open refused: {exc.strerror}", None, None
+            return False, f"refused ({exc.strerror})", None, None
         try:
             os.pwritev(fd, [buf], 0)
             os.preadv(fd, [buf], 0)
@@ -215,7 +217,7 @@ def _probe_o_direct(directory: str) -> tuple[bool, str, int | None, int | None]:
             except OSError:
                 align = None
         except OSError as exc:
-            return False, f"opened, but I/O failed: {exc.strerror}", None, None
+            return False, f"open works but I/O fails ({exc.strerror})", None, None
         finally:
             os.close(fd)
     finally:
@@ -244,7 +246,7 @@ def gather_storage_facts(path: str, *, root: str = "/", probe: bool = True) -> S
     probed: tuple[bool | None, str, int | None, int | None] = (None, "not probed", None, None)
     if probe:
         try:
-            probed = _probe_o_direct(real)
+            probed = probe_o_direct(real)
         except OSError as exc:  # no file can be created here
             probed = (None, f"not probed: cannot create a file ({exc.strerror})", None, None)
     return StorageFacts(path=real, exists=True, mount=mount, device=device, leaves=leaves,

@@ -90,6 +90,10 @@ def check_o_direct(f: StorageFacts) -> Check:
         return Check("O_DIRECT", WARN, f"accepted, but {fs} serves it from memory",
                      "O_DIRECT here measures memory, not a drive: use xfs or ext4 on NVMe",
                      {"o_direct": True}, command=_mkfs(f.path))
+    if fs == "ext4" and f.mount is not None and "data=journal" in f.mount.super_options:
+        return Check("O_DIRECT", WARN, "accepted, but ext4 data=journal does it through the "
+                     "page cache", "mount with data=ordered (not possible by remount)",
+                     {"o_direct": True}, command=_remount_data(f))
     return Check("O_DIRECT", OK, f.o_direct_detail, data={"o_direct": True})
 
 
@@ -109,8 +113,7 @@ def check_mount_options(f: StorageFacts) -> Check:
     if "sync" in opts:
         changes.append("sync: every write waits for the device; mount async")
         commands.append(f"mount -o remount,async {mp}")
-    value = ",".join(o for o in f.mount.options if o in ("noatime", "relatime", "strictatime", "sync")
-                     ) or atime
+    value = atime + (", sync" if "sync" in opts else "")
     if not changes:
         return Check("mount options", OK, value, data=data)
     return Check("mount options", WARN, value, "; ".join(changes), data, command=" && ".join(commands))
@@ -207,7 +210,24 @@ def check_raid(f: StorageFacts, config: IOConfig) -> Check:
         return Check("raid", WARN, value, "fewer bytes in flight than one stripe: some drives "
                      "idle; raise block_size or queue_depth", data,
                      command=f"export DEEPNVME_BLOCK_SIZE={width}")
-    return Check("raid", OK, value, data=data)
+    return _xfs_stripe(f, value, data, width) or Check("raid", OK, value, data=data)
+
+
+def _xfs_stripe(f: StorageFacts, value: str, data: dict[str, object], width: int) -> Check | None:
+    """A WARN where xfs on an md/dm stripe was made without that stripe (``sunit``/``swidth``
+    in the mount options, 512-byte units): its allocations then ignore chunk boundaries."""
+    r = f.raid
+    if f.mount is None or f.mount.fstype != "xfs" or r is None or r.kind == "btrfs" or not r.chunk_bytes:
+        return None
+    sunit, swidth = _option(f.mount.super_options, "sunit"), _option(f.mount.super_options, "swidth")
+    if sunit and swidth and sunit.isdigit() and swidth.isdigit() and \
+            (int(sunit) * 512, int(swidth) * 512) == (r.chunk_bytes, width):
+        return None
+    told = f"sunit={sunit}, swidth={swidth}" if sunit else "no stripe"
+    return Check("raid", WARN, f"{value}; xfs has {told}", "xfs does not align to this stripe: "
+                 "make it again with the stripe (the command erases the array)", data,
+                 command=f"mkfs.xfs -f -d su={r.chunk_bytes >> 10}k,sw={width // r.chunk_bytes} "
+                         f"{f.mount.source}")
 
 
 def check_queue_depth(f: StorageFacts, config: IOConfig) -> Check:

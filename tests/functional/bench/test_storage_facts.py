@@ -58,10 +58,10 @@ def test_md_raid0_over_partitions(tmp_path) -> None:
     for i in range(2):
         part = disk(sys, f"nvme{i}n1", partition=f"nvme{i}n1p1", nr_requests=str(64 << i))
         link(md / "slaves" / f"nvme{i}n1p1", part)
-    mountinfo(root, f"30 1 9:0 / {data} rw,noatime shared:1 - xfs /dev/md0 rw,logbsize=64k,sunit=1024")
+    mountinfo(root, f"30 1 9:0 / {data} rw,noatime shared:1 - xfs /dev/md0 rw,logbsize=64k,sunit=1024,swidth=2048")
     f = gather_storage_facts(str(data), root=str(root), probe=False)
     assert f.mount is not None and f.mount.options == ("rw", "noatime")
-    assert f.mount.super_options == ("rw", "logbsize=64k", "sunit=1024")
+    assert f.mount.super_options == ("rw", "logbsize=64k", "sunit=1024", "swidth=2048")
     assert f.device is not None and f.device.name == "md0" and f.device.scheduler == "none"
     assert [d.name for d in f.leaves] == ["nvme0n1", "nvme1n1"]  # whole disks, not partitions
     assert [d.nr_requests for d in f.leaves] == [64, 128]

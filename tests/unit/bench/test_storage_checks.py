@@ -80,6 +80,8 @@ def test_o_direct_refused_emulated_and_unprobed() -> None:
     tmpfs = check_o_direct(facts(mount=mount(fstype="tmpfs")))
     assert tmpfs.status == "WARN" and "from memory" in tmpfs.value
     assert check_o_direct(facts(o_direct=None, o_direct_detail="not probed")).status == "UNKNOWN"
+    silent = check_o_direct(dataclasses.replace(journal, o_direct=True))  # what ext4 really does
+    assert silent.status == "WARN" and "page cache" in silent.value and "data=ordered" in silent.command
 
 
 def test_mount_options_atime_and_sync() -> None:
@@ -88,7 +90,8 @@ def test_mount_options_atime_and_sync() -> None:
     strict = check_mount_options(facts(mount=mount(options=("rw",))))
     assert strict.status == "WARN" and strict.data["atime"] == "strictatime"
     assert strict.command == "mount -o remount,noatime /mnt/nvme"
-    both = check_mount_options(facts(mount=mount(options=("rw", "sync"))))
+    both = check_mount_options(facts(mount=mount(options=("rw",), super_options=("rw", "sync"))))
+    assert both.value == "strictatime, sync"
     assert both.command == "mount -o remount,noatime /mnt/nvme && mount -o remount,async /mnt/nvme"
     assert both.data == {"atime": "strictatime", "sync": True}
 
@@ -115,23 +118,40 @@ def test_data_devices_per_level() -> None:
         4, 2, 3, 2, 1, 1]
 
 
+def on_md(raid: RaidFacts, sunit: int, swidth: int, **changes) -> StorageFacts:
+    """xfs made on the array with sunit/swidth (512-byte units) in its mount options."""
+    opts = ("rw", "logbsize=256k", f"sunit={sunit}", f"swidth={swidth}")
+    return facts(raid=raid, mount=mount(source="/dev/md0", super_options=opts), **changes)
+
+
 def test_raid0_stripe_against_block_size() -> None:
     md = RaidFacts("md", "md0", "raid0", 512 << 10, 4)  # stripe 2 MiB
-    ok = check_raid(facts(raid=md), CFG)  # 1 MiB blocks: 2 chunks each, 128 in flight
+    ok = check_raid(on_md(md, 1024, 4096), CFG)  # 1 MiB blocks: 2 chunks each, 128 in flight
     assert ok.status == "OK" and ok.data["raid_stripe_bytes"] == 2 << 20
     assert "chunk 512 KiB, stripe 2 MiB" in ok.value
-    odd = check_raid(facts(raid=dataclasses.replace(md, chunk_bytes=768 << 10)), CFG)
+    odd = check_raid(on_md(dataclasses.replace(md, chunk_bytes=768 << 10), 1536, 6144), CFG)
     assert odd.status == "WARN" and "straddle" in odd.hint
     assert odd.command == f"export DEEPNVME_BLOCK_SIZE={768 * 1024 * 4}"
-    idle = check_raid(facts(raid=md), CFG.replace(block_size=512 << 10, queue_depth=2))
+    idle = check_raid(on_md(md, 1024, 4096), CFG.replace(block_size=512 << 10, queue_depth=2))
     assert idle.status == "WARN" and "idle" in idle.hint  # 1 MiB in flight < 2 MiB stripe
+
+
+def test_xfs_made_without_the_arrays_stripe() -> None:
+    md = RaidFacts("md", "md0", "raid0", 512 << 10, 4)
+    bare = check_raid(facts(raid=md, mount=mount(source="/dev/md0")), CFG)
+    assert bare.status == "WARN" and "xfs has no stripe" in bare.value
+    assert bare.command == "mkfs.xfs -f -d su=512k,sw=4 /dev/md0"
+    other = check_raid(on_md(md, 128, 512), CFG)  # made for a 64 KiB x 4 stripe
+    assert other.status == "WARN" and "sunit=128, swidth=512" in other.value
+    ext4 = check_raid(facts(raid=md, mount=mount(fstype="ext4", source="/dev/md0")), CFG)
+    assert ext4.status == "OK"  # ext4's stripe= is in filesystem blocks: not checked
 
 
 def test_parity_raid_needs_whole_stripes_and_linear_is_flagged() -> None:
     r5 = RaidFacts("md", "md1", "raid5", 256 << 10, 5)  # 4 data drives: stripe 1 MiB
-    assert check_raid(facts(raid=r5), CFG).status == "OK"
+    assert check_raid(on_md(r5, 512, 2048), CFG).status == "OK"
     r5_6 = dataclasses.replace(r5, devices=6)  # 5 data drives: 1.25 MiB stripe
-    bad = check_raid(facts(raid=r5_6), CFG)
+    bad = check_raid(on_md(r5_6, 512, 2560), CFG)
     assert bad.status == "WARN" and "partial stripes" in bad.hint
     linear = check_raid(facts(raid=RaidFacts("dm", "vg-data", "linear", None, 2)), CFG)
     assert linear.status == "WARN" and linear.command.startswith("lvcreate --type striped -i 2")

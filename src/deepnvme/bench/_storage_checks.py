@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Sequence
+from typing import Any
 
 from ..config import IOConfig
 from ._storage_facts import QueueFacts, StorageFacts, data_devices
@@ -186,7 +187,8 @@ def check_raid(f: StorageFacts, config: IOConfig) -> Check:
                          "nothing to check where no block device backs the path")
         return Check("raid", OK, f"none: one device ({f.device.name})", data={"raid_level": None})
     devices = f"{r.level or 'unknown level'} over {r.devices} device(s) ({r.kind} {r.name})"
-    data = {"raid_level": r.level, "raid_devices": r.devices, "raid_chunk_bytes": r.chunk_bytes}
+    data: dict[str, Any] = {"raid_level": r.level, "raid_devices": r.devices,
+                            "raid_chunk_bytes": r.chunk_bytes}
     if r.level in ("linear", "single") and r.devices > 1:
         fix = (f"btrfs balance start -dconvert=raid0 {_q(f.mount.mountpoint)}"
                if r.kind == "btrfs" and f.mount else
@@ -213,7 +215,7 @@ def check_raid(f: StorageFacts, config: IOConfig) -> Check:
     return _xfs_stripe(f, value, data, width) or Check("raid", OK, value, data=data)
 
 
-def _xfs_stripe(f: StorageFacts, value: str, data: dict[str, object], width: int) -> Check | None:
+def _xfs_stripe(f: StorageFacts, value: str, data: dict[str, Any], width: int) -> Check | None:
     """A WARN where xfs on an md/dm stripe was made without that stripe (``sunit``/``swidth``
     in the mount options, 512-byte units): its allocations then ignore chunk boundaries."""
     r = f.raid

@@ -15,10 +15,10 @@ from typing import Any
 from ..config import IOConfig, resolve_config
 from ._storage_checks import storage_checks
 from ._storage_facts import QueueFacts, RaidFacts, StorageFacts, gather_storage_facts
-from .report import FAIL, Check
+from .report import FAIL, OK, UNKNOWN, WARN, Check
 
 __all__ = ["StorageReport", "StorageFacts", "QueueFacts", "RaidFacts", "run_storage_report",
-           "gather_storage_facts", "storage_checks"]
+           "gather_storage_facts", "storage_checks", "volume_check"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,3 +55,28 @@ def run_storage_report(path: str, *, need: int | None = None, root: str = "/",
     facts = gather_storage_facts(path, root=root, probe=probe)
     return StorageReport(path=facts.path, need_bytes=need, config=config, facts=facts,
                          checks=storage_checks(facts, config, need=need))
+
+
+def _drives(facts: StorageFacts) -> frozenset[str]:
+    """The drives under a path: its physical devices, else its mount (tmpfs, network)."""
+    if facts.leaves:
+        return frozenset(d.name for d in facts.leaves)
+    return frozenset({f"mount {facts.mount.dev}"} if facts.mount else ())
+
+
+def volume_check(facts: list[StorageFacts]) -> Check:
+    """For the directories of a volume (one per drive): a WARN where two share a drive, since
+    striping over them then adds no bandwidth. Pure."""
+    drives = [_drives(f) for f in facts]
+    if any(not d for d in drives):
+        return Check("volume", UNKNOWN, "the drives under some paths are unknown",
+                     "check with lsblk that each directory is on its own drive",
+                     command="lsblk -o NAME,MOUNTPOINTS")
+    shared = sorted({f"{a.path} and {b.path}" for i, a in enumerate(facts)
+                     for b, db in zip(facts[i + 1:], drives[i + 1:]) if drives[i] & db})
+    value = f"{len(facts)} directories on {len(frozenset().union(*drives))} drive(s)"
+    if not shared:
+        return Check("volume", OK, value)
+    return Check("volume", WARN, value + f"; {', '.join(shared)} share a drive",
+                 "give a volume one directory per drive (striping over one drive adds nothing)",
+                 command="lsblk -o NAME,MOUNTPOINTS")

@@ -3,7 +3,8 @@
 Runs :func:`~deepnvme.bench.run_report` and prints one line per check (OK, WARN or FAIL, with
 a hint for anything not OK), or JSON. Exit status 1 when a check FAILed.
 
-``--storage PATH`` checks the storage under PATH instead (:func:`~deepnvme.bench.run_storage_report`):
+``--storage PATH`` (repeatable: the directories of a volume, also checked for sharing a
+drive) checks the storage under PATH instead (:func:`~deepnvme.bench.run_storage_report`):
 filesystem, O_DIRECT, mount and journal options, drives, RAID stripe against ``block_size``,
 queue depth, scheduler, ``max_sectors_kb``, alignment and free space against ``--need``, as a
 table with what to change and the command that changes it.
@@ -11,6 +12,7 @@ table with what to change and the command that changes it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from rich.console import Console
@@ -19,7 +21,7 @@ from rich.table import Table
 
 from ..bench import Report, run_report
 from ..bench.report import FAIL, OK, UNKNOWN, WARN
-from ..bench.storage_report import StorageReport, run_storage_report
+from ..bench.storage_report import StorageReport, run_storage_report, volume_check
 from ..errors import UsageError
 from ._args import positive_size
 from ._render import print_json, stdout_console
@@ -34,10 +36,11 @@ def add_report_parser(subparsers: Any) -> None:
     r = subparsers.add_parser("report", help="check the environment (like ds_report) or the "
                               "storage under a path (--storage)", description=__doc__.split("\n\n")[0])
     r.add_argument("--dir", default=".", help="directory to check (default: .)")
-    r.add_argument("--storage", metavar="PATH",
-                   help="check the storage under PATH and say what to change, with commands")
+    r.add_argument("--storage", metavar="PATH", action="append",
+                   help="check the storage under PATH and say what to change, with commands; "
+                        "repeat it for the directories of a volume (one per drive)")
     r.add_argument("--need", type=positive_size, metavar="SIZE",
-                   help="with --storage: bytes a job will write there (K/M/G/T, binary)")
+                   help="with --storage: bytes a job will write under each PATH (K/M/G/T, binary)")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")
     r.set_defaults(func=_cmd_report)
 
@@ -52,12 +55,20 @@ def _cmd_report(args: Any) -> int:
         else:
             render_report(report, Console(highlight=False, soft_wrap=True))
         return 0 if report.ok else 1
-    storage = run_storage_report(args.storage, need=args.need)
+    reports = [run_storage_report(path, need=args.need) for path in args.storage]
+    volume = volume_check([r.facts for r in reports]) if len(reports) > 1 else None
+    ok = all(r.ok for r in reports) and (volume is None or volume.status != FAIL)
     if args.json:
-        print_json(storage.to_dict())
-    else:
-        render_storage_report(storage, stdout_console())
-    return 0 if storage.ok else 1
+        print_json({"ok": ok, "reports": [r.to_dict() for r in reports],
+                    "volume": None if volume is None else dataclasses.asdict(volume)})
+        return 0 if ok else 1
+    console = stdout_console()
+    for storage in reports:
+        render_storage_report(storage, console)
+    if volume is not None:
+        console.print(f"[{_COLOUR[volume.status]}]{volume.status}[/] volume: {escape(volume.value)}"
+                      + (f"\n  {escape(volume.hint)}" if volume.status != OK else ""))
+    return 0 if ok else 1
 
 
 def render_report(report: Report, console: Console) -> None:

@@ -22,6 +22,7 @@ from deepnvme.bench._storage_checks import (
 )
 from deepnvme.bench._storage_facts import QueueFacts, RaidFacts, StorageFacts, data_devices
 from deepnvme.bench._system import Mount
+from deepnvme.bench.storage_report import volume_check
 from deepnvme.config import IOConfig
 
 CFG = IOConfig()  # block_size 1 MiB, queue_depth 128, one worker, alignment 4096
@@ -225,3 +226,14 @@ def test_device_rotational() -> None:
     vd = check_device(facts(leaves=(dataclasses.replace(NVME, name="vda", rotational=True),)))
     assert vd.status == "WARN" and vd.command == "" and "virtual" in vd.hint
     assert check_device(facts(leaves=())).status == "UNKNOWN"
+
+
+def test_volume_directories_on_their_own_drives() -> None:
+    one = facts(path="/mnt/a")
+    two = facts(path="/mnt/b", leaves=(dataclasses.replace(NVME, name="nvme1n1"),))
+    assert volume_check([one, two]).value == "2 directories on 2 drive(s)"
+    same = volume_check([one, facts(path="/mnt/c"), two])
+    assert same.status == "WARN" and "/mnt/a and /mnt/c share a drive" in same.value
+    shm = facts(leaves=(), mount=mount(fstype="tmpfs", dev="0:27"))
+    assert volume_check([shm, dataclasses.replace(shm, path="/dev/shm/b")]).status == "WARN"
+    assert volume_check([one, facts(leaves=(), mount=None)]).status == "UNKNOWN"

@@ -183,6 +183,10 @@ def explain(s: StorageSizing) -> list[str]:
         lines.append(f"  parameters      {gb(s.param_bytes)} = {P} x {d} B ({s.dtype}), {par_where}")
     lines.append(f"  checkpoints     {gb(s.checkpoint_store_bytes)} = (keep {s.keep} + 1 being "
                  f"written) x {gb(s.checkpoint_bytes)}")
+    if s.ranks > 1:
+        lines.append(f"  per rank: {gb(s.offload_bytes / s.ranks)} offloaded, "
+                     f"{gb(s.checkpoint_store_bytes / s.ranks)} of checkpoints; drives below count "
+                     "all ranks together")
     lines.append(f"offload traffic per step: read {gb(s.read_bytes_per_step)}, write "
                  f"{gb(s.write_bytes_per_step)}")
     if s.offload_optimizer:

@@ -61,6 +61,7 @@ def test_70b_fp16_zero3_optimizer_only_over_8_ranks() -> None:
     assert s.drives_for_bandwidth == 16 and s.drives_for_capacity is None and s.drives == 16
     # the optimizer's buffers hold one sub-group: min(1e9, 70e9 / 8) x 4 B x 4
     assert s.optimizer_buffer_bytes == 16 * G and s.param_buffer_bytes == 0
+    assert "per rank: 140.0 GB offloaded, 245.0 GB of checkpoints" in "\n".join(explain(s))
 
 
 def test_stage_0_and_2_replicate_what_is_not_partitioned() -> None:

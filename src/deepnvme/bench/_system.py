@@ -14,6 +14,8 @@ class Mount:
     fstype: str
     source: str
     dev: str  # "major:minor"
+    options: tuple[str, ...] = ()  # per-mount options (rw, noatime, relatime ...)
+    super_options: tuple[str, ...] = ()  # the filesystem's own (data=ordered, logbsize=...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,9 @@ def mount_of(path: str, *, mountinfo: str = "/proc/self/mountinfo") -> Mount | N
         point = _unescape(parts[4])
         inside = real == point or real.startswith(point.rstrip("/") + "/")
         if inside and (best is None or len(point) >= len(best.mountpoint)):
-            best = Mount(point, rparts[0], _unescape(rparts[1]), parts[2])
+            best = Mount(point, rparts[0], _unescape(rparts[1]), parts[2],
+                          tuple(parts[5].split(",")) if len(parts) > 5 else (),
+                          tuple(rparts[2].split(",")) if len(rparts) > 2 else ())
     return best
 
 

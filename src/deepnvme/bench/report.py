@@ -19,27 +19,30 @@ from typing import Any
 import torch
 
 from ..io.durable import create_temp
-from ..io.posix import O_DIRECT, POSIX
 from ._engines import EngineStatus, engine_statuses
+from ._storage_facts import probe_o_direct
 from ._system import block_device, mount_of
 from ._units import GB, fmt_size
 
-__all__ = ["OK", "WARN", "FAIL", "Check", "Report", "run_report"]
+__all__ = ["OK", "WARN", "FAIL", "UNKNOWN", "Check", "Report", "run_report"]
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
+UNKNOWN = "UNKNOWN"  # the facts a check needs could not be read (storage checks only)
 _NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "9p", "ceph", "glusterfs", "lustre")
 
 
 @dataclasses.dataclass(frozen=True)
 class Check:
     """One line of the report; ``data`` holds its facts as numbers and booleans for ``--json``
-    (``value`` is the text for people)."""
+    (``value`` is the text for people); ``hint`` says what to change and ``command`` (storage
+    checks) is a shell command that changes it."""
 
     name: str
     status: str
     value: str
     hint: str = ""
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    command: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,39 +232,19 @@ _ALIGN_UNKNOWN = {"dio_alignment_memory_bytes": None, "dio_alignment_offset_byte
 
 def _probe_o_direct(directory: str) -> tuple[Check, Check]:
     """Write and read one aligned block with O_DIRECT in ``directory``; report the alignment."""
-    path = create_temp(directory, "deepnvme-report")
-    buf = mmap.mmap(-1, 4096)
-    try:
-        try:
-            dfd = os.open(path, os.O_RDWR | O_DIRECT)
-        except OSError as exc:
-            return (Check("O_DIRECT", WARN, f"refused ({exc.strerror})",
-                          "reads and writes go through the page cache; put files on a local "
-                          "ext4/xfs filesystem for O_DIRECT", {"o_direct": False}),
-                    Check("dio alignment", WARN, "n/a (no O_DIRECT)", data=_ALIGN_UNKNOWN))
-        try:
-            os.pwritev(dfd, [buf], 0)
-            os.preadv(dfd, [buf], 0)
-            try:
-                align = POSIX.dio_alignment(dfd)
-            except OSError:
-                align = None
-        finally:
-            os.close(dfd)
-    except OSError as exc:
-        return (Check("O_DIRECT", WARN, f"open works but I/O fails ({exc.strerror})",
-                      "deepnvme falls back to buffered I/O here", {"o_direct": False}),
-                Check("dio alignment", WARN, "n/a", data=_ALIGN_UNKNOWN))
-    finally:
-        buf.close()
-        os.unlink(path)
-    if align is None:
+    accepted, detail, memory, offset = probe_o_direct(directory)
+    if not accepted:
+        hint = ("reads and writes go through the page cache; put files on a local ext4/xfs "
+                "filesystem for O_DIRECT" if detail.startswith("refused")
+                else "deepnvme falls back to buffered I/O here")
+        return (Check("O_DIRECT", WARN, detail, hint, {"o_direct": False}),
+                Check("dio alignment", WARN, "n/a (no O_DIRECT)", data=_ALIGN_UNKNOWN))
+    if memory is None or offset is None:
         a = Check("dio alignment", OK, "not reported by the kernel (statx DIOALIGN needs Linux 6.1+); "
                   "4096 B assumed", data=_ALIGN_UNKNOWN)
     else:
-        a = Check("dio alignment", OK, f"memory {align.memory} B, file offset {align.offset} B",
-                  data={"dio_alignment_memory_bytes": align.memory,
-                        "dio_alignment_offset_bytes": align.offset})
+        a = Check("dio alignment", OK, f"memory {memory} B, file offset {offset} B",
+                  data={"dio_alignment_memory_bytes": memory, "dio_alignment_offset_bytes": offset})
     return Check("O_DIRECT", OK, "accepted", data={"o_direct": True}), a
 
 

@@ -172,3 +172,42 @@ def test_report_tells_where_torch_puts_large_tensors(tmp_path) -> None:
     if offset:
         assert f"{offset} B past a page" in default["value"]
         assert "THP_MEM_ALLOC_ENABLE=1" in default["hint"]
+
+
+def test_report_storage_json_carries_every_check(run_cli, tmp_path) -> None:
+    code, out, _ = run_cli("report", "--storage", str(tmp_path), "--need", "1M", "--json")
+    whole = json.loads(out)
+    assert whole["volume"] is None and len(whole["reports"]) == 1
+    data = whole["reports"][0]
+    names = [c["name"] for c in data["checks"]]
+    assert names[:2] == ["filesystem", "O_DIRECT"] and "free space" in names and len(names) == 11
+    assert data["need_bytes"] == 1 << 20 and data["path"] == os.path.realpath(tmp_path)
+    assert all(set(c) == {"name", "status", "value", "hint", "data", "command"} for c in data["checks"])
+    assert code == (0 if data["ok"] else 1) and whole["ok"] is data["ok"]
+    assert data["facts"]["free_bytes"] > 0 and data["facts"]["mount"]["fstype"]
+
+
+def test_report_storage_table_and_a_need_that_cannot_fit(run_cli, tmp_path) -> None:
+    code, out, _ = run_cli("report", "--storage", str(tmp_path), "--need", "1000000T")
+    assert code == 1
+    assert "storage under" in out and "free space" in out and "FAIL" in out
+    assert f"deepnvme clean {tmp_path}" in out  # the fixing command, unwrapped below the table
+    code, out, err = run_cli("report", "--storage", str(tmp_path / "nope"))
+    assert code == 1 and f"mkdir -p {tmp_path / 'nope'}" in out
+
+
+def test_report_need_without_storage_is_a_usage_error(run_cli) -> None:
+    code, out, err = run_cli("report", "--need", "1G")
+    assert code == 2 and out == "" and "--need goes with --storage PATH" in err
+
+
+def test_report_storage_of_a_volume_on_one_drive_warns(run_cli, tmp_path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    code, out, _ = run_cli("report", "--storage", str(a), "--storage", str(b), "--json")
+    data = json.loads(out)
+    assert [r["path"] for r in data["reports"]] == [os.path.realpath(a), os.path.realpath(b)]
+    assert data["volume"]["status"] == "WARN" and "share a drive" in data["volume"]["value"]
+    code, out, _ = run_cli("report", "--storage", str(a), "--storage", str(b))
+    assert out.count("storage under") == 2 and "WARN volume: 2 directories on 1 drive(s)" in out

@@ -157,7 +157,7 @@ def read_bandwidth(args: argparse.Namespace) -> float:
     from deepnvme.config import resolve_config
 
     cfg = resolve_config({"intra_op_parallelism": args.parallelism, "block_size": args.block_size})
-    bench = run_bench(BenchOptions(dirs=(args.dir,), io_size=512 << 20, loops=3, write=False, config=cfg))
+    bench = run_bench(BenchOptions(dirs=(args.dir,), io_size=args.bandwidth_size, loops=3, write=False, config=cfg))
     return float(bench.get("deepnvme", "read").e2e_gbps.median)
 
 
@@ -203,6 +203,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: no OpenMP barriers on a busy machine)")
     ap.add_argument("--parallelism", type=int, default=4, help="deepnvme I/O threads")
     ap.add_argument("--block-size", type=int, default=8 << 20)
+    ap.add_argument("--bandwidth-size", type=int, default=512 << 20, help="bytes of the cold read bandwidth probe")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -81,7 +81,7 @@ def test_bench_stream_quant(tmp_path):
     out = run("bench_stream_quant.py", "--dir", str(tmp_path), "--hidden", "128", "--intermediate", "256",
               "--layers", "2", "--heads", "2", "--vocab", "128", "--group-size", "64", "--acc-tokens", "4",
               "--gen-len", "2", "--rounds", "1", "--parallelism", "1", "--block-size", str(1 << 20),
-              "--out", str(tmp_path / "r.json"), cwd=tmp_path)
+              "--bandwidth-size", str(8 << 20), "--out", str(tmp_path / "r.json"), cwd=tmp_path)
     assert "accuracy int4" in out and "vs bf16" in out
     data = json.loads((tmp_path / "r.json").read_text())
     assert set(data["throughput"]) == {"bf16", "int8", "int4"} and set(data["accuracy"]) == {"int8", "int4"}

@@ -127,3 +127,19 @@ def test_generate_with_quantize_runs_and_reports_it(tmp_path, capsys):
         args = _parse(*common, *argv)
         with pytest.raises(UsageError, match=message):
             args.func(args)
+
+
+def test_quantised_blocks_run_under_inference_mode_and_the_arena_is_reused(tmp_path):
+    ids = prompt()
+    model = inf.stream_weights(tiny_model("llama", torch.bfloat16), str(tmp_path / "q"), quantize="int4",
+                               group_size=16, pin_memory=False)
+    expected = _logits(model, ids)
+    with torch.inference_mode():
+        first = model(ids).logits.float()
+        second = model(ids).logits.float()
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert _logits(model, ids).equal(expected)            # buffers made inside inference_mode still work
+    streamer = inf.streamer_of(model)
+    arena = streamer._arena
+    assert arena is not None and arena.numel() == streamer._arena_bytes   # one block's dequantised weights
+    streamer.close()

@@ -77,6 +77,19 @@ def test_inference_stream(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_stream_quant(tmp_path):
+    out = run("bench_stream_quant.py", "--dir", str(tmp_path), "--hidden", "128", "--intermediate", "256",
+              "--layers", "2", "--heads", "2", "--vocab", "128", "--group-size", "64", "--acc-tokens", "4",
+              "--gen-len", "2", "--rounds", "1", "--parallelism", "1", "--block-size", str(1 << 20),
+              "--bandwidth-size", str(8 << 20), "--out", str(tmp_path / "r.json"), cwd=tmp_path)
+    assert "accuracy int4" in out and "vs bf16" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert set(data["throughput"]) == {"bf16", "int8", "int4"} and set(data["accuracy"]) == {"int8", "int4"}
+    sizes = {m: r["packed_gb"] for m, r in data["throughput"].items()}
+    assert sizes["int4"] < sizes["int8"] < sizes["bf16"]
+
+
+@pytest.mark.slow
 def test_bench_checkpoint(tmp_path):
     out = run("bench_checkpoint.py", "--dir", str(tmp_path), "--layers", "1", "--reps", "1",
               "--pair-rounds", "1", cwd=tmp_path)

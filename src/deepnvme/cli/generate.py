@@ -89,6 +89,12 @@ def _packed_dir(args: argparse.Namespace) -> str | None:
 
 def _generate(args: argparse.Namespace) -> int:
     packed_dir = _packed_dir(args)
+    if args.quantize is not None and args.mode != "deepnvme":
+        raise UsageError("--quantize stores streamed weights quantised: it needs --mode deepnvme")
+    if args.quantize is not None and packed_dir is None:
+        raise UsageError(f"--quantize {args.quantize} writes a quantised copy of the weights: give --packed-dir DIR")
+    if args.group_size is not None and args.quantize is None:
+        raise UsageError("--group-size applies only with --quantize int8 or int4")
     _check_model(args.model)
     _check_device(args.device)
     _require_transformers()
@@ -98,7 +104,7 @@ def _generate(args: argparse.Namespace) -> int:
                           batch_size=args.batch_size, prompt_len=args.prompt_len,
                           gen_len=args.gen_len, prefetch=args.prefetch, device=args.device,
                           dtype=args.dtype, pin_memory=not args.no_pin_memory, config=cfg,
-                          seed=args.seed)
+                          seed=args.seed, quantize=args.quantize, group_size=args.group_size)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
     return 0
 
@@ -126,6 +132,12 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     g.add_argument("--dtype", type=_dtype, default=None,
                    help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    g.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                   help="store the streamed linear weights group-quantised in --packed-dir and "
+                        "dequantise them as each layer runs (default: as the checkpoint stores them)")
+    g.add_argument("--group-size", type=positive_int, default=None, metavar="N",
+                   help="inputs per quantisation scale; must divide each linear layer's input "
+                        "size (default: 128)")
     g.add_argument("--no-pin-memory", action="store_true", help="plain (unlocked) staging buffers")
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default: 0)")
     g.add_argument("--block-size", type=positive_size, default=None, metavar="SIZE",

@@ -2,15 +2,17 @@
 
 File ``weights.bin``: block after block, each starting at a multiple of 4096 bytes, tensors
 inside at 64-byte offsets (see :func:`plan_packed_block`), so one O_DIRECT read fills a block's
-staging buffer. ``manifest.json`` records the layout and a fingerprint of the source, so an
-aligned copy prepared once is reused while its source is unchanged.
+staging buffer. ``manifest.json`` records the layout, the storage setting (quantisation, group
+size and compute dtype; None for weights stored as they are) and a fingerprint of the source, so
+an aligned copy prepared once is reused while its source and the setting are unchanged.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +29,8 @@ WEIGHTS_FILE = "weights.bin"
 MANIFEST_FILE = "manifest.json"
 _VERSION = 1
 
+log = logging.getLogger(__name__)
+
 # (key, nbytes, producer of the contiguous CPU tensor whose bytes are written)
 PackedTensor = tuple[str, int, Callable[[], torch.Tensor]]
 
@@ -39,9 +43,10 @@ def source_stats(files: Iterable[str]) -> list[list[Any]]:
 
 
 def write_packed(directory: str, blocks: Sequence[Sequence[PackedTensor]], *, handle: AioHandle,
-                 fingerprint: Any = None) -> list[BlockPlan]:
+                 fingerprint: Any = None, setting: Mapping[str, Any] | None = None) -> list[BlockPlan]:
     """Write ``blocks`` to ``directory/weights.bin`` (temp file, fsync, rename, fsync dir) and
-    the manifest; returns each block's read plan. Blocking. Peak extra memory: one block."""
+    the manifest recording ``setting``; returns each block's read plan. Blocking. Peak extra
+    memory: one block."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, WEIGHTS_FILE)
     # drop the old manifest first: a crash after the weights are replaced must not leave new
@@ -73,21 +78,28 @@ def write_packed(directory: str, blocks: Sequence[Sequence[PackedTensor]], *, ha
     finally:
         free_cpu_locked_tensor(staging)
     write_json(manifest, {
-        "version": _VERSION, "fingerprint": fingerprint,
+        "version": _VERSION, "fingerprint": fingerprint, "setting": None if setting is None else dict(setting),
         "blocks": [{"file_offset": p.spans[0].file_offset, "nbytes": p.buffer_bytes,
                     "tensors": p.tensor_offsets} for p in plans]})
     return plans
 
 
-def load_manifest(directory: str, fingerprint: Any) -> list[BlockPlan] | None:
+def load_manifest(directory: str, fingerprint: Any, setting: Mapping[str, Any] | None = None
+                  ) -> list[BlockPlan] | None:
     """The block plans of an aligned copy in ``directory`` if it exists and was prepared from
-    a source with this ``fingerprint``; None if it must be (re)written."""
+    a source with this ``fingerprint`` and stored with this ``setting`` (a copy written before
+    settings were recorded counts as unquantised); None if it must be (re)written."""
     path = os.path.join(directory, WEIGHTS_FILE)
     try:
         with open(os.path.join(directory, MANIFEST_FILE), encoding="utf-8") as f:
             manifest = json.load(f)
         size = os.path.getsize(path)
     except (OSError, ValueError):
+        return None
+    recorded = manifest.get("setting")
+    if recorded != (None if setting is None else dict(setting)):
+        log.info("deepnvme: %s was prepared with setting %s, not %s: rewriting it", directory, recorded,
+                 None if setting is None else dict(setting))
         return None
     if manifest.get("version") != _VERSION or manifest.get("fingerprint") != fingerprint:
         return None

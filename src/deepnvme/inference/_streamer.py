@@ -4,10 +4,13 @@ Per block, a forward pre-hook (1) makes sure the block's read is in flight, (2) 
 of the next ``prefetch`` blocks (cyclically: after the last block comes block 0 of the next
 forward, e.g. the next decoding step) into free staging buffers, (3) waits for its own read and
 (4) points the block's parameters at views of the staging buffer (``param.data = view``, no
-copy on CPU; one host-to-device copy on CUDA). The forward hook points them back at 1-element
+copy on CPU; one host-to-device copy on CUDA); parameters stored quantised are dequantised
+into one arena of the compute dtype on the device (the bound block's weights; only one block
+is bound at a time). The forward hook points them back at 1-element
 placeholders and frees the buffer. Reads prefetched for blocks that then do not run next are
 waited for and dropped (``discarded_prefetches``). At most ``prefetch + 1`` staging buffers exist, so memory is
-``(prefetch + 1) x largest block`` (x2 on CUDA: pinned host plus device buffers).
+``(prefetch + 1) x largest block`` (x2 on CUDA: pinned host plus device buffers), plus the
+dequantised bytes of the largest block's quantised weights.
 Hooks run on the thread calling the model; the streamer is not meant for concurrent forwards.
 """
 
@@ -26,7 +29,8 @@ from ..config import IOConfig
 from ..handles.aio import AioHandle
 from ..memory.pinned import BufferPool
 from ._blocks import placeholder
-from ._layout import BlockPlan
+from ._layout import TENSOR_ALIGN, BlockPlan, align_up
+from ._quant import QuantBinding, dequantize_into
 
 __all__ = ["StreamStats", "StreamedBlock", "WeightStreamer"]
 
@@ -39,13 +43,15 @@ class StreamStats:
 
     ``stall_seconds`` is time the model thread spent blocked waiting for weights; compute
     overlapped with I/O is ``wall - stall``. ``bytes_read`` counts completed reads (1 GB = 1e9 B);
-    ``discarded_prefetches`` counts reads dropped because blocks ran in an unexpected order.
+    ``discarded_prefetches`` counts reads dropped because blocks ran in an unexpected order;
+    ``dequant_seconds`` is host time spent dequantising quantised weights (on CUDA: launching).
     """
 
     blocks_loaded: int
     bytes_read: int
     stall_seconds: float
     discarded_prefetches: int
+    dequant_seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -55,6 +61,11 @@ class StreamedBlock:
     module: nn.Module
     plan: BlockPlan
     bindings: list[tuple[nn.Parameter, int]]  # (parameter, byte offset in the staging buffer)
+    quantized: list[QuantBinding] = dataclasses.field(default_factory=list)  # dequantised when bound
+
+    def params(self) -> list[nn.Parameter]:
+        """Every streamed parameter of the block, plain and quantised."""
+        return [p for p, _ in self.bindings] + [q.param for q in self.quantized]
 
 
 class _Slot:
@@ -93,7 +104,16 @@ class WeightStreamer:
         self._inflight: OrderedDict[int, _Slot] = OrderedDict()
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._placeholders = {id(p): placeholder(p.shape, p.dtype, device)
-                              for b in blocks for p, _ in b.bindings}
+                              for b in blocks for p in b.params()}
+        self._arena_at: dict[int, int] = {}   # id(param) -> byte offset of its dequantised copy
+        self._arena_bytes = 0
+        for b in blocks:
+            cursor = 0
+            for q in b.quantized:
+                self._arena_at[id(q.param)] = cursor
+                cursor = align_up(cursor + q.out_nbytes, TENSOR_ALIGN)
+            self._arena_bytes = max(self._arena_bytes, cursor)
+        self._arena: torch.Tensor | None = None
         self._hooks = []
         for i, b in enumerate(blocks):
             self._hooks.append(b.module.register_forward_pre_hook(self._make_pre(i)))
@@ -107,9 +127,10 @@ class WeightStreamer:
         self._bytes = 0
         self._stall = 0.0
         self._discarded = 0
+        self._dequant = 0.0
 
     def stats(self) -> StreamStats:
-        return StreamStats(self._loaded, self._bytes, self._stall, self._discarded)
+        return StreamStats(self._loaded, self._bytes, self._stall, self._discarded, self._dequant)
 
     # --- slots -------------------------------------------------------------------------------
 
@@ -193,13 +214,31 @@ class WeightStreamer:
         for param, offset in self.blocks[index].bindings:
             nbytes = param.numel() * param.element_size()
             param.data = base[offset: offset + nbytes].view(param.dtype).view(param.shape)
+        if self.blocks[index].quantized:
+            self._dequantize(index, base)
         slot.bound = True
+
+    def _dequantize(self, index: int, base: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        if self._arena is None:
+            with torch.inference_mode(False):
+                self._arena = torch.empty(self._arena_bytes, dtype=torch.uint8, device=self.device)
+        for q in self.blocks[index].quantized:
+            at = self._arena_at[id(q.param)]
+            dtype = q.param.dtype
+            out = self._arena[at: at + q.out_nbytes].view(dtype).view(q.rows, q.cols)
+            scale_bytes = q.scale_count * q.param.element_size()
+            dequantize_into(out, base[q.data_offset: q.data_offset + q.code_nbytes],
+                            base[q.scale_offset: q.scale_offset + scale_bytes].view(dtype),
+                            mode=q.mode, group_size=q.group_size)
+            q.param.data = out.t() if q.transposed else out
+        self._dequant += time.perf_counter() - t0
 
     def _unbind(self, index: int) -> None:
         slot = self._inflight.pop(index, None)
         if slot is None:
             return
-        for param, _ in self.blocks[index].bindings:
+        for param in self.blocks[index].params():
             param.data = self._placeholders[id(param)]
         slot.bound = False
         if self._cuda:
@@ -247,4 +286,5 @@ class WeightStreamer:
         self._free = []
         if self._pool is not None:
             self._pool.close()
+        self._arena = None
         self._handle.close()

@@ -17,6 +17,7 @@ from torch import nn
 from .._deprecation import renamed_keywords
 from ..config import IOConfig
 from ._metrics import RssSampler, disk_read_bytes
+from ._quant import resolve_setting
 
 __all__ = ["GenerateResult", "GenerateTiming", "time_generate", "run_generate"]
 
@@ -99,6 +100,9 @@ class GenerateResult:
     peak_rss_anon: int
     peak_rss_file: int
     tokens: tuple[tuple[int, ...], ...]
+    quantize: str | None = None     # "int8"/"int4" when block weights were stored quantised
+    group_size: int | None = None
+    dequant_seconds: float = 0.0    # host time dequantising (part of compute, not of stall)
 
     @property
     def total_seconds(self) -> float:
@@ -134,13 +138,15 @@ class GenerateResult:
         mb = 1e6
         return "\n".join([
             f"deepnvme generate: mode {self.mode}, batch {self.batch_size}, prompt {self.prompt_len}, "
-            f"gen {self.gen_len}, prefetch {self.prefetch}, {self.device}, {self.dtype}",
+            f"gen {self.gen_len}, prefetch {self.prefetch}, {self.device}, {self.dtype}"
+            + (f", weights {self.quantize} (group {self.group_size})" if self.quantize else ""),
             f"  load            {self.load_seconds:8.2f} s",
             f"  prefill         {self.prefill_seconds:8.2f} s  {self.prefill_tokens_per_s:10.1f} tokens/s",
             f"  decode          {self.decode_seconds:8.2f} s  {self.decode_tokens_per_s:10.2f} tokens/s",
             f"  total           {self.total_seconds:8.2f} s  {self.total_tokens_per_s:10.2f} tokens/s",
             f"  weights read    {self.bytes_read / 1e9:8.3f} GB (disk reads {self.disk_read_bytes / 1e9:.3f} GB)",
-            f"  overlap         {self.overlap_efficiency:8.1%}  (stalled {self.stall_seconds:.2f} s)",
+            f"  overlap         {self.overlap_efficiency:8.1%}  (stalled {self.stall_seconds:.2f} s"
+            + (f", dequantising {self.dequant_seconds:.2f} s)" if self.quantize else ")"),
             f"  peak RSS        {self.peak_rss_anon / mb:8.1f} MB anonymous, "
             f"{self.peak_rss_file / mb:.1f} MB file-backed",
         ])
@@ -164,21 +170,25 @@ def run_generate(model_dir: str, *, packed_dir: str | None = None, mode: str = "
                  batch_size: int = 1, prompt_len: int = 32, gen_len: int = 16, prefetch: int = 1,
                  device: str = "cpu", dtype: str | torch.dtype | None = None,
                  pin_memory: bool = True, config: IOConfig | None = None,
-                 seed: int = 0) -> GenerateResult:
+                 seed: int = 0, quantize: str | None = None, group_size: int | None = None) -> GenerateResult:
     """Load the model in ``model_dir`` (``mode="deepnvme"``: streamed with :func:`load_streamed`,
-    from an aligned copy in ``packed_dir`` if given; ``"memory"``: fully in memory) and time one
-    greedy generation."""
+    from an aligned copy in ``packed_dir`` if given, stored ``quantize``d with ``group_size`` if
+    given; ``"memory"``: fully in memory) and time one greedy generation."""
     from .install import stream_stats, streamer_of
     from .pretrained import load_streamed
 
     torch_dtype = parse_dtype(dtype)
+    setting = resolve_setting(quantize, group_size)
+    if mode == "memory" and quantize is not None:
+        raise ValueError("quantize applies to streamed weights (mode='deepnvme'), not to mode='memory'")
     import transformers  # noqa: F401  (imported before timing: load_seconds is loading, not importing)
 
     with RssSampler() as rss:
         t0 = time.perf_counter()
         if mode == "deepnvme":
             model = load_streamed(model_dir, packed_dir=packed_dir, device=device, dtype=torch_dtype,
-                                  prefetch=prefetch, pin_memory=pin_memory, config=config)
+                                  prefetch=prefetch, pin_memory=pin_memory, config=config,
+                                  quantize=quantize, group_size=group_size)
         elif mode == "memory":
             from transformers import AutoModelForCausalLM
             auto: Any = AutoModelForCausalLM  # its stubs type from_pretrained's first argument oddly
@@ -209,4 +219,6 @@ def run_generate(model_dir: str, *, packed_dir: str | None = None, mode: str = "
         bytes_read=stats.bytes_read if stats else 0, disk_read_bytes=disk,
         stall_seconds=stats.stall_seconds if stats else 0.0,
         peak_rss_anon=rss.peak_anon, peak_rss_file=rss.peak_file,
-        tokens=tuple(tuple(int(t) for t in row) for row in timing.tokens))
+        tokens=tuple(tuple(int(t) for t in row) for row in timing.tokens),
+        quantize=quantize, group_size=setting.group_size if setting else None,
+        dequant_seconds=stats.dequant_seconds if stats else 0.0)

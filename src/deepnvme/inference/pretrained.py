@@ -4,7 +4,7 @@ The model is built with parameters on the meta device (buffers real), so no weig
 materialised; resident weights (embeddings, head, norms) are read once, block weights are
 streamed at every forward either straight from the ``*.safetensors`` files (4096-aligned
 spans, O_DIRECT) or from an aligned copy in ``packed_dir`` prepared once (needed when the
-requested dtype differs from the checkpoint's).
+requested dtype differs from the checkpoint's, or when weights are stored quantised).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from ..handles.aio import AioHandle
 from ._blocks import ParamGroup, group_parameters, placeholder
 from ._layout import BlockPlan, TensorRecord, plan_block_reads
 from ._packed import load_manifest, source_stats, write_packed
+from ._quant import QuantSetting, packed_entries, resolve_setting, split_bindings
 from ._safetensors import CheckpointTensor, read_checkpoint_index
 from ._streamer import StreamedBlock
-from .install import install, resolve_blocks
+from .install import install, quant_plan, resolve_blocks
 
 __all__ = ["load_streamed"]
 
@@ -89,11 +90,16 @@ def _fingerprint(index: dict[str, CheckpointTensor], dtype: torch.dtype, names: 
     return {"files": source_stats(r.file for r in index.values()), "dtype": str(dtype), "blocks": names}
 
 
+def _record(setting: QuantSetting | None, dtype: torch.dtype) -> dict[str, Any] | None:
+    return None if setting is None else setting.record(dtype)
+
+
 @renamed_keywords(offload_dir="packed_dir")
 def load_streamed(pretrained_dir: str, *, packed_dir: str | None = None,
                   device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                   prefetch: int = 1, pin_memory: bool = True, config: IOConfig | None = None,
-                  model_class: Any = None) -> nn.Module:
+                  model_class: Any = None, quantize: str | None = None,
+                  group_size: int | None = None) -> nn.Module:
     """Build the causal LM saved in ``pretrained_dir`` (``config.json`` + safetensors) with its
     block weights streamed from disk; blocking while resident weights are read.
 
@@ -101,8 +107,15 @@ def load_streamed(pretrained_dir: str, *, packed_dir: str | None = None,
     the checkpoint files (their dtype must then equal ``dtype``); with it, an aligned copy is
     written there once (reused while the checkpoint is unchanged) and streamed instead.
     ``model_class`` overrides ``AutoModelForCausalLM`` (any class with ``from_config``).
+    ``quantize="int8"`` or ``"int4"`` (needs ``packed_dir``) stores the blocks' linear weights
+    group-quantised in the copy (``group_size`` inputs per scale, default 128; scales in
+    ``dtype``) and dequantises them into ``dtype`` as each block runs. The copy records its
+    setting; a copy made with another setting is rewritten, never read as this one.
     Peak memory: resident weights plus ``(prefetch + 1)`` blocks.
     """
+    setting = resolve_setting(quantize, group_size)
+    if setting is not None and packed_dir is None:
+        raise ValueError(f"quantize={quantize!r} stores a quantised copy of the weights: pass packed_dir=")
     index = read_checkpoint_index(pretrained_dir)
     dtype = dtype or _default_dtype(index)
     dev = torch.device(device)
@@ -110,6 +123,7 @@ def load_streamed(pretrained_dir: str, *, packed_dir: str | None = None,
     prefix = getattr(model, "base_model_prefix", "")
     named = resolve_blocks(model, None)
     per_block, resident = group_parameters(model, [n for n, _ in named])
+    shapes = [quant_plan(groups, setting) for groups in per_block]   # checks group sizes first
     with AioHandle(config=config) as handle:
         missing = [g.name for gs in [resident, *per_block] for g in gs if _lookup(g, index, prefix) is None]
         if missing:
@@ -126,18 +140,21 @@ def load_streamed(pretrained_dir: str, *, packed_dir: str | None = None,
                     buf = _read(handle, rec).to(buf.dtype)
                 mod._buffers[key] = buf.to(dev)
         recs = [[_lookup(g, index, prefix) for g in gs] for gs in per_block]
-        plans = _block_plans(index, per_block, recs, dtype, packed_dir, handle)  # type: ignore[arg-type]
+        plans = _block_plans(index, per_block, recs, dtype, packed_dir, handle,  # type: ignore[arg-type]
+                             setting, shapes)
     streamed = []
-    for (_, module), groups, plan in zip(named, per_block, plans):
+    for (_, module), groups, plan, shape in zip(named, per_block, plans, shapes):
         params = [_replace(g, placeholder(g.param.shape, dtype, dev)) for g in groups]
-        streamed.append(StreamedBlock(module, plan, [(p, plan.tensor_offsets[g.name])
-                                                     for p, g in zip(params, groups)]))
+        plain, quant = split_bindings([(g.name, p) for g, p in zip(groups, params)], plan.tensor_offsets,
+                                      shape, setting)
+        streamed.append(StreamedBlock(module, plan, plain, quant))
     return install(model, streamed, device=dev, prefetch=prefetch, pin_memory=pin_memory, config=config)
 
 
 def _block_plans(index: dict[str, CheckpointTensor], per_block: list[list[ParamGroup]],
                  recs: list[list[CheckpointTensor]], dtype: torch.dtype, packed_dir: str | None,
-                 handle: AioHandle) -> list[BlockPlan]:
+                 handle: AioHandle, setting: QuantSetting | None,
+                 shapes: list[dict[str, tuple[int, int, bool]]]) -> list[BlockPlan]:
     for groups, rs in zip(per_block, recs):
         for g, r in zip(groups, rs):
             if r.shape != tuple(g.param.shape):
@@ -153,15 +170,17 @@ def _block_plans(index: dict[str, CheckpointTensor], per_block: list[list[ParamG
                                   for g, r in zip(groups, rs)], sizes)
                 for groups, rs in zip(per_block, recs)]
     fingerprint = _fingerprint(index, dtype, [[g.name for g in gs] for gs in per_block])
-    plans = load_manifest(packed_dir, fingerprint)
+    plans = load_manifest(packed_dir, fingerprint, _record(setting, dtype))
     if plans is not None:
         log.info("deepnvme: reusing the aligned copy in %s", packed_dir)
         return plans
     itemsize = torch.empty((), dtype=dtype).element_size()
     return write_packed(packed_dir, [
-        [(g.name, r.nbytes // r.dtype.itemsize * itemsize, functools.partial(_read_as, handle, r, dtype))
-         for g, r in zip(groups, rs)] for groups, rs in zip(per_block, recs)],
-        handle=handle, fingerprint=fingerprint)
+        [e for g, r in zip(groups, rs)
+         for e in packed_entries(g.name, r.nbytes // r.dtype.itemsize * itemsize,
+                                 functools.partial(_read_as, handle, r, dtype), shape.get(g.name), setting, dtype)]
+        for groups, rs, shape in zip(per_block, recs, shapes)],
+        handle=handle, fingerprint=fingerprint, setting=_record(setting, dtype))
 
 
 __getattr__ = module_aliases(__name__, {"load_offloaded": "load_streamed"})

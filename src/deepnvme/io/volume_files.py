@@ -1,0 +1,121 @@
+"""The layout records of striped files on disk: read and checked before a request, written
+durably (:func:`deepnvme.io.durable.write_json`) before a write grows the file.
+
+A record is read again only when its file or its part changed since it was last checked
+(inode, mtime, size), so a request on an unchanged file costs two ``stat`` calls per drive.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+import uuid
+
+from ..errors import DeepNVMeIOError, VolumeLayoutError
+from .durable import write_json
+from .volume import VolumePath, VolumeRecord, check_records
+
+__all__ = ["Layouts"]
+
+_Sig = tuple[int, int, int, int, int]
+
+
+class Layouts:
+    """Checked layout records of striped files, cached per file. Thread-safe (one lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[VolumePath, tuple[tuple[_Sig, ...], VolumeRecord]] = {}
+
+    def current(self, vpath: VolumePath) -> VolumeRecord:
+        """The layout of an existing striped file, checked against its volume on every drive.
+        Raises :class:`VolumeLayoutError` naming the drive and file of the first problem."""
+        with self._lock:
+            return self._current(vpath)
+
+    def ensure(self, vpath: VolumePath, end: int) -> VolumeRecord:
+        """Before a write ending at logical byte ``end``: create the file (directories, empty
+        parts, records) if no drive has it, or grow its records to ``end`` bytes. A file found
+        on some drives but not others, or not matching the volume, raises."""
+        with self._lock:
+            present = [os.path.exists(vpath.record(d)) for d in range(vpath.drives)]
+            if not any(present):
+                return self._create(vpath, end)
+            rec = self._current(vpath)
+            if rec.size >= end:
+                return rec
+            return self._publish(vpath, end, rec.file_id)
+
+    def forget(self, vpath: VolumePath) -> None:
+        with self._lock:
+            self._cache.pop(vpath, None)
+
+    def _current(self, vpath: VolumePath) -> VolumeRecord:
+        sigs = tuple(_signature(vpath, d) for d in range(vpath.drives))
+        cached = self._cache.get(vpath)
+        if cached is not None and cached[0] == sigs:
+            return cached[1]
+        rec = check_records(vpath, [_read(vpath, d) for d in range(vpath.drives)])
+        for d, sig in enumerate(sigs):
+            if sig[4] < rec.parts[d]:
+                raise VolumeLayoutError(
+                    f"volume drive {d}: the part of {vpath.name!r} has {sig[4]} bytes, its "
+                    f"record says {rec.parts[d]} (truncated or replaced)", path=vpath.part(d))
+        self._cache[vpath] = (sigs, rec)
+        return rec
+
+    def _create(self, vpath: VolumePath, end: int) -> VolumeRecord:
+        for d in range(vpath.drives):
+            part = vpath.part(d)
+            try:
+                os.makedirs(os.path.dirname(part), exist_ok=True)
+                os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+            except OSError as exc:
+                raise DeepNVMeIOError.from_oserror(exc, op=f"create volume drive {d} part",
+                                                   path=part, offset=None, size=None) from None
+        return self._publish(vpath, end, uuid.uuid4().hex)
+
+    def _publish(self, vpath: VolumePath, size: int, file_id: str) -> VolumeRecord:
+        recs = [VolumeRecord.for_size(vpath, size, index=d, file_id=file_id)
+                for d in range(vpath.drives)]
+        for d, rec in enumerate(recs):
+            write_json(vpath.record(d), rec.to_json())
+        # parts may still be shorter than the new size: the write that follows fills them
+        self._cache.pop(vpath, None)
+        return recs[0]
+
+
+def _signature(vpath: VolumePath, drive: int) -> _Sig:
+    rec = _stat(vpath, drive, vpath.record(drive), "record")
+    part = _stat(vpath, drive, vpath.part(drive), "part")
+    return (rec.st_ino, rec.st_mtime_ns, rec.st_size, part.st_ino, part.st_size)
+
+
+def _stat(vpath: VolumePath, drive: int, path: str, what: str) -> os.stat_result:
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        directory = vpath.volume.paths[drive]
+        why = ("the drive directory does not exist (not mounted?)" if not os.path.isdir(directory)
+               else f"its {what} file is missing (never written there, or removed)")
+        raise VolumeLayoutError(f"volume drive {drive} ({directory}) has no {what} of "
+                                f"{vpath.name!r}: {why}", path=path, errno=errno.ENOENT) from None
+    except OSError as exc:
+        raise DeepNVMeIOError.from_oserror(exc, op=f"stat volume drive {drive} {what}",
+                                           path=path, offset=None, size=None) from None
+
+
+def _read(vpath: VolumePath, drive: int) -> VolumeRecord:
+    path = vpath.record(drive)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise VolumeLayoutError(f"volume drive {drive}: unreadable layout record ({exc})",
+                                path=path) from None
+    except OSError as exc:
+        raise DeepNVMeIOError.from_oserror(exc, op=f"read volume drive {drive} record",
+                                           path=path, offset=None, size=None) from None
+    return VolumeRecord.from_json(data, where=path)

@@ -1,8 +1,9 @@
 """The layout records of striped files on disk: read and checked before a request, written
 durably (:func:`deepnvme.io.durable.write_json`) before a write grows the file.
 
-A record is read again only when its file or its part changed since it was last checked
-(inode, mtime, size), so a request on an unchanged file costs two ``stat`` calls per drive.
+A record is read again only when its file changed since it was last checked
+(inode, mtime, size), so a request on an unchanged file costs two ``stat`` calls per drive
+(its record and its part).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .volume import VolumePath, VolumeRecord, check_records
 
 __all__ = ["Layouts"]
 
-_Sig = tuple[int, int, int, int, int]
+_Sig = tuple[int, int, int]
 
 
 class Layouts:
@@ -43,7 +44,7 @@ class Layouts:
             present = [os.path.exists(vpath.record(d)) for d in range(vpath.drives)]
             if not any(present):
                 return self._create(vpath, end)
-            rec = self._current(vpath)
+            rec = self._current(vpath, parts_complete=False)
             if rec.size >= end:
                 return rec
             return self._publish(vpath, end, rec.file_id)
@@ -52,18 +53,24 @@ class Layouts:
         with self._lock:
             self._cache.pop(vpath, None)
 
-    def _current(self, vpath: VolumePath) -> VolumeRecord:
-        sigs = tuple(_signature(vpath, d) for d in range(vpath.drives))
+    def _current(self, vpath: VolumePath, *, parts_complete: bool = True) -> VolumeRecord:
+        """The checked record; with ``parts_complete`` (reads), every part must hold the bytes
+        its record names (a write may still be filling them: ``ensure`` skips that check)."""
+        n = vpath.drives
+        sigs = tuple(_signature(_stat(vpath, d, vpath.record(d), "record")) for d in range(n))
         cached = self._cache.get(vpath)
         if cached is not None and cached[0] == sigs:
-            return cached[1]
-        rec = check_records(vpath, [_read(vpath, d) for d in range(vpath.drives)])
-        for d, sig in enumerate(sigs):
-            if sig[4] < rec.parts[d]:
+            rec = cached[1]
+        else:
+            rec = check_records(vpath, [_read(vpath, d) for d in range(n)])
+            self._cache[vpath] = (sigs, rec)
+        for d in range(n):
+            size = _stat(vpath, d, vpath.part(d), "part").st_size
+            if parts_complete and size < rec.parts[d]:
                 raise VolumeLayoutError(
-                    f"volume drive {d}: the part of {vpath.name!r} has {sig[4]} bytes, its "
-                    f"record says {rec.parts[d]} (truncated or replaced)", path=vpath.part(d))
-        self._cache[vpath] = (sigs, rec)
+                    f"volume drive {d}: the part of {vpath.name!r} has {size} bytes, its "
+                    f"record says {rec.parts[d]} (truncated, replaced, or its write did not "
+                    "finish)", path=vpath.part(d))
         return rec
 
     def _create(self, vpath: VolumePath, end: int) -> VolumeRecord:
@@ -87,10 +94,9 @@ class Layouts:
         return recs[0]
 
 
-def _signature(vpath: VolumePath, drive: int) -> _Sig:
-    rec = _stat(vpath, drive, vpath.record(drive), "record")
-    part = _stat(vpath, drive, vpath.part(drive), "part")
-    return (rec.st_ino, rec.st_mtime_ns, rec.st_size, part.st_ino, part.st_size)
+def _signature(st: os.stat_result) -> _Sig:
+    """A record changes only by an atomic replace: a new inode, mtime or size."""
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _stat(vpath: VolumePath, drive: int, path: str, what: str) -> os.stat_result:

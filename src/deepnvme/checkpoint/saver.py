@@ -32,6 +32,7 @@ from ..formats.torchzip import (
 from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.file import read_buffered, reserve
+from ..io.volume import VolumePath
 from ..memory.views import aligned_empty, storage_bytes
 from ._paths import as_path
 
@@ -151,7 +152,7 @@ def write_storages(handle: AioHandle, path: str, layout: StorageLayout, keys: li
     handle.write_many(path, items, fsync=fsync).result()
 
 
-def save(obj: Any, path: str | os.PathLike[str] | IO[bytes], *,
+def save(obj: Any, path: str | os.PathLike[str] | IO[bytes] | VolumePath, *,
          config: IOConfig | Mapping[str, Any] | None = None, recycle: bool = False,
          ) -> None:
     """Save ``obj`` to ``path`` like ``torch.save``; blocks until the file is durable.
@@ -169,7 +170,13 @@ def save(obj: Any, path: str | os.PathLike[str] | IO[bytes], *,
     When ``path`` is a symlink, the file it points to is replaced and the link stays (as with
     ``torch.save``). A writable binary file object (``io.BytesIO``, ``open(..., "wb")``) is
     handed to ``torch.save`` itself: no parallel I/O and no atomic replace for those.
+    A :class:`~deepnvme.Volume` path saves one file striped over the volume's drives (read it
+    with :func:`deepnvme.load`, or ``deepnvme volume join`` it into a plain file).
     """
+    if isinstance(path, VolumePath):
+        from ._striped import save_striped  # imports this module
+        save_striped(obj, path, checkpoint_config(config))
+        return
     if not isinstance(path, (str, os.PathLike)) and hasattr(path, "write"):
         log.debug("deepnvme.save: %r is a file object, not a path: written by torch.save "
                   "(no parallel O_DIRECT I/O, no atomic replace)", path)

@@ -15,10 +15,10 @@ import threading
 import uuid
 
 from ..errors import DeepNVMeIOError, VolumeLayoutError
-from .durable import write_json
+from .durable import fsync_dir, write_json
 from .volume import VolumePath, VolumeRecord, check_records
 
-__all__ = ["Layouts"]
+__all__ = ["Layouts", "striped_size", "rename", "remove"]
 
 _Sig = tuple[int, int, int]
 
@@ -125,3 +125,50 @@ def _read(vpath: VolumePath, drive: int) -> VolumeRecord:
         raise DeepNVMeIOError.from_oserror(exc, op=f"read volume drive {drive} record",
                                            path=path, offset=None, size=None) from None
     return VolumeRecord.from_json(data, where=path)
+
+
+def striped_size(vpath: VolumePath) -> int:
+    """The logical size of the striped file ``vpath``, its layout checked on every drive."""
+    return Layouts().current(vpath).size
+
+
+def rename(src: VolumePath, dst: VolumePath) -> None:
+    """Replace ``dst`` with the complete striped file ``src`` (same volume), drive by drive.
+
+    Not atomic across drives; the order keeps every crash point detectable: ``dst``'s records
+    go first (a reader then finds no file), then the parts move, then the new records are
+    written durably and ``src``'s removed. Blocks.
+    """
+    if src.volume != dst.volume:
+        raise ValueError(f"rename: {src} and {dst} are on different volumes")
+    rec = Layouts().current(src)
+    for d in range(dst.drives):
+        _unlink(dst.record(d))
+    for d in range(dst.drives):
+        os.makedirs(os.path.dirname(dst.part(d)), exist_ok=True)
+        os.replace(src.part(d), dst.part(d))
+        fsync_dir(os.path.dirname(dst.part(d)))
+    for d in range(dst.drives):
+        new = VolumeRecord.for_size(dst, rec.size, index=d, file_id=rec.file_id)
+        write_json(dst.record(d), new.to_json())
+    for d in range(src.drives):
+        _unlink(src.record(d))
+
+
+def remove(vpath: VolumePath) -> None:
+    """Remove the records and parts of ``vpath`` that exist (records first). Blocks."""
+    for d in range(vpath.drives):
+        _unlink(vpath.record(d))
+    for d in range(vpath.drives):
+        _unlink(vpath.part(d))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise DeepNVMeIOError.from_oserror(exc, op="remove", path=path, offset=None,
+                                           size=None) from None
+    fsync_dir(os.path.dirname(path))

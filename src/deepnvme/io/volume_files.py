@@ -16,6 +16,7 @@ import uuid
 
 from ..errors import DeepNVMeIOError, VolumeLayoutError
 from .durable import fsync_dir, write_json
+from .file import reserve
 from .volume import VolumePath, VolumeRecord, check_records
 
 __all__ = ["Layouts", "striped_size", "rename", "remove"]
@@ -88,8 +89,11 @@ class Layouts:
         recs = [VolumeRecord.for_size(vpath, size, index=d, file_id=file_id)
                 for d in range(vpath.drives)]
         for d, rec in enumerate(recs):
+            # blocks allocated up front, as deepnvme.save does: O_DIRECT writes then fill
+            # reserved extents, and a full drive fails here, before the record grows
+            reserve(vpath.part(d), rec.parts[d])
+        for d, rec in enumerate(recs):
             write_json(vpath.record(d), rec.to_json())
-        # parts may still be shorter than the new size: the write that follows fills them
         self._cache.pop(vpath, None)
         return recs[0]
 

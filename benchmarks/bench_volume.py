@@ -9,7 +9,8 @@ and cold reads of it (O_DIRECT for deepnvme and fio), per tool, rounds interleav
 - "fio 2 jobs (sum)": one fio run with one job per drive (SIZE/2 each, libaio, qd32, 1 MiB),
   the sum of the two jobs' bandwidths, the figure a perfect two-drive stripe would reach;
 - "deepnvme 1 drive": the same handle on one plain file in DIR0;
-- "deepnvme on btrfs raid0": the same handle on one plain file in DIR (when given).
+- "deepnvme on btrfs raid0": the same handle on one plain file in DIR (when given), and
+  "fio on btrfs raid0": one fio job there.
 Each file is removed after its read (the drives need hold only one at a time). GB = 1e9
 bytes; medians over repetitions; CPU seconds of this process (getrusage) for deepnvme rows.
 """
@@ -116,6 +117,9 @@ def main() -> int:
                 if on_btrfs:
                     runs.setdefault("deepnvme on btrfs raid0", []).append(
                         deepnvme_pair(h, buf, on_btrfs, lambda: _unlink(on_btrfs)))  # type: ignore[arg-type]
+                    if have_fio:
+                        runs.setdefault("fio on btrfs raid0", []).append(
+                            fio_pair([args.btrfs], args.size))
             engine = h.engine
     finally:
         remove_striped(vpath)

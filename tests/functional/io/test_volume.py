@@ -70,6 +70,11 @@ def test_futures_batches_and_async_calls(h, vol):
     back = torch.empty_like(tensors[1])
     assert h.async_pread(back, vol / "n.bin", 7) == 0 and h.wait() == 1
     assert same_bytes(back, tensors[1])
+    # DeepSpeed's read(): the buffer must hold the rest of the file from the offset
+    whole = torch.empty(7 + tensors[1].nbytes, dtype=torch.uint8)
+    assert h.read(whole, vol / "n.bin", False) == 0
+    with pytest.raises(deepnvme.DeepNVMeIOError, match="file holds"):
+        h.read(back, vol / "n.bin", False)
     # kept descriptors of the parts close through the striped path
     assert h.submit_read(back, vol / "n.bin", offset=7, keep_open=True).result() == back.nbytes
     h.close_files([vol / "n.bin"])

@@ -1,11 +1,6 @@
-"""``deepnvme.save``/``load`` of one torch.save file striped over a volume.
-
-The zip is PyTorch's own: its skeleton (``skip_data``) is written to a temporary plain file on
-the volume's first drive, then the skeleton's headers and every storage's bytes, straight from
-tensor memory, go to a temporary striped file in one batch over all drives, which then replaces
-the target (:func:`deepnvme.io.volume_files.rename`). Loading reads the small zip structures
-through :class:`StripedReader` and every storage record in parallel, as for a plain file.
-"""
+"""Striped files for the checkpoint functions: a file object over a striped file (for
+``deepnvme.load``'s zip structures) and the copies behind ``deepnvme volume join|split``.
+``deepnvme.save`` to a volume is :func:`deepnvme.checkpoint.saver.save_striped`."""
 
 from __future__ import annotations
 
@@ -18,55 +13,13 @@ from concurrent.futures import Future
 import torch
 
 from ..config import IOConfig
-from ..formats.torchzip import RecordSpan
 from ..handles.aio import AioHandle
 from ..io import durable
-from ..io.file import read_buffered
 from ..io.volume import VolumePath
 from ..io.volume_files import remove, rename, striped_size
-from ..memory.views import aligned_empty, storage_bytes
-from .saver import StorageLayout, write_skeleton
+from ..memory.views import aligned_empty
 
-__all__ = ["save_striped", "StripedReader", "file_items", "join_file", "split_file"]
-
-
-def save_striped(obj: object, vpath: VolumePath, cfg: IOConfig) -> None:
-    """Save ``obj`` as a striped torch.save file at ``vpath``; blocks until it is durable."""
-    first = os.path.join(vpath.volume.paths[0], os.path.dirname(vpath.name))
-    os.makedirs(first, exist_ok=True)
-    skeleton = durable.create_temp(first, os.path.basename(vpath.name) + ".skeleton")
-    tmp = VolumePath(vpath.volume,
-                     f"{vpath.name}.deepnvme-tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        layout = write_skeleton(obj, skeleton)
-        items = file_items(skeleton, layout)
-        with AioHandle(config=cfg) as handle:
-            handle.write_many(tmp, items, fsync=True).result()
-        rename(tmp, vpath)
-    except BaseException:
-        remove(tmp)
-        raise
-    finally:
-        durable.remove_quietly(skeleton)
-
-
-def file_items(skeleton: str, layout: StorageLayout) -> list[tuple[torch.Tensor, int]]:
-    """Every byte of the file as (buffer, offset) items: the skeleton's header regions between
-    the storage records (read now) and each storage's own memory."""
-    size = os.path.getsize(skeleton)
-    spans = sorted(((span, storage) for storage, span in layout.items.values()),
-                   key=lambda item: item[0].offset)
-    items: list[tuple[torch.Tensor, int]] = []
-    pos = 0
-    for span, storage in spans + [(RecordSpan(name="", offset=size, size=0), None)]:
-        if span.offset > pos:
-            region = aligned_empty(span.offset - pos, pos)
-            read_buffered(skeleton, region, pos)
-            items.append((region, pos))
-        if storage is not None and span.size:
-            items.append((storage_bytes(storage), span.offset))
-        pos = max(pos, span.offset + span.size)
-    return items
+__all__ = ["StripedReader", "join_file", "split_file"]
 
 
 class StripedReader(io.RawIOBase):

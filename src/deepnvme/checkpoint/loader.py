@@ -37,6 +37,7 @@ from ..io.volume_files import striped_size
 from ..memory.views import aligned_empty, storage_bytes
 from ._folders import load_folder
 from ._paths import as_path
+from ._striped import StripedReader
 
 __all__ = ["load"]
 
@@ -169,7 +170,6 @@ def _load_striped(vpath: VolumePath, map_location: Any, weights_only: bool,
                   cfg: IOConfig) -> Any:
     """``load`` of a striped file: the zip structures through a file object over the volume,
     the storage records read in parallel over every drive."""
-    from ._striped import StripedReader  # imports the saver
     with AioHandle(config=cfg) as handle:
         f = cast(IO[bytes], StripedReader(handle, vpath, striped_size(vpath)))
         name = str(vpath)

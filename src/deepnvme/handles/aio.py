@@ -72,6 +72,7 @@ class AioHandle(DeepSpeedMethods):
     Memory: the caller's buffers, plus bounce buffers only for memory O_DIRECT cannot use
     (see :mod:`deepnvme.config` for the bound), plus, from the first CUDA op, ``3 x
     (max(8 MiB, block_size x intra_op_parallelism) + alignment)`` pinned staging bytes.
+    Striped files (``Volume`` paths) use one more engine per drive, each with these settings.
     Thread-safety: one handle may be shared between threads. Lifetime: :meth:`close` (or
     leaving a ``with`` block) waits for outstanding ops and stops the threads.
     """

@@ -51,9 +51,11 @@ from .errors import (
     ShortTransferError,
     UnsupportedBufferError,
     ValidationError,
+    VolumeLayoutError,
 )
 from .handles import AioHandle, GdsHandle, gds_status
 from .io.movers import EngineProbe, probe_engines
+from .io.volume import Volume, VolumePath
 from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
 from .memory.views import cast_to_byte_tensor
 
@@ -137,6 +139,9 @@ __all__ = [
     "TokenDataset",
     "UnsupportedBufferError",
     "ValidationError",
+    "Volume",
+    "VolumeLayoutError",
+    "VolumePath",
     "__version__",
     "async_save",
     "cast_to_byte_tensor",

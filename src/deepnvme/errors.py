@@ -28,6 +28,7 @@ __all__ = [
     "UnsupportedBufferError",
     "UsageError",
     "ValidationError",
+    "VolumeLayoutError",
 ]
 
 
@@ -206,3 +207,12 @@ class RanksTimeoutError(DeepNVMeError, TimeoutError):
 class UsageError(DeepNVMeError):
     """The command line asks for something this system cannot do; ``main`` prints it as one
     line and exits 2."""
+
+
+class VolumeLayoutError(DeepNVMeIOError):
+    """A striped file's layout records do not match the volume it is opened with (other
+    drives, another order or stripe unit), or a drive, record or part is missing; ``path``
+    names the drive's record or part file."""
+
+    def __init__(self, message: str, *, path: str | None, errno: int | None = None) -> None:
+        super().__init__(message, path=path, offset=None, size=None, errno=errno)

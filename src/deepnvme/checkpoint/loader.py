@@ -15,7 +15,7 @@ import pickle
 import sys
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -32,9 +32,12 @@ from ..formats.torchzip import (
 from ..handles.aio import AioHandle, wait_all
 from ..io.mapped import map_private
 from ..io.mapped import populate as populate_mapping
+from ..io.volume import VolumePath
+from ..io.volume_files import striped_size
 from ..memory.views import aligned_empty, storage_bytes
 from ._folders import load_folder
 from ._paths import as_path
+from ._striped import StripedReader
 
 __all__ = ["load"]
 
@@ -69,7 +72,7 @@ class _PrefetchedReader:
         return getattr(self._reader, name)
 
 
-def _prefetch(handle: AioHandle, path: str, spans: dict[str, RecordSpan]
+def _prefetch(handle: AioHandle, path: str | VolumePath, spans: dict[str, RecordSpan]
               ) -> tuple[dict[str, torch.Tensor], dict[str, Future[int]]]:
     """Start reading every storage record; runs of small records share one request and buffer."""
     buffers: dict[str, torch.Tensor] = {}
@@ -92,7 +95,7 @@ def _prefetch(handle: AioHandle, path: str, spans: dict[str, RecordSpan]
     return buffers, futures
 
 
-def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
+def load(path: str | os.PathLike[str] | IO[bytes] | VolumePath, map_location: Any = None, *,
          weights_only: bool = True, mmap: bool | None = None, populate: bool = True,
          config: IOConfig | Mapping[str, Any] | None = None) -> Any:
     """Load a ``torch.save`` file like ``torch.load(path, map_location, weights_only=...)``.
@@ -115,8 +118,11 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
     A readable binary file object (``io.BytesIO``, ``open(..., "rb")``) is handed to ``torch.load``.
 
     A folder holding ``pytorch_model.bin``, or shards named by ``pytorch_model.bin.index.json``,
-    gives one dict merging every file (loaded one after the other).
+    gives one dict merging every file (loaded one after the other). A :class:`~deepnvme.Volume`
+    path reads a file saved striped by :func:`deepnvme.save` (``mmap`` does not apply).
     """
+    if isinstance(path, VolumePath):
+        return _load_striped(path, map_location, weights_only, checkpoint_config(config))
     if not isinstance(path, (str, os.PathLike)) and hasattr(path, "read"):
         log.debug("deepnvme.load: %r is a file object, not a path: read by torch.load", path)
         return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
@@ -160,6 +166,24 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = None, *,
             wait_all(set(futures.values()))  # no read may target a buffer after this
 
 
+def _load_striped(vpath: VolumePath, map_location: Any, weights_only: bool,
+                  cfg: IOConfig) -> Any:
+    """``load`` of a striped file: the zip structures through a file object over the volume,
+    the storage records read in parallel over every drive."""
+    with AioHandle(config=cfg) as handle:
+        f = cast(IO[bytes], StripedReader(handle, vpath, striped_size(vpath)))
+        name = str(vpath)
+        if f.read(4) != ZIP_MAGIC:
+            raise CheckpointFormatError(f"{name!r} is not a torch.save zip archive")
+        spans = storage_spans(read_record_spans(f, path=name, file_size=f.seek(0, os.SEEK_END)))
+        f.seek(0)
+        buffers, futures = _prefetch(handle, vpath, spans)
+        try:
+            return _rebuild(name, buffers, futures, map_location, weights_only, source=f)
+        finally:
+            wait_all(set(futures.values()))
+
+
 _INTERNALS = (("torch._C", "PyTorchFileReader"), ("torch.serialization", "_load"),
               ("torch.serialization", "_weights_only_unpickler"))
 _warned_internals = False
@@ -182,10 +206,10 @@ def _torch_internals_available() -> bool:
 
 
 def _rebuild(path: str, buffers: dict[str, torch.Tensor], futures: dict[str, Future[int]],
-             map_location: Any, weights_only: bool) -> Any:
+             map_location: Any, weights_only: bool, source: IO[bytes] | None = None) -> Any:
     ser = torch.serialization
     try:
-        reader = torch._C.PyTorchFileReader(path)
+        reader = torch._C.PyTorchFileReader(path if source is None else source)
     except RuntimeError as exc:
         raise CheckpointFormatError(f"{path!r}: PyTorch cannot open the archive: {exc}") from None
     wrapped = _PrefetchedReader(reader, buffers, futures, path)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import secrets
 import types
 from collections.abc import Mapping
 from typing import IO, Any
@@ -32,10 +33,13 @@ from ..formats.torchzip import (
 from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.file import read_buffered, reserve
+from ..io.volume import VolumePath
+from ..io.volume_files import remove, rename
 from ..memory.views import aligned_empty, storage_bytes
 from ._paths import as_path
 
-__all__ = ["save", "write_skeleton", "pickle_skeleton", "StorageLayout", "gather_small", "write_storages"]
+__all__ = ["save", "write_skeleton", "pickle_skeleton", "StorageLayout", "gather_small", "write_storages",
+           "save_striped", "file_items"]
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +155,7 @@ def write_storages(handle: AioHandle, path: str, layout: StorageLayout, keys: li
     handle.write_many(path, items, fsync=fsync).result()
 
 
-def save(obj: Any, path: str | os.PathLike[str] | IO[bytes], *,
+def save(obj: Any, path: str | os.PathLike[str] | IO[bytes] | VolumePath, *,
          config: IOConfig | Mapping[str, Any] | None = None, recycle: bool = False,
          ) -> None:
     """Save ``obj`` to ``path`` like ``torch.save``; blocks until the file is durable.
@@ -169,7 +173,12 @@ def save(obj: Any, path: str | os.PathLike[str] | IO[bytes], *,
     When ``path`` is a symlink, the file it points to is replaced and the link stays (as with
     ``torch.save``). A writable binary file object (``io.BytesIO``, ``open(..., "wb")``) is
     handed to ``torch.save`` itself: no parallel I/O and no atomic replace for those.
+    A :class:`~deepnvme.Volume` path saves one file striped over the volume's drives (read it
+    with :func:`deepnvme.load`, or ``deepnvme volume join`` it into a plain file).
     """
+    if isinstance(path, VolumePath):
+        save_striped(obj, path, checkpoint_config(config))
+        return
     if not isinstance(path, (str, os.PathLike)) and hasattr(path, "write"):
         log.debug("deepnvme.save: %r is a file object, not a path: written by torch.save "
                   "(no parallel O_DIRECT I/O, no atomic replace)", path)
@@ -183,3 +192,42 @@ def save(obj: Any, path: str | os.PathLike[str] | IO[bytes], *,
         reserve(tmp, os.path.getsize(tmp))
         with AioHandle(config=cfg) as handle:
             write_storages(handle, tmp, layout)
+
+
+def save_striped(obj: object, vpath: VolumePath, cfg: IOConfig) -> None:
+    """Save ``obj`` as a striped torch.save file at ``vpath``; blocks until it is durable."""
+    first = os.path.join(vpath.volume.paths[0], os.path.dirname(vpath.name))
+    os.makedirs(first, exist_ok=True)
+    skeleton = durable.create_temp(first, os.path.basename(vpath.name) + ".skeleton")
+    tmp = VolumePath(vpath.volume,
+                     f"{vpath.name}.deepnvme-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        layout = write_skeleton(obj, skeleton)
+        items = file_items(skeleton, layout)
+        with AioHandle(config=cfg) as handle:
+            handle.write_many(tmp, items, fsync=True).result()
+        rename(tmp, vpath)
+    except BaseException:
+        remove(tmp)
+        raise
+    finally:
+        durable.remove_quietly(skeleton)
+
+
+def file_items(skeleton: str, layout: StorageLayout) -> list[tuple[torch.Tensor, int]]:
+    """Every byte of the file as (buffer, offset) items: the skeleton's header regions between
+    the storage records (read now) and each storage's own memory."""
+    size = os.path.getsize(skeleton)
+    spans = sorted(((span, storage) for storage, span in layout.items.values()),
+                   key=lambda item: item[0].offset)
+    items: list[tuple[torch.Tensor, int]] = []
+    pos = 0
+    for span, storage in spans + [(RecordSpan(name="", offset=size, size=0), None)]:
+        if span.offset > pos:
+            region = aligned_empty(span.offset - pos, pos)
+            read_buffered(skeleton, region, pos)
+            items.append((region, pos))
+        if storage is not None and span.size:
+            items.append((storage_bytes(storage), span.offset))
+        pos = max(pos, span.offset + span.size)
+    return items

@@ -31,6 +31,7 @@ from .plan import add_plan_parser
 from .report import add_report_parser
 from .tune import add_tune_parser
 from .verify import add_verify_parser
+from .volume import add_volume_parser
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
@@ -38,7 +39,7 @@ __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 # ``func`` (args -> exit code) as its default. Add a subcommand by appending its function.
 SUBCOMMANDS: list[Callable[[Any], Any]] = [add_report_parser, add_bench_parser, add_tune_parser,
                                           add_generate_parser, add_clean_parser, add_plan_parser,
-                                          add_verify_parser]
+                                          add_verify_parser, add_volume_parser]
 
 
 class Terminated(KeyboardInterrupt):

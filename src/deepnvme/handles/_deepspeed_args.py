@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 import torch
 
+from ..io.volume import VolumePath
+
 __all__ = ["Example", "async_flag", "example_arg", "write_target"]
 
 #: an example tensor (its dtype is used) or a dtype
@@ -53,7 +55,8 @@ def example_arg(method: str, example_tensor: Example | None, example_tenosr: Exa
     return chosen
 
 
-def write_target(method: str, filename: str | int | None, fd: int | None) -> str | int:
+def write_target(method: str, filename: str | int | VolumePath | None,
+                 fd: int | None) -> str | int | VolumePath:
     """A path, or an open descriptor given positionally or as DeepSpeed's ``fd=``."""
     if filename is not None and fd is not None:
         raise TypeError(f"{method}() got both 'filename' and 'fd'; pass one")

@@ -18,6 +18,8 @@ import torch
 
 from ..config import IOConfig
 from ..errors import DeepNVMeIOError
+from ..io.volume import VolumePath
+from ..io.volume_files import striped_size
 from ..memory import pinned
 from ._deepspeed_args import async_flag, example_arg, write_target
 
@@ -33,8 +35,8 @@ class DeepSpeedMethods:
     config: IOConfig
 
     if TYPE_CHECKING:  # provided by AioHandle
-        def _submit(self, write: bool, buffer: torch.Tensor, target: str | int, offset: int,
-                    validate: bool, fsync: bool | None = None, *, track: bool,
+        def _submit(self, write: bool, buffer: torch.Tensor, target: str | int | VolumePath,
+                    offset: int, validate: bool, fsync: bool | None = None, *, track: bool,
                     keep_open: bool = False) -> Future[int]: ...
 
         def _check_buffer(self, buffer: object) -> bool: ...
@@ -67,21 +69,21 @@ class DeepSpeedMethods:
     # Argument names are DeepSpeed's (buffer, filename, validate, file_offset), so keyword calls
     # written for DeepSpeed work; pread/pwrite also take its ``async`` flag via ``**{"async": x}``.
 
-    def pread(self, buffer: torch.Tensor, filename: str, validate: bool,
+    def pread(self, buffer: torch.Tensor, filename: str | VolumePath, validate: bool,
               async_op: bool | None = None, file_offset: int = 0, **async_kw: bool) -> int:
         """Read into ``buffer``: async returns 0 (finish with :meth:`wait`), sync returns 1.
         The flag is ``async_op`` or DeepSpeed's keyword ``async``."""
         flag = async_flag("pread", async_op, async_kw)
         return self._op(False, buffer, filename, validate, flag, file_offset)
 
-    def pwrite(self, buffer: torch.Tensor, filename: str | int, validate: bool,
+    def pwrite(self, buffer: torch.Tensor, filename: str | int | VolumePath, validate: bool,
                async_op: bool | None = None, file_offset: int = 0, **async_kw: bool) -> int:
         """Write ``buffer``: async returns 0 (finish with :meth:`wait`), sync returns 1.
         The flag is ``async_op`` or DeepSpeed's keyword ``async``."""
         flag = async_flag("pwrite", async_op, async_kw)
         return self._op(True, buffer, filename, validate, flag, file_offset)
 
-    def _op(self, write: bool, buffer: torch.Tensor, target: str | int, validate: bool,
+    def _op(self, write: bool, buffer: torch.Tensor, target: str | int | VolumePath, validate: bool,
             async_op: bool, file_offset: int) -> int:
         if async_op:
             self._submit(write, buffer, target, file_offset, validate, track=True)
@@ -89,29 +91,30 @@ class DeepSpeedMethods:
         self._submit(write, buffer, target, file_offset, validate, track=False).result()
         return 1
 
-    def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+    def sync_pread(self, buffer: torch.Tensor, filename: str | VolumePath, file_offset: int = 0) -> int:
         return self._op(False, buffer, filename, False, False, file_offset)
 
-    def sync_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+    def sync_pwrite(self, buffer: torch.Tensor, filename: str | VolumePath, file_offset: int = 0) -> int:
         return self._op(True, buffer, filename, False, False, file_offset)
 
-    def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+    def async_pread(self, buffer: torch.Tensor, filename: str | VolumePath, file_offset: int = 0) -> int:
         return self._op(False, buffer, filename, False, True, file_offset)
 
-    def async_pwrite(self, buffer: torch.Tensor, filename: str | int | None = None,
+    def async_pwrite(self, buffer: torch.Tensor, filename: str | int | VolumePath | None = None,
                      file_offset: int = 0, *, fd: int | None = None) -> int:
         """Like DeepSpeed, the file may be an open descriptor: positionally in place of
         ``filename``, or as ``fd=``. The descriptor stays open (the caller closes it)."""
         target = write_target("async_pwrite", filename, fd)
         return self._op(True, buffer, target, False, True, file_offset)
 
-    def read(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
+    def read(self, buffer: torch.Tensor, filename: str | VolumePath, validate: bool, file_offset: int = 0) -> int:
         """Blocking read of the rest of the file from ``file_offset``, which must be exactly
         ``buffer.nbytes`` long. Returns 0 (DeepSpeed's convention)."""
         self._check_buffer(buffer)
         nbytes = buffer.numel() * buffer.element_size()
         try:
-            size = os.stat(filename).st_size
+            size = (striped_size(filename) if isinstance(filename, VolumePath)
+                    else os.stat(filename).st_size)
         except OSError as exc:
             raise DeepNVMeIOError.from_oserror(exc, op="stat for read", path=str(filename),
                                                offset=file_offset, size=nbytes) from None
@@ -122,7 +125,7 @@ class DeepSpeedMethods:
         self._submit(False, buffer, filename, file_offset, validate, track=False).result()
         return 0
 
-    def write(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
+    def write(self, buffer: torch.Tensor, filename: str | VolumePath, validate: bool, file_offset: int = 0) -> int:
         """Blocking write of ``buffer`` at ``file_offset``. Returns 0 (DeepSpeed's convention)."""
         self._submit(True, buffer, filename, file_offset, validate, track=False).result()
         return 0

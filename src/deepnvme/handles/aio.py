@@ -25,6 +25,8 @@ from ..io.batch import Items
 from ..io.engine import Engine, Transfer
 from ..io.posix import Posix, current
 from ..io.staging import CudaCopier, DeviceCopier, StagingPipeline
+from ..io.striped import StripedIO
+from ..io.volume import VolumePath
 from ..memory.views import check_io_tensor
 from ._deepspeed_methods import DeepSpeedMethods
 
@@ -70,6 +72,7 @@ class AioHandle(DeepSpeedMethods):
     Memory: the caller's buffers, plus bounce buffers only for memory O_DIRECT cannot use
     (see :mod:`deepnvme.config` for the bound), plus, from the first CUDA op, ``3 x
     (max(8 MiB, block_size x intra_op_parallelism) + alignment)`` pinned staging bytes.
+    Striped files (``Volume`` paths) use one more engine per drive, each with these settings.
     Thread-safety: one handle may be shared between threads. Lifetime: :meth:`close` (or
     leaving a ``with`` block) waits for outstanding ops and stops the threads.
     """
@@ -90,6 +93,8 @@ class AioHandle(DeepSpeedMethods):
         else:
             self.config = resolve_config(explicit)
         self._engine = Engine(self.config, posix=posix if posix is not None else current())
+        #: striped files (``Volume`` paths): one more engine per drive, made on first use
+        self._striped = StripedIO(self.config, self._engine.posix)
         self._lock = threading.Lock()
         self._pending: list[Future[int]] = []
         self._staging_pipeline: StagingPipeline | None = None
@@ -108,7 +113,7 @@ class AioHandle(DeepSpeedMethods):
 
     # --- the Pythonic surface: futures -----------------------------------------------------
 
-    def submit_read(self, buffer: torch.Tensor, path: str, *, offset: int = 0,
+    def submit_read(self, buffer: torch.Tensor, path: str | VolumePath, *, offset: int = 0,
                     validate: bool = False, keep_open: bool = False) -> Future[int]:
         """Start reading ``buffer.nbytes`` bytes at ``offset`` of ``path`` into ``buffer``.
 
@@ -120,17 +125,18 @@ class AioHandle(DeepSpeedMethods):
         return self._submit(False, buffer, path, offset, validate, track=False,
                             keep_open=keep_open)
 
-    def submit_write(self, buffer: torch.Tensor, path: str | int, *, offset: int = 0,
+    def submit_write(self, buffer: torch.Tensor, path: str | int | VolumePath, *, offset: int = 0,
                      validate: bool = False, fsync: bool | None = None,
                      keep_open: bool = False) -> Future[int]:
         """Start writing ``buffer``'s bytes at ``offset`` of ``path`` (created if missing,
-        never truncated) or of an open file descriptor. ``fsync`` overrides the config's.
+        never truncated), of an open file descriptor or of a striped file (a
+        :class:`~deepnvme.Volume` path). ``fsync`` overrides the config's.
         Like :meth:`submit_read`, the future is the caller's and not counted by :meth:`wait`;
         ``keep_open`` as there."""
         return self._submit(True, buffer, path, offset, validate, fsync, track=False,
                             keep_open=keep_open)
 
-    def read_many(self, path: str | os.PathLike[str],
+    def read_many(self, path: str | os.PathLike[str] | VolumePath,
                   items: Sequence[tuple[torch.Tensor, int]], *, validate: bool = False,
                   keep_open: bool = False) -> Future[int]:
         """Start reading many ``(buffer, file_offset)`` items of one file, opened once.
@@ -142,7 +148,7 @@ class AioHandle(DeepSpeedMethods):
         """
         return self._submit_many(False, path, items, validate, None, keep_open)
 
-    def write_many(self, path: str | os.PathLike[str],
+    def write_many(self, path: str | os.PathLike[str] | VolumePath,
                    items: Sequence[tuple[torch.Tensor, int]], *, validate: bool = False,
                    fsync: bool | None = None, keep_open: bool = False) -> Future[int]:
         """Start writing many ``(buffer, file_offset)`` items into one file (created if missing,
@@ -150,7 +156,7 @@ class AioHandle(DeepSpeedMethods):
         as in :meth:`submit_read`."""
         return self._submit_many(True, path, items, validate, fsync, keep_open)
 
-    def close_files(self, paths: Iterable[str | os.PathLike[str]] = (), *,
+    def close_files(self, paths: Iterable[str | os.PathLike[str] | VolumePath] = (), *,
                     under: str | os.PathLike[str] | None = None) -> None:
         """Close the descriptors kept open (``keep_open=True``) for ``paths`` and for every file
         under the directory ``under`` (one still in use closes when its requests end). Call it
@@ -158,14 +164,18 @@ class AioHandle(DeepSpeedMethods):
         keeps reaching the old file. :meth:`close` closes them all. At most a quarter of the
         process's descriptor limit (up to 4096) files stay open per handle; beyond it the least
         recently used idle one is closed. Raises the first close failure, naming the file."""
-        self._engine.close_files([os.fspath(p) for p in paths],
-                                 under=None if under is None else os.fspath(under))
+        plain = list(paths)
+        striped = [p for p in plain if isinstance(p, VolumePath)]
+        where = None if under is None else os.fspath(under)
+        self._engine.close_files([os.fspath(p) for p in plain if not isinstance(p, VolumePath)],
+                                 under=where)
+        self._striped.close_files(striped, under=where)
 
-    def _submit_many(self, write: bool, path: str | os.PathLike[str],
+    def _submit_many(self, write: bool, path: str | os.PathLike[str] | VolumePath,
                      items: Sequence[tuple[torch.Tensor, int]], validate: bool,
                      fsync: bool | None, keep_open: bool = False) -> Future[int]:
-        target = os.fspath(path)
-        if not isinstance(target, str):
+        target = path if isinstance(path, VolumePath) else os.fspath(path)
+        if not isinstance(target, (str, VolumePath)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         # three lists of ints and a list of buffers, no object per item: see deepnvme.io.batch
         addresses: list[int] = []
@@ -189,13 +199,24 @@ class AioHandle(DeepSpeedMethods):
             sizes.append(buffer.nbytes)
             offsets.append(int(offset))
             buffers.append(buffer)
-        return self._engine.submit_many(write, target, Items(addresses, sizes, offsets, buffers),
-                                        validate=validate, fsync=fsync, keep_open=keep_open)
+        batch = Items(addresses, sizes, offsets, buffers)
+        if isinstance(target, VolumePath):
+            return self._striped.submit_many(write, target, batch, validate=validate,
+                                             fsync=fsync, keep_open=keep_open)
+        return self._engine.submit_many(write, target, batch, validate=validate, fsync=fsync,
+                                        keep_open=keep_open)
 
-    def _submit(self, write: bool, buffer: torch.Tensor, target: str | int, offset: int,
-                validate: bool, fsync: bool | None = None, *, track: bool,
+    def _submit(self, write: bool, buffer: torch.Tensor, target: str | int | VolumePath,
+                offset: int, validate: bool, fsync: bool | None = None, *, track: bool,
                 keep_open: bool = False) -> Future[int]:
         staged = self._check_buffer(buffer)
+        if isinstance(target, VolumePath):
+            fut = self._submit_striped(write, buffer, target, int(offset), validate, fsync,
+                                       staged, keep_open)
+            if track:
+                with self._lock:
+                    self._pending.append(fut)
+            return fut
         if staged and keep_open:
             raise UnsupportedBufferError(
                 f"keep_open is for CPU buffers; this one is on {buffer.device} (staged requests "
@@ -218,6 +239,29 @@ class AioHandle(DeepSpeedMethods):
             with self._lock:
                 self._pending.append(fut)
         return fut
+
+    def _submit_striped(self, write: bool, buffer: torch.Tensor, target: VolumePath, offset: int,
+                        validate: bool, fsync: bool | None, staged: bool,
+                        keep_open: bool) -> Future[int]:
+        """A request on a striped file: CPU buffers as one batch over the drives' engines;
+        device buffers through the staging pipeline, its chunks striped the same way."""
+        size = buffer.numel() * buffer.element_size()
+        if offset < 0:
+            raise DeepNVMeIOError("negative file offset", path=str(target), offset=offset,
+                                  size=size)
+        if not staged:
+            return self._striped.submit_many(
+                write, target, Items([buffer.data_ptr()], [size], [offset], buffer),
+                validate=validate, fsync=fsync, keep_open=keep_open)
+        pipeline = self._staging()
+        if not isinstance(pipeline, StagingPipeline):
+            raise UnsupportedBufferError(
+                f"{type(self).__name__} moves {buffer.device} tensors with cuFile, which takes "
+                "plain files: use an AioHandle (or CPU tensors) for striped files")
+        if write:  # grow the layout once, not per staged chunk
+            self._striped.reserve(target, offset + size)
+        return pipeline.submit(buffer, target, write=write, offset=offset, validate=validate,
+                               fsync=self.config.fsync if fsync is None else fsync)
 
     def _check_buffer(self, buffer: object) -> bool:
         """Validate an I/O buffer; True if it goes through the staging pipeline."""
@@ -245,7 +289,8 @@ class AioHandle(DeepSpeedMethods):
                     raise RuntimeError("this handle is closed; create a new one")
                 # the pipeline holds the engine, not the handle: dropping the handle still
                 # runs __del__ (which closes both) instead of leaving a reference cycle
-                self._staging_pipeline = StagingPipeline(functools.partial(_submit_to, self._engine),
+                self._staging_pipeline = StagingPipeline(functools.partial(_submit_any, self._engine,
+                                                                           self._striped),
                                                          self._new_copier(), **self._staging_options())
             return self._staging_pipeline
 
@@ -257,6 +302,7 @@ class AioHandle(DeepSpeedMethods):
         if staging is not None:
             staging.drain()
         self._engine.drain()
+        self._striped.drain()
 
     def wait(self) -> int:
         """Block until all pending async ops finish; return how many completed since the last
@@ -281,6 +327,7 @@ class AioHandle(DeepSpeedMethods):
         if self._staging_pipeline is not None:
             self._staging_pipeline.close()
         self._engine.close()
+        self._striped.close()
         with self._lock:
             pending, self._pending = self._pending, []
         for fut in pending:
@@ -305,6 +352,9 @@ class AioHandle(DeepSpeedMethods):
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.close()
+        striped = getattr(self, "_striped", None)
+        if striped is not None:
+            striped.close()
 
     def __repr__(self) -> str:
         c = self.config
@@ -321,6 +371,20 @@ def _submit_to(engine: Engine, write: bool, buffer: torch.Tensor, target: str | 
                         size=buffer.numel() * buffer.element_size(),
                         target=target, file_offset=offset, keepalive=buffer)
     return engine.submit(transfer, validate=validate, fsync=fsync, keep_open=keep_open)
+
+
+def _submit_any(engine: Engine, striped: StripedIO, write: bool, buffer: torch.Tensor,
+                target: str | int | VolumePath, offset: int, *, validate: bool,
+                fsync: bool | None, keep_open: bool = False) -> Future[int]:
+    """The staging pipeline's ``submit_io``: a plain file to the engine, a striped one over
+    the drives' engines."""
+    if isinstance(target, VolumePath):
+        size = buffer.numel() * buffer.element_size()
+        return striped.submit_many(write, target, Items([buffer.data_ptr()], [size], [offset],
+                                                        buffer),
+                                   validate=validate, fsync=fsync, keep_open=keep_open)
+    return _submit_to(engine, write, buffer, target, offset, validate=validate, fsync=fsync,
+                      keep_open=keep_open)
 
 
 def wait_all(futures: Iterable[Future[int] | None]) -> None:

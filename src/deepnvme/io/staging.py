@@ -38,6 +38,7 @@ import torch
 from ..errors import DeepNVMeIOError, ShortTransferError
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 from ..memory.views import cast_to_byte_tensor
+from .volume import VolumePath
 from .workers import WorkerGroup
 
 __all__ = ["DeviceCopier", "CudaCopier", "StagingPipeline", "StagedChunk", "plan_staged_chunks",
@@ -151,7 +152,7 @@ def plan_staged_chunks(size: int, file_offset: int, *, chunk_bytes: int,
 class _Request:
     write: bool
     device: torch.Tensor  # 1-D uint8 alias of the caller's tensor (keeps it alive)
-    target: str | int
+    target: str | int | VolumePath
     file_offset: int
     validate: bool
     fsync: bool
@@ -164,7 +165,8 @@ class _Request:
 
     @property
     def name(self) -> str:
-        return self.target if isinstance(self.target, str) else f"<fd {self.target}>"
+        return self.target if isinstance(self.target, str) else (
+            f"<fd {self.target}>" if isinstance(self.target, int) else str(self.target))
 
 
 class StagingPipeline:
@@ -197,8 +199,8 @@ class StagingPipeline:
         """Most pinned bytes this pipeline allocates."""
         return self.drivers * self.buffers * (self.chunk_bytes + self.alignment)
 
-    def submit(self, tensor: torch.Tensor, target: str | int, *, write: bool, offset: int = 0,
-               validate: bool = False, fsync: bool = False) -> Future[int]:
+    def submit(self, tensor: torch.Tensor, target: str | int | VolumePath, *, write: bool,
+               offset: int = 0, validate: bool = False, fsync: bool = False) -> Future[int]:
         """Start moving all of ``tensor``'s bytes to/from ``target`` at ``offset``.
 
         Returns a future of the byte count; errors are set on it, never raised here. Must be
@@ -252,7 +254,7 @@ class StagingPipeline:
 
     def _check_eof(self, req: _Request) -> None:
         """Fail a read past EOF up front, like the engine does for a CPU buffer."""
-        if req.write:
+        if req.write or isinstance(req.target, VolumePath):  # striped: checked by its layout
             return
         try:
             size = os.fstat(req.target).st_size if isinstance(req.target, int) else os.stat(req.target).st_size

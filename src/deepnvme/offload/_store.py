@@ -36,6 +36,7 @@ import torch
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
 from ..io.plan import align_up
+from ..io.volume import Volume
 from ..memory.heap import MAPPED_MIN, mapped_empty
 from ..swap import TensorSwapper
 from ._entry import Buffer, Entry
@@ -48,7 +49,7 @@ _ALIGN = 64   # bytes between resident tensors in their shared allocation
 class TensorStore:
     """The entries of one offloaded model and the budget they share (see the module doc)."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, budget: int,
+    def __init__(self, directory: str | os.PathLike[str] | Volume, *, budget: int,
                  config: IOConfig | None) -> None:
         self.budget = int(budget)
         self.swapper = TensorSwapper(directory, config=config, buffer_bytes=1, buffer_count=0,

@@ -9,7 +9,8 @@ swapped-in parameters); optimizer state goes to :class:`NVMeOptimizer` under
 ``offload_optimizer.nvme_path`` with its ``buffer_count``; ``aio`` becomes the :class:`IOConfig`.
 ``zero_optimization.stage3_param_persistence_threshold`` (elements; DeepSpeed keeps parameters
 with fewer elements whole on every rank) becomes ``min_offload_bytes``: such parameters stay in
-memory; without the key, deepnvme's own default applies.
+memory; without the key, deepnvme's own default applies. An ``nvme_path`` that is a list of
+directories (one per drive) becomes a :class:`~deepnvme.Volume`: the files are striped over them.
 ``zero_optimization.sub_group_size`` (elements; DeepSpeed's unit of optimizer state swapped and
 updated together) becomes :class:`NVMeOptimizer`'s ``sub_group_bytes`` (times the parameters'
 element size): a larger parameter is updated in slices of that size, as DeepSpeed does; without
@@ -36,6 +37,7 @@ import torch
 
 from ..config import IOConfig
 from ..errors import ConfigError
+from ..io.volume import Volume
 from ..optim import NVMeOptimizer
 from ._fsdp import shard_model
 from .parameters import ParameterOffload, offload_parameters
@@ -56,7 +58,7 @@ _SUB_GROUP = "sub_group_size"
 class ParamOffloadSettings:
     """``zero_optimization.offload_param`` with ``device: "nvme"`` (sizes in elements)."""
 
-    nvme_path: str
+    nvme_path: str | Volume
     buffer_count: int = 5
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
@@ -76,7 +78,7 @@ class ParamOffloadSettings:
 class OptimizerOffloadSettings:
     """``zero_optimization.offload_optimizer`` with ``device: "nvme"``."""
 
-    nvme_path: str
+    nvme_path: str | Volume
     buffer_count: int = 4
     pin_memory: bool = False
     sub_group_size: int | None = None   # elements; None: deepnvme's sub_group_bytes default
@@ -199,9 +201,10 @@ def _section(zero: Mapping[str, Any], name: str, used: tuple[str, ...],
         unused.extend(f"{where}.{k}" for k in section if k != "device")
         return None
     path = section.get("nvme_path")
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+    paths = path if isinstance(path, (list, tuple)) and path else [path]
+    if not all(isinstance(p, (str, os.PathLike)) and os.fspath(p) for p in paths):
         raise ConfigError(f"{where}.nvme_path is required with device 'nvme' (the directory "
-                          f"for the files), got {path!r}")
+                          f"for the files, or a list of them, one per drive), got {path!r}")
     unused.extend(f"{where}.{k}" for k in section if k not in used)
     return section
 
@@ -256,7 +259,7 @@ def _param_settings(zero: Mapping[str, Any], unused: list[str]) -> ParamOffloadS
     if s is None:
         return None
     return ParamOffloadSettings(
-        nvme_path=os.fspath(s["nvme_path"]), buffer_count=_count(s, "buffer_count", where, 5, 1),
+        nvme_path=_nvme_path(s["nvme_path"], where), buffer_count=_count(s, "buffer_count", where, 5, 1),
         buffer_size=_count(s, "buffer_size", where, 100_000_000, 1),
         max_in_cpu=_count(s, "max_in_cpu", where, 1_000_000_000, 0),
         pin_memory=_flag(s, "pin_memory", where),
@@ -269,8 +272,18 @@ def _optimizer_settings(zero: Mapping[str, Any], unused: list[str]) -> Optimizer
     s = _section(zero, "offload_optimizer", _OPTIMIZER_KEYS, unused)
     if s is None:
         return None
-    return OptimizerOffloadSettings(nvme_path=os.fspath(s["nvme_path"]),
+    return OptimizerOffloadSettings(nvme_path=_nvme_path(s["nvme_path"], where),
                                     buffer_count=_count(s, "buffer_count", where, 4, 2),
                                     pin_memory=_flag(s, "pin_memory", where),
                                     sub_group_size=(_count(zero, _SUB_GROUP, "zero_optimization", 1, 1)
                                                     if _SUB_GROUP in zero else None))
+
+
+def _nvme_path(value: Any, where: str) -> str | Volume:
+    """One directory, or a list of directories (one per drive) as a :class:`Volume`."""
+    if not isinstance(value, (list, tuple)):
+        return str(os.fspath(value))
+    try:
+        return Volume(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}.nvme_path: {exc}") from None

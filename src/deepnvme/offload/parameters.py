@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
+from ..io.volume import Volume
 from ..optim._protocol import mark_offloaded, offload_of
 from ._autograd import SavedParameters
 from ._build import build
@@ -82,7 +83,7 @@ class ParameterOffload(UpdateSide):
     updates through it (it implements ``deepnvme.optim._protocol.OffloadedParameters``).
     """
 
-    def __init__(self, model: torch.nn.Module, directory: str | os.PathLike[str], *,
+    def __init__(self, model: torch.nn.Module, directory: str | os.PathLike[str] | Volume, *,
                  max_in_memory_bytes: int, prefetch: int = 2, dtype: torch.dtype | None = None,
                  config: IOConfig | None = None,
                  source: str | os.PathLike[str] | Init | None = None,
@@ -253,7 +254,7 @@ def _as_dtensor(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
                               shape=like.shape, stride=like.stride())
 
 
-def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str], *,
+def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str] | Volume, *,
                        max_in_memory_bytes: int, prefetch: int = 2,
                        dtype: torch.dtype | None = None,
                        config: IOConfig | None = None,

@@ -27,6 +27,7 @@ import torch
 from ..config import IOConfig
 from ..errors import OffloadMemoryError
 from ..handles.aio import AioHandle
+from ..io.volume import Volume
 from ..memory.heap import trim_heap
 from ..swap import TensorSwapper
 from ._checks import check_arguments, check_cpu, raise_failed_writes
@@ -99,7 +100,7 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                 *, swap_dir: str | os.PathLike[str], sub_group_bytes: int = 256 << 20,
+                 *, swap_dir: str | os.PathLike[str] | Volume, sub_group_bytes: int = 256 << 20,
                  buffer_count: int = 3, config: IOConfig | None = None, stale: str = "warn",
                  handle: AioHandle | None = None, update_threads: int | str | None = "auto",
                  fuse_backward: bool = False, **optimizer_kwargs: Any) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import SwapBufferError, SwapError
 from ..handles.aio import AioHandle
+from ..io.volume import VolumePath
 from ..memory.views import cast_to_byte_tensor, check_io_tensor
 from ._chain import Chain
 from ._lending import Lease, Lender
@@ -37,7 +38,7 @@ class _Slot:
     __slots__ = ("key", "path", "shape", "dtype", "nbytes", "resident", "on_disk", "lease",
                  "current", "stale", "read", "chain", "write_error")
 
-    def __init__(self, key: Hashable, path: str) -> None:
+    def __init__(self, key: Hashable, path: str | VolumePath) -> None:
         self.key = key
         self.path = path
         self.shape: torch.Size = torch.Size()
@@ -183,7 +184,7 @@ class _Slot:
         def start() -> Future[int]:
             if self.write_error is not None:  # a swap_out queued before this read failed
                 raise SwapError(f"swap_in of key {self.key!r} impossible: the swap_out before it "
-                                f"failed ({self.write_error})", path=self.path, offset=0,
+                                f"failed ({self.write_error})", path=str(self.path), offset=0,
                                 size=self.nbytes, errno=errno.EIO)
             return handle.submit_read(target, self.path, offset=offset, keep_open=True)
 
@@ -198,20 +199,22 @@ class _Slot:
     # --- errors ------------------------------------------------------------------------------
 
     def failed(self, op: str, why: str) -> Future[Any]:
-        return _failed(SwapError(f"{op} of key {self.key!r} impossible: {why}", path=self.path,
+        return _failed(SwapError(f"{op} of key {self.key!r} impossible: {why}", path=str(self.path),
                                  offset=0, size=self.nbytes, errno=errno.EIO))
 
     def wrap(self, op: str, exc: BaseException) -> BaseException:
         """``exc`` as a :class:`SwapError` naming the key, the op and what is kept."""
         if not isinstance(exc, OSError):
             return exc
-        directory = os.path.dirname(self.path)
-        why = (f"the swap directory {directory} has vanished" if not os.path.isdir(directory)
-               else f"swap directory {directory}: {exc}")
+        dirs = (list(self.path.volume.paths) if isinstance(self.path, VolumePath)
+                else [os.path.dirname(self.path)])
+        gone = [d for d in dirs if not os.path.isdir(d)]
+        why = (f"the swap directory {gone[0]} has vanished" if gone
+               else f"swap directory {', '.join(dirs)}: {exc}")
         keep = ("; the tensor passed to swap_out is untouched" if op == "swap_out"
                 else "; the pool buffer is still held (release the key)")
         return SwapError(f"{op} of key {self.key!r} ({self.nbytes} bytes) failed: {why}{keep}",
-                         path=getattr(exc, "path", None) or self.path,
+                         path=getattr(exc, "path", None) or str(self.path),
                          offset=getattr(exc, "offset", 0), size=getattr(exc, "size", None) or self.nbytes,
                          errno=exc.errno)
 

@@ -24,6 +24,8 @@ import torch
 from ..config import IOConfig
 from ..errors import SwapBufferError, SwapError
 from ..handles.aio import AioHandle
+from ..io.volume import Volume, VolumePath
+from ..io.volume_files import remove as remove_striped
 from ..memory.views import cast_to_byte_tensor, check_io_tensor
 from . import _dirs
 from ._lending import Lender
@@ -34,7 +36,8 @@ __all__ = ["TensorSwapper", "SwapError", "SwapBufferError"]
 log = logging.getLogger(__name__)
 
 
-def _cleanup_at_exit(handle: AioHandle, owned: bool, path: str, made: tuple[str, ...]) -> None:
+def _cleanup_at_exit(handle: AioHandle, owned: bool, paths: tuple[str, ...],
+                     made: tuple[str, ...]) -> None:
     """Finalizer (also run at interpreter exit): stop I/O, close the files, then delete them
     (and the directories the swapper created for them, if nothing else is in them)."""
     try:
@@ -42,9 +45,11 @@ def _cleanup_at_exit(handle: AioHandle, owned: bool, path: str, made: tuple[str,
             handle.close()
         else:
             handle.drain()
-            handle.close_files(under=path)
+            for path in paths:
+                handle.close_files(under=path)
     finally:
-        _dirs.remove_dir(path)
+        for path in paths:
+            _dirs.remove_dir(path)
         _dirs.remove_made_dirs(made)
 
 
@@ -73,11 +78,13 @@ class TensorSwapper:
     ``"error"``. The swap files are deleted by :meth:`close`, or at interpreter exit, with
     ``directory`` (and parents) if the swapper created it and it is then empty.
     ``handle`` (optional) is an :class:`AioHandle` to use instead of a new one from ``config``.
+    ``directory`` may be a :class:`~deepnvme.Volume`: each drive gets a private directory and
+    every key's file is striped over them, so a swap moves data on all drives at once.
     Each key's file stays open between swaps (the handle's ``keep_open``): at most one
     descriptor per key, up to the handle's limit, closed by :meth:`discard` and :meth:`close`.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, config: IOConfig | None = None,
+    def __init__(self, directory: str | os.PathLike[str] | Volume, *, config: IOConfig | None = None,
                  buffer_bytes: int = 64 << 20, buffer_count: int = 4, min_swap_bytes: int = 64 << 10,
                  acquire_timeout: float | None = None, stale: str = "warn",
                  handle: AioHandle | None = None) -> None:
@@ -86,14 +93,24 @@ class TensorSwapper:
                              f"{buffer_bytes}, {buffer_count}")
         if stale not in ("warn", "remove", "error"):
             raise ValueError(f"stale must be 'warn', 'remove' or 'error', got {stale!r}")
-        directory = os.fspath(directory)
-        self.stale_dirs = _dirs.handle_stale_dirs(directory, stale)
-        made = _dirs.make_dirs(directory)
+        places = list(directory.paths) if isinstance(directory, Volume) else [os.fspath(directory)]
+        self.stale_dirs = [p for place in places for p in _dirs.handle_stale_dirs(place, stale)]
+        made: tuple[str, ...] = ()
+        privates: list[str] = []
         try:
-            self.directory = _dirs.create_private_dir(directory)
+            for place in places:
+                made += _dirs.make_dirs(place)
+                privates.append(_dirs.create_private_dir(place))
         except BaseException:
+            for private in privates:
+                _dirs.remove_dir(private)
             _dirs.remove_made_dirs(made)
             raise
+        #: the private swap directory (the first drive's, on a volume)
+        self.directory = privates[0]
+        #: on a volume: the private directories as a volume its keys' files are striped over
+        self.volume = (Volume(privates, stripe=directory.stripe)
+                       if isinstance(directory, Volume) else None)
         self.buffer_bytes = int(buffer_bytes)
         self.buffer_count = int(buffer_count)
         self.min_swap_bytes = int(min_swap_bytes)
@@ -106,7 +123,7 @@ class TensorSwapper:
         self._next_index = 0
         self._closed = False
         self._finalizer = weakref.finalize(self, _cleanup_at_exit, self._handle, owned,
-                                          self.directory, made)
+                                          tuple(privates), made)
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -262,6 +279,9 @@ class TensorSwapper:
             slot.release(self._lender, force=True)
             del self._slots[key]
         self._handle.close_files([slot.path])
+        if isinstance(slot.path, VolumePath):
+            remove_striped(slot.path)
+            return
         try:
             os.unlink(slot.path)
         except FileNotFoundError:
@@ -305,7 +325,9 @@ class TensorSwapper:
     # --- helpers ---------------------------------------------------------------------------
 
     def _new_slot(self, key: Hashable) -> _Slot:
-        slot = _Slot(key, os.path.join(self.directory, f"{self._next_index}.swp"))
+        name = f"{self._next_index}.swp"
+        slot = _Slot(key, self.volume / name if self.volume is not None
+                     else os.path.join(self.directory, name))
         self._next_index += 1
         self._slots[key] = slot
         return slot

@@ -51,7 +51,9 @@ class SampleGeometry:
 class BatchPlan:
     """The reads of one batch into one buffer of ``buffer_bytes``, as 1-D int64 tensors with one
     element per read: ``buffer_offsets``, ``file_offsets`` and ``sizes`` (bytes); sample ``k`` of
-    the batch starts at byte ``sample_at[k]`` of the buffer; ``nbytes`` is the sum of ``sizes``."""
+    the batch starts at byte ``sample_at[k]`` of the buffer; ``nbytes`` is the sum of ``sizes``;
+    ``step``: the bytes between consecutive samples in the buffer when they are evenly spaced
+    (sequential order, where they can be copied out with one strided view), else None."""
 
     buffer_offsets: torch.Tensor
     file_offsets: torch.Tensor
@@ -59,6 +61,7 @@ class BatchPlan:
     sample_at: torch.Tensor
     buffer_bytes: int
     nbytes: int
+    step: int | None = None
 
     @property
     def reads(self) -> tuple[tuple[int, int, int], ...]:
@@ -72,20 +75,24 @@ class BatchPlan:
         return cls(buffer_offsets=torch.zeros(1, dtype=torch.int64),
                    file_offsets=torch.tensor([file_offset], dtype=torch.int64),
                    sizes=torch.tensor([nbytes], dtype=torch.int64),
-                   sample_at=torch.tensor([sample_at], dtype=torch.int64), buffer_bytes=nbytes, nbytes=nbytes)
+                   sample_at=torch.tensor([sample_at], dtype=torch.int64), buffer_bytes=nbytes, nbytes=nbytes,
+                   step=0)
 
 
 def sample_indices(samples: Sequence[int] | torch.Tensor, count: int) -> torch.Tensor:
     """``samples`` as a 1-D int64 tensor of indices in ``[0, count)`` (negative ones count from
     the end); IndexError naming the first index out of range."""
     idx = torch.as_tensor(samples, dtype=torch.int64).reshape(-1)
-    if idx.numel():
-        bad = (idx < -count) | (idx >= count)
-        if bool(bad.any()):
-            first = int(idx[bad][0])
-            raise IndexError(f"sample {first} out of range: the dataset has {count} samples")
-        idx = idx.remainder(count)
-    return idx
+    if not idx.numel():
+        return idx
+    low, high = (int(v) for v in torch.aminmax(idx))
+    if low >= 0 and high < count:
+        return idx.clone()
+    bad = (idx < -count) | (idx >= count)
+    if bool(bad.any()):
+        first = int(idx[bad][0])
+        raise IndexError(f"sample {first} out of range: the dataset has {count} samples")
+    return idx.remainder(count)
 
 
 def plan_batch(samples: Sequence[int] | torch.Tensor, geometry: SampleGeometry, *, alignment: int,
@@ -101,40 +108,89 @@ def plan_batch(samples: Sequence[int] | torch.Tensor, geometry: SampleGeometry, 
         return BatchPlan(buffer_offsets=empty, file_offsets=empty, sizes=empty, sample_at=empty,
                          buffer_bytes=0, nbytes=0)
     starts = idx.mul_(geometry.stride * geometry.itemsize).add_(geometry.base)
+    if n > 1:
+        s0, step = int(starts[0]), int(starts[1] - starts[0])
+        if 0 <= step <= geometry.sample_bytes and bool((starts.narrow(0, 1, n - 1) - starts.narrow(0, 0, n - 1)
+                                                         == step).all()):
+            return _plan_run(s0, step, n, geometry, alignment=alignment, max_read=max_read)
     order = torch.argsort(starts, stable=True)
-    first = starts[order]
-    lo = first - first.remainder(alignment)
+    first = starts.index_select(0, order)
+    into = first.remainder(alignment)  # each sample's offset in its first aligned block
+    lo = first - into
     # all samples have one length, so sorted by start their ends never decrease either
     hi = (first + (geometry.sample_bytes + alignment - 1)).floor_divide_(alignment).mul_(alignment)
     hi.clamp_(max=geometry.file_size)
-    new = torch.ones(n, dtype=torch.bool)
-    new[1:] = lo[1:] > hi[:-1] + gap
+    joined = (lo.narrow(0, 1, n - 1) - hi.narrow(0, 0, n - 1)) <= gap  # sample k+1 joins k's read
     # cap: a read of a run of close samples ends where its samples' starts cross the next
     # multiple of `room` bytes from the run's first byte; `room` leaves space for the widened
     # last sample, so no read exceeds max_read (a sample longer than that is a read of its own)
-    widest = align_up(geometry.sample_bytes, alignment) + alignment
-    room = max_read - widest
-    if room <= 0:
-        new[:] = True
-    else:
-        run = new.cumsum(0).sub_(1)
-        run_lo = lo[new][run]
+    room = max_read - (align_up(geometry.sample_bytes, alignment) + alignment)
+    together = bool(joined.any()) and room > 0
+    if together and int(hi[-1] - lo[0]) > max_read:
+        run = torch.cat([torch.zeros(1, dtype=torch.int64), (~joined).cumsum(0)])
+        run_lo = lo.masked_select(torch.cat([torch.ones(1, dtype=torch.bool), ~joined])).index_select(0, run)
         part = (lo - run_lo).floor_divide_(room)
-        new[1:] |= (part[1:] != part[:-1])
-    read = new.cumsum(0).sub_(1)
-    heads = new.nonzero().squeeze(1)
-    tails = torch.empty_like(heads)
-    tails[:-1] = heads[1:] - 1
-    tails[-1] = n - 1
-    file_offsets = lo[heads]
-    sizes = hi[tails] - file_offsets
+        joined &= part.narrow(0, 1, n - 1) == part.narrow(0, 0, n - 1)
+    if together:  # runs of samples share reads
+        new = torch.cat([torch.ones(1, dtype=torch.bool), ~joined])
+        read = new.cumsum(0).sub_(1)
+        heads = new.nonzero().squeeze(1)
+        tails = torch.cat([heads.narrow(0, 1, heads.numel() - 1) - 1, torch.tensor([n - 1])])
+        file_offsets = lo.index_select(0, heads)
+        sizes = hi.index_select(0, tails) - file_offsets
+    else:  # a read per sample (shuffled samples of a large file)
+        file_offsets, sizes = lo, hi - lo
     room_taken = (sizes + (alignment - 1)).floor_divide_(alignment).mul_(alignment)
     ends = room_taken.cumsum(0)
     buffer_offsets = ends - room_taken
-    sample_at = torch.empty(n, dtype=torch.int64)
-    sample_at[order] = buffer_offsets[read] + first - file_offsets[read]
+    if together:
+        sorted_at = buffer_offsets.index_select(0, read) + (first - file_offsets.index_select(0, read))
+    else:
+        sorted_at = buffer_offsets + into
+    sample_at = torch.empty(n, dtype=torch.int64).index_copy_(0, order, sorted_at)
     return BatchPlan(buffer_offsets=buffer_offsets, file_offsets=file_offsets, sizes=sizes, sample_at=sample_at,
-                     buffer_bytes=int(ends[-1]), nbytes=int(sizes.sum()))
+                     buffer_bytes=int(ends[-1]), nbytes=int(sizes.sum()),
+                     step=_even_step(sample_at, geometry.itemsize))
+
+
+def _plan_run(s0: int, step: int, n: int, geometry: SampleGeometry, *, alignment: int,
+              max_read: int) -> BatchPlan:
+    """The plan of ``n`` samples starting at byte ``s0``, ``step`` bytes apart, each overlapping
+    or touching the next (sequential order): a read per ``max_read`` bytes, planned with a few
+    integer operations per read instead of tensor operations per sample."""
+    sb, size = geometry.sample_bytes, geometry.file_size
+    buffer_offsets, file_offsets, sizes, parts = [], [], [], []
+    cursor = j = 0
+    while j < n:
+        lo = s0 + j * step
+        lo -= lo % alignment
+        # the last sample k whose aligned end stays within max_read bytes of lo (at least j)
+        limit = lo + max_read - max_read % alignment
+        k = n - 1 if step == 0 else min(n - 1, max(j, (limit - sb - s0) // step))
+        hi = min(align_up(s0 + k * step + sb, alignment), size)
+        buffer_offsets.append(cursor)
+        file_offsets.append(lo)
+        sizes.append(hi - lo)
+        parts.append(torch.arange(j, k + 1, dtype=torch.int64).mul_(step).add_(cursor + s0 - lo))
+        cursor += align_up(hi - lo, alignment)
+        j = k + 1
+    return BatchPlan(buffer_offsets=torch.tensor(buffer_offsets, dtype=torch.int64),
+                     file_offsets=torch.tensor(file_offsets, dtype=torch.int64),
+                     sizes=torch.tensor(sizes, dtype=torch.int64),
+                     sample_at=parts[0] if len(parts) == 1 else torch.cat(parts), buffer_bytes=cursor,
+                     nbytes=sum(sizes), step=step if len(parts) == 1 else None)
+
+
+def _even_step(sample_at: torch.Tensor, itemsize: int) -> int | None:
+    """The bytes between consecutive samples of the buffer when they are all equally spaced
+    (a whole number of tokens, not negative), else None."""
+    if sample_at.numel() < 2:
+        return 0
+    step = sample_at.narrow(0, 1, sample_at.numel() - 1) - sample_at.narrow(0, 0, sample_at.numel() - 1)
+    first = int(step[0])
+    if first < 0 or first % itemsize or not bool((step == first).all()):
+        return None
+    return first
 
 
 def batch_buffer_bytes(batch_size: int, geometry: SampleGeometry, *, alignment: int, gap: int) -> int:

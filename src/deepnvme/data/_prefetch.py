@@ -116,7 +116,7 @@ def _finish(reader: SampleReader, item: _InFlight, pool: BufferPool, batch_size:
                 out = new_cpu_locked_tensor(rows.numel() * tokens, dtype).view(rows.numel(), tokens)
             else:
                 out = torch.empty((rows.numel(), tokens), dtype=dtype)
-            reader.gather(rows, buffer, out)
+            reader.gather(rows, buffer, out, step=plan.step)
             yield out
     finally:
         pool.release(buffer)

@@ -106,7 +106,7 @@ class SampleReader:
         if plan.nbytes:
             buffer = aligned_empty(plan.buffer_bytes, alignment=self.alignment, min_bytes=0)
             self.read(plan, buffer)
-            self.gather(plan.sample_at, buffer, out)
+            self.gather(plan.sample_at, buffer, out, step=plan.step)
         return out
 
     def sample(self, i: int) -> torch.Tensor:
@@ -126,23 +126,18 @@ class SampleReader:
         tokens = buffer[start - lo:start - lo + nbytes].view(self.dtype)
         return tokens.to(self.out_dtype, copy=True)
 
-    def gather(self, at: torch.Tensor, buffer: torch.Tensor, out: torch.Tensor) -> None:
+    def gather(self, at: torch.Tensor, buffer: torch.Tensor, out: torch.Tensor, *, step: int | None) -> None:
         """Copy the samples starting at bytes ``at`` (a 1-D int64 tensor) of the read ``buffer``
         (whose length is a multiple of 8) into the rows of ``out``: one strided copy when they lie
-        evenly spaced (sequential order), else one ``index_select`` of every row at once."""
+        ``step`` bytes apart (sequential order; see :attr:`BatchPlan.step`), else one
+        ``index_select`` of every row at once."""
         tokens, itemsize = self.geometry.tokens, self.geometry.itemsize
         elements = buffer.view(self.dtype)
         rows = at.numel()
         if not rows:
             return
-        if rows > 1:
-            step = at[1:] - at[:-1]
-            even = bool((step == step[0]).all()) and int(step[0]) >= 0 and int(step[0]) % itemsize == 0
-            stride = int(step[0]) // itemsize
-        else:
-            even, stride = True, 0
-        if even:
-            out.copy_(elements.as_strided((rows, tokens), (stride, 1),
+        if step is not None:
+            out.copy_(elements.as_strided((rows, tokens), (step // itemsize, 1),
                                           elements.storage_offset() + int(at[0]) // itemsize))
             return
         # one index_select over a view of every window of `tokens` elements (faster than a copy

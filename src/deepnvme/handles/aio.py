@@ -166,12 +166,14 @@ class AioHandle(DeepSpeedMethods):
         if not at.numel() == off.numel() == size.numel():
             raise ValueError(f"buffer_offsets, file_offsets and sizes differ in length: "
                              f"{at.numel()}, {off.numel()}, {size.numel()}")
-        bad = (at < 0) | (size < 0) | (at + size > buffer.nbytes)
-        if at.numel() and bool(bad.any()):
-            k = int(bad.nonzero()[0])
+        base = buffer.data_ptr()
+        addresses, lengths = (at + base).tolist(), size.tolist()
+        if addresses and (min(addresses) < base or min(lengths) < 0
+                          or int((at + size).max()) > buffer.nbytes):
+            k = int(((at < 0) | (size < 0) | (at + size > buffer.nbytes)).nonzero()[0])
             raise ValueError(f"read_many_into({target!r}): range {k} ({int(size[k])} bytes at buffer byte "
                              f"{int(at[k])}) lies outside the {buffer.nbytes}-byte buffer")
-        items = Items((at + buffer.data_ptr()).tolist(), size.tolist(), off.tolist(), buffer)
+        items = Items(addresses, lengths, off.tolist(), buffer)
         return self._engine.submit_many(False, target, items, validate=False, fsync=None,
                                         keep_open=keep_open)
 

@@ -28,6 +28,7 @@ from ._plan import BatchPlan, SampleGeometry, batch_buffer_bytes, plan_batch
 
 __all__ = ["SampleReader"]
 
+_SPARE = 2  # read buffers kept between calls of SampleReader.samples
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -45,6 +46,9 @@ class SampleReader:
         self._config = config
         self._handle: AioHandle | None = None
         self._pid = -1
+        # read buffers of :meth:`samples` kept for the next call (at most _SPARE; list.pop and
+        # append are atomic, so concurrent calls each take their own)
+        self._spare: list[torch.Tensor] = []
 
     def _io(self) -> AioHandle:
         """This process's handle (see the module docstring)."""
@@ -100,13 +104,22 @@ class SampleReader:
 
     def samples(self, samples: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Samples ``samples`` as the rows of a fresh ``[len, tokens]`` tensor of ``out_dtype``:
-        one plan, one read call and one gather for all of them; blocks."""
+        one plan, one read call and one gather for all of them; blocks. Keeps up to two read
+        buffers (each ``buffer_bytes(len(samples))`` at most) for the next call until :meth:`close`."""
         plan = self.plan(samples)
         out = torch.empty((plan.sample_at.numel(), self.geometry.tokens), dtype=self.out_dtype)
-        if plan.nbytes:
+        if not plan.nbytes:
+            return out
+        try:
+            buffer = self._spare.pop()
+        except IndexError:
+            buffer = None
+        if buffer is None or buffer.numel() < plan.buffer_bytes:
             buffer = aligned_empty(plan.buffer_bytes, alignment=self.alignment, min_bytes=0)
-            self.read(plan, buffer)
-            self.gather(plan.sample_at, buffer, out, step=plan.step)
+        self.read(plan, buffer)
+        self.gather(plan.sample_at, buffer, out, step=plan.step)
+        if len(self._spare) < _SPARE:
+            self._spare.append(buffer)
         return out
 
     def sample(self, i: int) -> torch.Tensor:
@@ -154,8 +167,9 @@ class SampleReader:
         if self._handle is not None and self._pid == os.getpid():
             self._handle.close()
         self._handle = None
+        self._spare.clear()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_handle"], state["_pid"] = None, -1
+        state["_handle"], state["_pid"], state["_spare"] = None, -1, []
         return state

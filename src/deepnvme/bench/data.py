@@ -11,6 +11,7 @@ is made cold first (page cache dropped as root, else the files fadvised) and mar
 from __future__ import annotations
 
 import dataclasses
+import resource
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ from ._data_readers import DATA_READERS, DataReader, sample_orders
 from ._reading import EVICTIONS, check_cold, evict, missing_module, overall_cache, pick_eviction
 from ._units import GB, Stats
 
-__all__ = ["DataOptions", "DataRun", "DataRow", "DataBenchResult", "run_data_bench"]
+__all__ = ["DataOptions", "DataRun", "DataRow", "DataBenchResult", "run_data_bench", "cpu_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +50,13 @@ class DataOptions:
 
 @dataclasses.dataclass(frozen=True)
 class DataRun:
-    """One timed pass over an order: seconds, ``cache`` (cold/warm) and the token checksum."""
+    """One timed pass over an order: seconds, ``cache`` (cold/warm), the token checksum and
+    ``cpu_seconds``: user + system CPU of this process and its finished children (getrusage)."""
 
     seconds: float
     cache: str
     checksum: int
+    cpu_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,11 @@ class DataRow:
     @property
     def gbps(self) -> Stats:
         return Stats.of([self.samples * self.sample_bytes / r.seconds / GB for r in self.runs])
+
+    @property
+    def cpu_us_per_sample(self) -> Stats:
+        """CPU microseconds per sample (all threads, both user and system time)."""
+        return Stats.of([r.cpu_seconds / self.samples * 1e6 for r in self.runs])
 
     @property
     def cache(self) -> str:
@@ -105,11 +113,18 @@ class DataBenchResult:
                 "rows": [{"order": r.order, "reader": r.reader, "call": r.call, "cache": r.cache,
                           "samples": r.samples, "sample_bytes": r.sample_bytes,
                           "samples_per_s": r.samples_per_s.to_dict(), "GBps": r.gbps.to_dict(),
+                          "cpu_us_per_sample": r.cpu_us_per_sample.to_dict(),
                           "runs": [dataclasses.asdict(x) for x in r.runs],
                           **({f"deepnvme_vs_{p}": self.ratio(r, p) for p in peers}
                              if r.reader == "deepnvme" else {})}
                          for r in self.rows],
                 "notes": list(self.notes)}
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process (every thread) and its waited-for children."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _pick(names: tuple[str, ...], notes: list[str]) -> list[DataReader]:
@@ -160,9 +175,10 @@ def _run(options: DataOptions, readers: list[DataReader], notes: list[str], prog
                 for reader in readers:
                     how = evict(files, how)
                     _resident, cache = check_cold(files)
-                    start = time.perf_counter()
+                    cpu, start = cpu_seconds(), time.perf_counter()
                     checksum = reader.read(ds, order, options.batch_size, options.prefetch)
-                    runs[order_name, reader.name].append(DataRun(time.perf_counter() - start, cache, checksum))
+                    runs[order_name, reader.name].append(DataRun(time.perf_counter() - start, cache, checksum,
+                                                                 cpu_seconds() - cpu))
                     if progress is not None:
                         progress.advance(progress.task_ids[0])
             ds.close()  # a fresh handle per repetition, as a new training process would have

@@ -1,10 +1,14 @@
-"""Pure read planning for token samples: sample index -> byte range -> aligned, coalesced reads.
+"""Pure read planning for token samples: sample indices -> byte ranges -> aligned, coalesced reads.
 
 A sample ``i`` is tokens ``[i x seq_len, i x seq_len + seq_len + 1)`` of the concatenation,
 bytes ``[base + i x seq_len x itemsize, ... + (seq_len + 1) x itemsize)`` of the .bin. A
 batch's ranges are widened to the O_DIRECT alignment, coalesced with their neighbours (overlap,
 or holes up to ``gap`` bytes) into reads of at most ``max_read`` bytes, and laid out back to
 back in one buffer. No I/O here.
+
+The plan is computed with a fixed number of tensor operations per batch over int64 tensors (one
+element per sample or read), never a Python object per sample: a batch of shuffled samples
+costs the same few calls as one sample.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..io.plan import align_up, coalesce
+import torch
 
-__all__ = ["SampleGeometry", "BatchPlan", "plan_batch", "batch_buffer_bytes"]
+from ..io.plan import align_up
+
+__all__ = ["SampleGeometry", "BatchPlan", "plan_batch", "batch_buffer_bytes", "sample_indices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,39 +47,157 @@ class SampleGeometry:
         return self.base + i * self.stride * self.itemsize, self.sample_bytes
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class BatchPlan:
-    """The reads of one batch into one buffer of ``buffer_bytes``: ``reads`` are
-    ``(buffer_offset, file_offset, nbytes)``; sample ``k`` of the batch starts at byte
-    ``sample_at[k]`` of the buffer."""
+    """The reads of one batch into one buffer of ``buffer_bytes``, as 1-D int64 tensors with one
+    element per read: ``buffer_offsets``, ``file_offsets`` and ``sizes`` (bytes); sample ``k`` of
+    the batch starts at byte ``sample_at[k]`` of the buffer; ``nbytes`` is the sum of ``sizes``;
+    ``step``: the bytes between consecutive samples in the buffer when they are evenly spaced
+    (sequential order, where they can be copied out with one strided view), else None."""
 
-    reads: tuple[tuple[int, int, int], ...]
-    sample_at: tuple[int, ...]
+    buffer_offsets: torch.Tensor
+    file_offsets: torch.Tensor
+    sizes: torch.Tensor
+    sample_at: torch.Tensor
     buffer_bytes: int
+    nbytes: int
+    step: int | None = None
+
+    @property
+    def reads(self) -> tuple[tuple[int, int, int], ...]:
+        """``(buffer_offset, file_offset, nbytes)`` of every read (Python ints; for checks and
+        messages, not the hot path)."""
+        return tuple(zip(self.buffer_offsets.tolist(), self.file_offsets.tolist(), self.sizes.tolist()))
+
+    @classmethod
+    def single(cls, file_offset: int, nbytes: int, sample_at: int) -> BatchPlan:
+        """One read of ``nbytes`` at ``file_offset`` into the start of the buffer."""
+        return cls(buffer_offsets=torch.zeros(1, dtype=torch.int64),
+                   file_offsets=torch.tensor([file_offset], dtype=torch.int64),
+                   sizes=torch.tensor([nbytes], dtype=torch.int64),
+                   sample_at=torch.tensor([sample_at], dtype=torch.int64), buffer_bytes=nbytes, nbytes=nbytes,
+                   step=0)
 
 
-def plan_batch(samples: Sequence[int], geometry: SampleGeometry, *, alignment: int, max_read: int,
-               gap: int) -> BatchPlan:
+_RUN_CHECK = 4096  # batches up to this size are checked for consecutive samples
+
+
+def sample_indices(samples: Sequence[int] | torch.Tensor, count: int) -> torch.Tensor:
+    """``samples`` as a 1-D int64 tensor of indices in ``[0, count)`` (negative ones count from
+    the end; may be ``samples`` itself, not to be modified); IndexError naming the first index out
+    of range."""
+    idx = torch.as_tensor(samples, dtype=torch.int64).reshape(-1)
+    if not idx.numel():
+        return idx
+    low, high = (int(v) for v in torch.aminmax(idx))
+    if low >= 0 and high < count:
+        return idx
+    bad = (idx < -count) | (idx >= count)
+    if bool(bad.any()):
+        first = int(idx[bad][0])
+        raise IndexError(f"sample {first} out of range: the dataset has {count} samples")
+    return idx.remainder(count)
+
+
+def plan_batch(samples: Sequence[int] | torch.Tensor, geometry: SampleGeometry, *, alignment: int,
+               max_read: int, gap: int) -> BatchPlan:
     """Plan the reads of ``samples`` (indices, any order, repeats allowed, negative ones count
-    from the end). Reads start and end on ``alignment`` boundaries except where the file ends;
-    each holds at most ``max_read`` bytes unless one sample alone is larger."""
-    count = geometry.count
-    if samples and not (-count <= min(samples) and max(samples) < count):
-        bad = next(i for i in samples if not -count <= i < count)
-        raise IndexError(f"sample {bad} out of range: the dataset has {count} samples")
-    step, nbytes, size = geometry.stride * geometry.itemsize, geometry.sample_bytes, geometry.file_size
-    starts = [geometry.base + (int(i) % count) * step for i in samples]
-    ranges = [(s - s % alignment, min(align_up(s + nbytes, alignment), size) - s + s % alignment)
-              for s in starts]
-    reads = []
-    sample_at = [0] * len(starts)
-    cursor = 0
-    for span in coalesce(ranges, gap=gap, cap=max_read):
-        reads.append((cursor, span.start, span.end - span.start))
-        for k in span.members:
-            sample_at[k] = cursor + starts[k] - span.start
-        cursor += align_up(span.end - span.start, alignment)
-    return BatchPlan(reads=tuple(reads), sample_at=tuple(sample_at), buffer_bytes=cursor)
+    from the end; a sequence of ints or an integer tensor). Reads start and end on ``alignment``
+    boundaries except where the file ends; each holds at most ``max_read`` bytes unless one
+    sample alone is larger. IndexError for an index out of range."""
+    idx = sample_indices(samples, geometry.count)
+    n = idx.numel()
+    if not n:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return BatchPlan(buffer_offsets=empty, file_offsets=empty, sizes=empty, sample_at=empty,
+                         buffer_bytes=0, nbytes=0)
+    step = geometry.stride * geometry.itemsize
+    if 1 < n <= _RUN_CHECK:  # sequential order? checked on a list: one conversion, C-speed compares
+        ids = idx.tolist()
+        d = ids[1] - ids[0]
+        if 0 <= d * step <= geometry.sample_bytes and (ids.count(ids[0]) == n if d == 0 else
+                                                       ids == list(range(ids[0], ids[0] + n * d, d))):
+            return _plan_run(geometry.base + ids[0] * step, d * step, n, geometry, alignment=alignment,
+                             max_read=max_read)
+    starts = idx * step + geometry.base
+    order = torch.argsort(starts, stable=True)
+    first = starts.index_select(0, order)
+    into = first.remainder(alignment)  # each sample's offset in its first aligned block
+    lo = first - into
+    # all samples have one length, so sorted by start their ends never decrease either
+    hi = (first + (geometry.sample_bytes + alignment - 1)).floor_divide_(alignment).mul_(alignment)
+    hi.clamp_(max=geometry.file_size)
+    joined = (lo.narrow(0, 1, n - 1) - hi.narrow(0, 0, n - 1)) <= gap  # sample k+1 joins k's read
+    # cap: a read of a run of close samples ends where its samples' starts cross the next
+    # multiple of `room` bytes from the run's first byte; `room` leaves space for the widened
+    # last sample, so no read exceeds max_read (a sample longer than that is a read of its own)
+    room = max_read - (align_up(geometry.sample_bytes, alignment) + alignment)
+    together = bool(joined.any()) and room > 0
+    if together and int(hi[-1] - lo[0]) > max_read:
+        run = torch.cat([torch.zeros(1, dtype=torch.int64), (~joined).cumsum(0)])
+        run_lo = lo.masked_select(torch.cat([torch.ones(1, dtype=torch.bool), ~joined])).index_select(0, run)
+        part = (lo - run_lo).floor_divide_(room)
+        joined &= part.narrow(0, 1, n - 1) == part.narrow(0, 0, n - 1)
+    if together:  # runs of samples share reads
+        new = torch.cat([torch.ones(1, dtype=torch.bool), ~joined])
+        read = new.cumsum(0).sub_(1)
+        heads = new.nonzero().squeeze(1)
+        tails = torch.cat([heads.narrow(0, 1, heads.numel() - 1) - 1, torch.tensor([n - 1])])
+        file_offsets = lo.index_select(0, heads)
+        sizes = hi.index_select(0, tails) - file_offsets
+    else:  # a read per sample (shuffled samples of a large file)
+        file_offsets, sizes = lo, hi - lo
+    room_taken = (sizes + (alignment - 1)).floor_divide_(alignment).mul_(alignment)
+    ends = room_taken.cumsum(0)
+    buffer_offsets = ends - room_taken
+    if together:
+        sorted_at = buffer_offsets.index_select(0, read) + (first - file_offsets.index_select(0, read))
+    else:
+        sorted_at = buffer_offsets + into
+    sample_at = torch.empty(n, dtype=torch.int64).index_copy_(0, order, sorted_at)
+    return BatchPlan(buffer_offsets=buffer_offsets, file_offsets=file_offsets, sizes=sizes, sample_at=sample_at,
+                     buffer_bytes=int(ends[-1]), nbytes=int(sizes.sum()),
+                     step=_even_step(sample_at, geometry.itemsize))
+
+
+def _plan_run(s0: int, step: int, n: int, geometry: SampleGeometry, *, alignment: int,
+              max_read: int) -> BatchPlan:
+    """The plan of ``n`` samples starting at byte ``s0``, ``step`` bytes apart, each overlapping
+    or touching the next (sequential order): a read per ``max_read`` bytes, planned with a few
+    integer operations per read instead of tensor operations per sample."""
+    sb, size = geometry.sample_bytes, geometry.file_size
+    buffer_offsets, file_offsets, sizes, parts = [], [], [], []
+    cursor = j = 0
+    while j < n:
+        lo = s0 + j * step
+        lo -= lo % alignment
+        # the last sample k whose aligned end stays within max_read bytes of lo (at least j)
+        limit = lo + max_read - max_read % alignment
+        k = n - 1 if step == 0 else min(n - 1, max(j, (limit - sb - s0) // step))
+        hi = min(align_up(s0 + k * step + sb, alignment), size)
+        buffer_offsets.append(cursor)
+        file_offsets.append(lo)
+        sizes.append(hi - lo)
+        parts.append(torch.arange(j, k + 1, dtype=torch.int64).mul_(step).add_(cursor + s0 - lo))
+        cursor += align_up(hi - lo, alignment)
+        j = k + 1
+    return BatchPlan(buffer_offsets=torch.tensor(buffer_offsets, dtype=torch.int64),
+                     file_offsets=torch.tensor(file_offsets, dtype=torch.int64),
+                     sizes=torch.tensor(sizes, dtype=torch.int64),
+                     sample_at=parts[0] if len(parts) == 1 else torch.cat(parts), buffer_bytes=cursor,
+                     nbytes=sum(sizes), step=step if len(parts) == 1 else None)
+
+
+def _even_step(sample_at: torch.Tensor, itemsize: int) -> int | None:
+    """The bytes between consecutive samples of the buffer when they are all equally spaced
+    (a whole number of tokens, not negative), else None."""
+    if sample_at.numel() < 2:
+        return 0
+    step = sample_at.narrow(0, 1, sample_at.numel() - 1) - sample_at.narrow(0, 0, sample_at.numel() - 1)
+    first = int(step[0])
+    if first < 0 or first % itemsize or not bool((step == first).all()):
+        return None
+    return first
 
 
 def batch_buffer_bytes(batch_size: int, geometry: SampleGeometry, *, alignment: int, gap: int) -> int:

@@ -11,6 +11,7 @@ consumer's thread; the I/O runs on the handle's.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import itertools
 import logging
 from collections.abc import Generator, Iterable, Iterator
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 _InFlight = tuple[BatchPlan, torch.Tensor, "Future[int]"]
 
 
-def iterate_batches(reader: SampleReader, order: Iterable[int], batch_size: int, *, prefetch: int,
+def iterate_batches(reader: SampleReader, order: Iterable[int] | torch.Tensor, batch_size: int, *, prefetch: int,
                     pin_memory: bool, drop_last: bool,
                     device: torch.device | None = None) -> Generator[torch.Tensor, None, None]:
     """Yield the batches of ``order``; see :meth:`TokenDataset.batches` for the contract.
@@ -45,13 +46,11 @@ def iterate_batches(reader: SampleReader, order: Iterable[int], batch_size: int,
     slots = prefetch // group
     pool = BufferPool(reader.buffer_bytes(batch_size * group), slots)
     pending: collections.deque[_InFlight] = collections.deque()
-    samples = iter(order)
     try:
-        while True:
-            chunk = list(itertools.islice(samples, batch_size * group))
+        for chunk in _groups(order, batch_size * group):
             if drop_last:
-                del chunk[len(chunk) - len(chunk) % batch_size:]
-            if not chunk:
+                chunk = chunk[:chunk.numel() - chunk.numel() % batch_size]
+            if not chunk.numel():
                 break
             plan = reader.plan(chunk)  # IndexError here, before anything of this group is read
             if len(pending) == slots:
@@ -84,6 +83,19 @@ def _to_device(batches: Generator[torch.Tensor, None, None], device: torch.devic
         batches.close()  # waits for its reads in flight
 
 
+def _groups(order: Iterable[int] | torch.Tensor, size: int) -> Iterator[torch.Tensor]:
+    """``order`` in 1-D int64 tensors of ``size`` indices (the last may be shorter): slices of
+    one tensor for a tensor or a sequence, else read lazily from the iterator."""
+    if isinstance(order, (torch.Tensor, collections.abc.Sequence)):
+        whole = torch.as_tensor(order, dtype=torch.int64).reshape(-1)
+        for first in range(0, whole.numel(), size):
+            yield whole[first:first + size]
+        return
+    samples = iter(order)
+    while chunk := list(itertools.islice(samples, size)):
+        yield torch.tensor(chunk, dtype=torch.int64)
+
+
 def group_size(prefetch: int) -> int:
     """Batches read with one ``read_many`` call: a quarter of ``prefetch`` (at least 1), so the
     cost of a call is shared by several batches while four calls stay in flight."""
@@ -98,13 +110,13 @@ def _finish(reader: SampleReader, item: _InFlight, pool: BufferPool, batch_size:
         reader.check(plan, future.result())
         tokens = reader.geometry.tokens
         dtype = reader.out_dtype
-        for first in range(0, len(plan.sample_at), batch_size):
+        for first in range(0, plan.sample_at.numel(), batch_size):
             rows = plan.sample_at[first:first + batch_size]
             if pin_memory:
-                out = new_cpu_locked_tensor(len(rows) * tokens, dtype).view(len(rows), tokens)
+                out = new_cpu_locked_tensor(rows.numel() * tokens, dtype).view(rows.numel(), tokens)
             else:
-                out = torch.empty((len(rows), tokens), dtype=dtype)
-            reader.gather(rows, buffer, out)
+                out = torch.empty((rows.numel(), tokens), dtype=dtype)
+            reader.gather(rows, buffer, out, step=plan.step)
             yield out
     finally:
         pool.release(buffer)

@@ -13,7 +13,7 @@ whose copy of the parent's handle has no worker threads; pickling drops it. Thre
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,6 +28,7 @@ from ._plan import BatchPlan, SampleGeometry, batch_buffer_bytes, plan_batch
 
 __all__ = ["SampleReader"]
 
+_SPARE = 2  # read buffers kept between calls of SampleReader.samples
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -45,6 +46,9 @@ class SampleReader:
         self._config = config
         self._handle: AioHandle | None = None
         self._pid = -1
+        # read buffers of :meth:`samples` kept for the next call (at most _SPARE; list.pop and
+        # append are atomic, so concurrent calls each take their own)
+        self._spare: list[torch.Tensor] = []
 
     def _io(self) -> AioHandle:
         """This process's handle (see the module docstring)."""
@@ -61,12 +65,13 @@ class SampleReader:
 
     # --- planning ----------------------------------------------------------------------------
 
-    def plan(self, samples: Iterable[int], *, gap: int | None = None) -> BatchPlan:
-        """The reads that fetch ``samples``; ``gap`` None: one alignment unit (a hole that small
-        is cheaper to read than a second request). IndexError for an index out of range."""
+    def plan(self, samples: Sequence[int] | torch.Tensor, *, gap: int | None = None) -> BatchPlan:
+        """The reads that fetch ``samples`` (ints or an integer tensor); ``gap`` None: one
+        alignment unit (a hole that small is cheaper to read than a second request). IndexError
+        for an index out of range."""
         cfg = self._io().config
         align = max(cfg.alignment, PAGE_SIZE)
-        return plan_batch(list(samples), self.geometry, alignment=align, max_read=cfg.block_size,
+        return plan_batch(samples, self.geometry, alignment=align, max_read=cfg.block_size,
                           gap=align if gap is None else gap)
 
     def buffer_bytes(self, batch_size: int) -> int:
@@ -77,32 +82,50 @@ class SampleReader:
     # --- reading -----------------------------------------------------------------------------
 
     def submit(self, plan: BatchPlan, buffer: torch.Tensor) -> Future[int]:
-        """Start ``plan``'s reads into ``buffer`` (uint8, at least ``plan.buffer_bytes``); a
-        future of the byte count. ``buffer`` must stay alive until the future completes."""
-        items = [(buffer[at:at + n], off) for at, off, n in plan.reads]
-        future: Future[int] = self._io().read_many(self.bin_path, items)
+        """Start ``plan``'s reads into ``buffer`` (uint8, at least ``plan.buffer_bytes``), all
+        in one call, on the .bin kept open by this process's handle; a future of the byte count.
+        ``buffer`` must stay alive until the future completes."""
+        future: Future[int] = self._io().read_many_into(
+            self.bin_path, buffer, buffer_offsets=plan.buffer_offsets, file_offsets=plan.file_offsets,
+            sizes=plan.sizes, keep_open=True)
         return future
 
     def check(self, plan: BatchPlan, got: int) -> None:
         """Raise :class:`~deepnvme.errors.DeepNVMeIOError` unless ``got`` is the bytes
         ``plan`` reads."""
-        want = sum(n for _, _, n in plan.reads)
-        if got != want:
-            raise DeepNVMeIOError(f"read {got} of the {want} bytes planned", path=self.bin_path,
-                                  offset=plan.reads[0][1] if plan.reads else 0, size=want)
+        if got != plan.nbytes:
+            first = int(plan.file_offsets[0]) if plan.file_offsets.numel() else 0
+            raise DeepNVMeIOError(f"read {got} of the {plan.nbytes} bytes planned", path=self.bin_path,
+                                  offset=first, size=plan.nbytes)
 
     def read(self, plan: BatchPlan, buffer: torch.Tensor) -> None:
         """Execute ``plan`` into ``buffer``; blocks."""
         self.check(plan, self.submit(plan, buffer).result())
 
+    def samples(self, samples: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Samples ``samples`` as the rows of a fresh ``[len, tokens]`` tensor of ``out_dtype``:
+        one plan, one read call and one gather for all of them; blocks. Keeps up to two read
+        buffers (each ``buffer_bytes(len(samples))`` at most) for the next call until :meth:`close`."""
+        plan = self.plan(samples)
+        out = torch.empty((plan.sample_at.numel(), self.geometry.tokens), dtype=self.out_dtype)
+        if not plan.nbytes:
+            return out
+        try:
+            buffer = self._spare.pop()
+        except IndexError:
+            buffer = None
+        if buffer is None or buffer.numel() < plan.buffer_bytes:
+            buffer = aligned_empty(plan.buffer_bytes, alignment=self.alignment, min_bytes=0)
+        self.read(plan, buffer)
+        self.gather(plan.sample_at, buffer, out, step=plan.step)
+        if len(self._spare) < _SPARE:
+            self._spare.append(buffer)
+        return out
+
     def sample(self, i: int) -> torch.Tensor:
         """Sample ``i``, 1-D, as ``out_dtype`` (a fresh tensor); blocks."""
-        plan = self.plan([i])
-        buffer = aligned_empty(plan.buffer_bytes, alignment=self.alignment, min_bytes=0)
-        self.read(plan, buffer)
-        at = plan.sample_at[0]
-        tokens = buffer[at:at + self.geometry.sample_bytes].view(self.dtype)
-        return tokens.to(self.out_dtype, copy=True)
+        self.geometry.byte_range(i)  # IndexError for an index out of range, named as such
+        return self.samples([i])[0]
 
     def span(self, start: int, nbytes: int) -> torch.Tensor:
         """The tokens of bytes ``[start, start + nbytes)`` of the file, 1-D, as ``out_dtype``
@@ -110,31 +133,32 @@ class SampleReader:
         align = self.alignment
         lo = start - start % align
         hi = min(-(-(start + nbytes) // align) * align, self.geometry.file_size)
-        plan = BatchPlan(reads=((0, lo, hi - lo),), sample_at=(start - lo,), buffer_bytes=hi - lo)
         buffer = aligned_empty(hi - lo, alignment=align, min_bytes=0)
         if nbytes:
-            self.read(plan, buffer)
+            self.read(BatchPlan.single(lo, hi - lo, start - lo), buffer)
         tokens = buffer[start - lo:start - lo + nbytes].view(self.dtype)
         return tokens.to(self.out_dtype, copy=True)
 
-    def gather(self, at: Sequence[int], buffer: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the samples starting at bytes ``at`` of the read ``buffer`` (whose length is a
-        multiple of 8) into the rows of ``out``: one strided copy when they lie evenly spaced
-        (sequential order), else one ``index_select``."""
+    def gather(self, at: torch.Tensor, buffer: torch.Tensor, out: torch.Tensor, *, step: int | None) -> None:
+        """Copy the samples starting at bytes ``at`` (a 1-D int64 tensor) of the read ``buffer``
+        (whose length is a multiple of 8) into the rows of ``out``: one strided copy when they lie
+        ``step`` bytes apart (sequential order; see :attr:`BatchPlan.step`), else one
+        ``index_select`` of every row at once."""
         tokens, itemsize = self.geometry.tokens, self.geometry.itemsize
         elements = buffer.view(self.dtype)
-        step = at[1] - at[0] if len(at) > 1 else 0
-        if step >= 0 and step % itemsize == 0 and all(at[k] == at[0] + k * step
-                                                      for k in range(len(at))):
-            out.copy_(elements.as_strided((len(at), tokens), (step // itemsize, 1),
-                                          elements.storage_offset() + at[0] // itemsize))
+        rows = at.numel()
+        if not rows:
+            return
+        if step is not None:
+            out.copy_(elements.as_strided((rows, tokens), (step // itemsize, 1),
+                                          elements.storage_offset() + int(at[0]) // itemsize))
             return
         # one index_select over a view of every window of `tokens` elements (faster than a copy
         # per row); as same-size integers, since not every dtype has the kernel (uint16)
         raw = elements.view(_SAME_SIZE_INT[itemsize])
         windows = raw.as_strided((raw.numel() - tokens + 1, tokens), (1, 1), raw.storage_offset())
-        first = torch.tensor(at, dtype=torch.int64).floor_divide_(itemsize)
-        out.copy_(torch.index_select(windows, 0, first).view(self.dtype))
+        picked = torch.index_select(windows, 0, at.div(itemsize, rounding_mode="floor"))
+        out.copy_(picked.view(self.dtype))
 
     # --- lifetime ----------------------------------------------------------------------------
 
@@ -143,8 +167,9 @@ class SampleReader:
         if self._handle is not None and self._pid == os.getpid():
             self._handle.close()
         self._handle = None
+        self._spare.clear()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_handle"], state["_pid"] = None, -1
+        state["_handle"], state["_pid"], state["_spare"] = None, -1, []
         return state

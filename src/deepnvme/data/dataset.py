@@ -10,7 +10,7 @@ reads, many in flight), not ``mmap``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.utils.data
@@ -127,6 +127,12 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
     def __getitem__(self, i: int) -> torch.Tensor:
         return self._reader.sample(i)
 
+    def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """The samples of ``indices`` (rows of one fresh ``[len, seq_len + 1]`` tensor), read with
+        one plan and one read call for all of them: what a ``DataLoader`` with a ``batch_size``
+        or ``batch_sampler`` calls in each worker instead of ``__getitem__`` per sample."""
+        return list(self._reader.samples(indices).unbind(0))
+
     def document(self, j: int) -> torch.Tensor:
         """Document ``j``'s tokens (all its sequences), 1-D, int64 or the file's dtype."""
         return self._reader.span(*self.index.document_bytes(j))
@@ -162,8 +168,6 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
         target = _batch_device(device)
-        if isinstance(order, torch.Tensor):
-            order = order.tolist()
         return iterate_batches(self._reader, order, batch_size, prefetch=prefetch, pin_memory=pin_memory,
                                drop_last=drop_last, device=target)
 

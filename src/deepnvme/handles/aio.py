@@ -156,6 +156,35 @@ class AioHandle(DeepSpeedMethods):
         as in :meth:`submit_read`."""
         return self._submit_many(True, path, items, validate, fsync, keep_open)
 
+    def read_many_into(self, path: str | os.PathLike[str], buffer: torch.Tensor, *,
+                       buffer_offsets: torch.Tensor, file_offsets: torch.Tensor, sizes: torch.Tensor,
+                       keep_open: bool = False) -> Future[int]:
+        """Start reading many ranges of one file into one CPU ``buffer``, as :meth:`read_many`
+        does: range ``k`` is ``sizes[k]`` bytes at ``file_offsets[k]`` of ``path``, landing at byte
+        ``buffer_offsets[k]`` of ``buffer``. The three are 1-D integer tensors of one length
+        (checked together, no Python object per range: for thousands of small reads); ``buffer``
+        stays alive until the future completes. ValueError for a range outside ``buffer``."""
+        if isinstance(path, VolumePath):
+            raise TypeError(f"read_many_into takes a plain file, not the striped {path!r}: use read_many")
+        target = os.fspath(path)
+        if self._check_buffer(buffer):
+            raise UnsupportedBufferError(f"read_many_into takes a CPU buffer; got one on {buffer.device}")
+        at, off, size = (torch.as_tensor(t, dtype=torch.int64).reshape(-1)
+                         for t in (buffer_offsets, file_offsets, sizes))
+        if not at.numel() == off.numel() == size.numel():
+            raise ValueError(f"buffer_offsets, file_offsets and sizes differ in length: "
+                             f"{at.numel()}, {off.numel()}, {size.numel()}")
+        base = buffer.data_ptr()
+        addresses, lengths = (at + base).tolist(), size.tolist()
+        if addresses and (min(addresses) < base or min(lengths) < 0
+                          or int((at + size).max()) > buffer.nbytes):
+            k = int(((at < 0) | (size < 0) | (at + size > buffer.nbytes)).nonzero()[0])
+            raise ValueError(f"read_many_into({target!r}): range {k} ({int(size[k])} bytes at buffer byte "
+                             f"{int(at[k])}) lies outside the {buffer.nbytes}-byte buffer")
+        items = Items(addresses, lengths, off.tolist(), buffer)
+        return self._engine.submit_many(False, target, items, validate=False, fsync=None,
+                                        keep_open=keep_open)
+
     def close_files(self, paths: Iterable[str | os.PathLike[str] | VolumePath] = (), *,
                     under: str | os.PathLike[str] | None = None) -> None:
         """Close the descriptors kept open (``keep_open=True``) for ``paths`` and for every file

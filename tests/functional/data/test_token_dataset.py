@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from deepnvme.data import DatasetFormatError, TokenDataset, write_token_dataset
+from deepnvme.errors import DeepNVMeIOError
 from deepnvme.memory.pinned import is_pinned
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "..", "src")
@@ -187,6 +188,38 @@ def test_dataloader_workers_open_their_own_handle(corpus):
     assert torch.equal(got, _rows(tokens, range(len(ds)), 50))
     clone = pickle.loads(pickle.dumps(ds))
     assert clone._reader._handle is None and torch.equal(clone[3], ds[3])
+
+
+def test_dataloader_batches_read_with_one_call_per_batch(corpus, monkeypatch):
+    prefix, tokens = corpus
+    ds = TokenDataset(prefix, seq_len=50)
+    calls = []
+    real = ds._reader.samples
+    monkeypatch.setattr(ds._reader, "samples", lambda idx: calls.append(list(idx)) or real(idx))
+    order = [9, 2, 2, 0, len(ds) - 1, 5, 7]
+    loader = torch.utils.data.DataLoader(ds, batch_size=3, sampler=order)
+    assert torch.equal(torch.cat(list(loader)), _rows(tokens, order, 50))
+    assert calls == [order[0:3], order[3:6], order[6:]]  # one plan and one read call per batch
+    with pytest.raises(IndexError, match="out of range"):
+        ds.__getitems__([0, len(ds)])
+    monkeypatch.undo()
+    workers = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, shuffle=False,
+                                          multiprocessing_context="fork")
+    assert torch.equal(torch.cat(list(workers)), _rows(tokens, range(len(ds)), 50))
+
+
+def test_a_bin_cut_short_after_opening_fails_naming_it(corpus, tmp_path):
+    prefix, _tokens = corpus
+    for ext in (".bin", ".idx"):
+        with open(prefix + ext, "rb") as src, open(tmp_path / f"cut{ext}", "wb") as dst:
+            dst.write(src.read())
+    ds = TokenDataset(tmp_path / "cut", seq_len=50)
+    os.truncate(tmp_path / "cut.bin", ds.geometry.base + 100)
+    with pytest.raises(DeepNVMeIOError, match=r"cut\.bin") as info:
+        list(ds.batches([len(ds) - 1, 0], 2))
+    assert "offset" in str(info.value)
+    with pytest.raises(DeepNVMeIOError, match=r"cut\.bin"):
+        ds.__getitems__([len(ds) - 1])
 
 
 def test_truncated_bin_and_bad_index_files(corpus, tmp_path):

@@ -111,3 +111,52 @@ def test_buffers_are_released_before_the_future_completes(tmp_path, io_engine):
             h.submit_write(single, path, offset=0).result()
             del data, single, view
             stream.write(b"y")  # BufferError if any export of the buffer is still alive
+
+
+def test_read_many_into_one_buffer_from_offset_tensors(h, tmp_path):
+    """Ranges given as three integer tensors land in one buffer: aligned pages (gathered), a
+    multi-chunk range, and unaligned sizes and offsets, in one call; the kept-open file too."""
+    path = str(tmp_path / "f")
+    data = random_tensor(300_000, torch.uint8)
+    h.sync_pwrite(data, path)
+    rng = random.Random(2)
+    file_offsets = [rng.randrange(70) * 4096 for _ in range(200)] + [4096, 12_345, 299_999]
+    sizes = [4096] * 200 + [50_000, 777, 1]
+    buffer_offsets, at = [], 0
+    for n in sizes:
+        buffer_offsets.append(at)
+        at += -(-n // 4096) * 4096
+    buf = deepnvme.new_cpu_locked_tensor(at, torch.uint8)
+    for keep_open in (False, True):
+        buf.zero_()
+        got = h.read_many_into(path, buf, buffer_offsets=torch.tensor(buffer_offsets),
+                               file_offsets=torch.tensor(file_offsets, dtype=torch.int32),
+                               sizes=torch.tensor(sizes), keep_open=keep_open).result()
+        assert got == sum(sizes)
+        assert all(same_bytes(buf[b:b + n], data[o:o + n])
+                   for b, o, n in zip(buffer_offsets, file_offsets, sizes))
+    h.close_files([path])
+    none = torch.zeros(0, dtype=torch.int64)
+    assert h.read_many_into(path, buf, buffer_offsets=none, file_offsets=none, sizes=none).result() == 0
+
+
+def test_read_many_into_errors_name_the_range_and_the_file(h, tmp_path):
+    path = str(tmp_path / "f")
+    h.sync_pwrite(random_tensor(10_000, torch.uint8), path)
+    buf = torch.empty(8192, dtype=torch.uint8)
+    with pytest.raises(ShortTransferError, match=r"file has 10000 bytes but the request ends at 12288") as info:
+        h.read_many_into(path, buf, buffer_offsets=torch.tensor([0, 4096]), file_offsets=torch.tensor([0, 8192]),
+                         sizes=torch.tensor([4096, 4096])).result()
+    assert path in str(info.value) and "8192" in str(info.value)
+    with pytest.raises(ValueError, match=r"range 1 \(4097 bytes at buffer byte 4096\) lies outside the 8192-byte"):
+        h.read_many_into(path, buf, buffer_offsets=torch.tensor([0, 4096]), file_offsets=torch.tensor([0, 0]),
+                         sizes=torch.tensor([4096, 4097]))
+    with pytest.raises(ValueError, match="differ in length: 2, 1, 2"):
+        h.read_many_into(path, buf, buffer_offsets=torch.tensor([0, 1]), file_offsets=torch.tensor([0]),
+                         sizes=torch.tensor([1, 1]))
+    with pytest.raises(UnsupportedBufferError, match="not contiguous"):
+        h.read_many_into(path, torch.empty(64, 64, dtype=torch.uint8).t(), buffer_offsets=torch.tensor([0]),
+                         file_offsets=torch.tensor([0]), sizes=torch.tensor([1]))
+    with pytest.raises(DeepNVMeIOError, match="negative file offset"):
+        h.read_many_into(path, buf, buffer_offsets=torch.tensor([0]), file_offsets=torch.tensor([-4096]),
+                         sizes=torch.tensor([4096])).result()

@@ -1,9 +1,11 @@
 """Read planning for token samples (pure): every plan, executed against bytes in memory, yields
-exactly each sample's bytes; reads are aligned, capped and coalesced; the memory bound holds."""
+exactly each sample's bytes; reads are aligned, capped and coalesced; the memory bound holds.
+Plans are int64 tensors (one element per read or sample)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -45,18 +47,54 @@ def test_plan_reads_every_sample_exactly(data, itemsize, seq_len, tokens_total, 
     assert plan.buffer_bytes <= batch_buffer_bytes(len(samples), geo, alignment=alignment, gap=gap)
 
 
+@given(st.data(), st.sampled_from([1, 2, 4]), st.integers(1, 300), st.integers(2, 20000),
+       st.sampled_from([512, 4096]), st.sampled_from([4096, 16384, 1 << 20]), st.sampled_from([0, 1]))
+def test_runs_of_consecutive_samples_are_read_exactly(data, itemsize, seq_len, tokens_total, alignment, max_read,
+                                                      step):
+    """Consecutive samples (or one repeated), planned by the per-read path, meet the same contract."""
+    geo = _geometry(data.draw(st.integers(0, 3)) * itemsize * 5, itemsize, seq_len, tokens_total)
+    if geo.count < 2:
+        return
+    first = data.draw(st.integers(0, geo.count - 2))
+    samples = [first + k * step for k in range(data.draw(st.integers(2, geo.count - first)) if step else 7)]
+    plan = plan_batch(samples, geo, alignment=alignment, max_read=max_read, gap=0)
+    file = bytes(i * 7 % 251 for i in range(geo.file_size))
+    buf = _execute(plan, file)
+    for k, i in enumerate(samples):
+        start = geo.base + i * seq_len * itemsize
+        assert buf[plan.sample_at[k]:plan.sample_at[k] + geo.sample_bytes] == file[start:start + geo.sample_bytes]
+    for at, off, n in plan.reads:
+        assert at % alignment == 0 and off % alignment == 0
+        assert (off + n) % alignment == 0 or off + n == geo.file_size
+        assert n <= max(max_read, geo.sample_bytes + 2 * alignment)
+    assert plan.nbytes == sum(n for _, _, n in plan.reads)
+    assert plan.buffer_bytes <= batch_buffer_bytes(len(samples), geo, alignment=alignment, gap=0)
+    if plan.step is not None:
+        assert plan.sample_at.tolist() == [plan.sample_at[0] + k * plan.step for k in range(len(samples))]
+
+
 def test_sequential_samples_coalesce_into_one_read():
     geo = _geometry(seq_len=2048, itemsize=2, tokens_total=2048 * 100 + 1)
     plan = plan_batch(list(range(10, 42)), geo, alignment=4096, max_read=1 << 20, gap=0)
     assert len(plan.reads) == 1
     assert plan.reads[0][1] == 10 * 4096 and plan.reads[0][2] == 33 * 4096
-    assert plan.sample_at == tuple(k * 4096 for k in range(32))
+    assert plan.sample_at.tolist() == [k * 4096 for k in range(32)]
+    assert plan.nbytes == 33 * 4096 and plan.buffer_bytes == 33 * 4096
+    same = plan_batch(torch.arange(10, 42, dtype=torch.int32), geo, alignment=4096, max_read=1 << 20, gap=0)
+    assert same.reads == plan.reads and torch.equal(same.sample_at, plan.sample_at)
 
 
 def test_cap_splits_long_runs_and_far_samples_stay_apart():
     geo = _geometry(seq_len=2048, itemsize=2, tokens_total=2048 * 100 + 1)
-    plan = plan_batch(list(range(0, 32)), geo, alignment=4096, max_read=16384, gap=0)
-    assert all(n <= 16384 for _, _, n in plan.reads) and len(plan.reads) == 11
+    plan = plan_batch(list(range(0, 32)), geo, alignment=4096, max_read=65536, gap=0)
+    assert [(at, off, n) for at, off, n in plan.reads] == [(0, 0, 65536), (65536, 15 * 4096, 65536),
+                                                           (131072, 30 * 4096, 12288)]
+    assert plan.step is None and plan.sample_at.tolist()[14:17] == [14 * 4096, 65536, 65536 + 4096]
+    backwards = plan_batch(list(range(31, -1, -1)), geo, alignment=4096, max_read=65536, gap=0)
+    assert all(n <= 65536 for _, _, n in backwards.reads) and len(backwards.reads) == 3
+    assert [off for _, off, _ in backwards.reads] == [0, 13 * 4096, 26 * 4096]
+    alone = plan_batch(list(range(0, 8)), geo, alignment=4096, max_read=8192, gap=0)
+    assert [n for _, _, n in alone.reads] == [8192] * 8  # a cap below one sample: a read each
     far = plan_batch([3, 50, 90], geo, alignment=4096, max_read=1 << 20, gap=0)
     assert [off for _, off, _ in far.reads] == [3 * 4096, 50 * 4096, 90 * 4096]
     near = plan_batch([3, 5], geo, alignment=4096, max_read=1 << 20, gap=4096)
@@ -73,11 +111,15 @@ def test_order_is_kept_and_repeats_allowed():
     geo = _geometry(seq_len=2048, itemsize=2, tokens_total=2048 * 100 + 1)
     plan = plan_batch([7, 2, 7], geo, alignment=4096, max_read=1 << 20, gap=0)
     assert plan.sample_at[0] == plan.sample_at[2] != plan.sample_at[1]
+    empty = plan_batch([], geo, alignment=4096, max_read=1 << 20, gap=0)
+    assert empty.reads == () and empty.buffer_bytes == empty.nbytes == 0
 
 
 def test_out_of_range_samples():
     geo = _geometry(tokens_total=1000)
     with pytest.raises(IndexError, match=f"sample {geo.count} out of range"):
         plan_batch([0, geo.count], geo, alignment=4096, max_read=1 << 20, gap=0)
+    with pytest.raises(IndexError, match=f"sample {-geo.count - 1} out of range"):
+        plan_batch(torch.tensor([-geo.count - 1, geo.count]), geo, alignment=4096, max_read=1 << 20, gap=0)
     with pytest.raises(IndexError, match="out of range"):
         geo.byte_range(-geo.count - 1)

@@ -150,17 +150,6 @@ def manager(runs: Sequence[Run]) -> Rows:
     return out, f"State {gb(runs[0][1]['state_bytes'])}; " + "; ".join(notes) + f"; {when(runs)}."
 
 
-def manager_latest(runs: Sequence[Run]) -> Rows:
-    out = header("device", "environment", "one write s", "baseline step s", "fenced: added / blocked s",
-                 "`fence_precopy`: added / blocked s", "snapshot: added / blocked s", "plain copy s")
-    for src, data in runs:
-        c = data["configs"]
-        pair = [f"{c[n]['added_s']:.3f} / {c[n]['blocked_s']:.4f}" for n in ("fenced", "fenced_pre", "snapshot")]
-        out.append(row(src.device, env(src), f"{data['write_s']:.3f}", f"{data['baseline_step_s']:.3f}", *pair,
-                       f"{data['plain_copy_s']:.3f}"))
-    return out, f"State {gb(runs[0][1]['state_bytes'])}; {when(runs)}."
-
-
 def restore(runs: Sequence[Run]) -> Rows:
     out = header("device", "environment", "deepnvme `restore` s", "`torch.load` s",
                  "`torch.load(mmap=True)` s", "vs torch.load", "vs torch.load(mmap=True)")
@@ -412,16 +401,56 @@ DATA_PEERS = ("megatron-core", "np.memmap")
 
 
 def data_table(runs: Sequence[Run]) -> Rows:
-    out = header("device", "order", "deepnvme samples/s", *(f"{p} samples/s (deepnvme / it)" for p in DATA_PEERS))
+    out = header("device", "order", "deepnvme samples/s", *(f"{p} samples/s (deepnvme / it)" for p in DATA_PEERS),
+                 "CPU us / sample: deepnvme, " + ", ".join(DATA_PEERS))
     dates = []
     for src, data in runs:
-        rows = {(r["order"], r["reader"]): r["samples_per_s"]["median"] for r in data["rows"]}
+        rows = {(r["order"], r["reader"]): r for r in data["rows"]}
         for order in ("shuffled", "sequential"):
-            ours = rows[(order, "deepnvme")]
-            out.append(row(src.device, order, f"{ours:,.0f}",
-                           *(f"{rows[(order, p)]:,.0f} ({ratio(ours / rows[(order, p)])})" for p in DATA_PEERS)))
+            readers = ("deepnvme", *DATA_PEERS)
+            rate = {reader: rows[(order, reader)]["samples_per_s"]["median"] for reader in readers}
+            cpu = [rows[(order, reader)].get("cpu_us_per_sample", {}).get("median") for reader in readers]
+            out.append(row(src.device, order, f"{rate['deepnvme']:,.0f}",
+                           *(f"{rate[p]:,.0f} ({ratio(rate['deepnvme'] / rate[p])})" for p in DATA_PEERS),
+                           " / ".join("-" if c is None else f"{c:.1f}" for c in cpu)))
         dates.append(f"{src.device} {gb(data['corpus_bytes'])}")
-    return out, "Corpus: " + ", ".join(dates) + f"; {when(runs)}."
+    return out, "Corpus: " + ", ".join(dates) + f"; {when(runs)}; CPU: getrusage, every thread, user + system."
+
+
+# ----------------------------------------------------------------------------- volumes
+
+VOLUME = "deepnvme volume"
+
+
+def volume(runs: Sequence[Run]) -> Rows:
+    out = header("drives", "tool", "write GB/s", "read GB/s", "volume / it: write, read")
+    for src, data in runs:
+        med_s = data["median_s"]
+        rate = {tool: {op: data["size"] / 1e9 / med_s[tool][op] for op in ("write", "read")} for tool in med_s}
+        for tool in med_s:
+            out.append(row(src.device, tool.replace("raid0", "RAID-0"), f"{rate[tool]['write']:.2f}",
+                           f"{rate[tool]['read']:.2f}", "-" if tool == VOLUME else ", ".join(
+                               ratio(rate[VOLUME][op] / rate[tool][op]) for op in ("write", "read"))))
+    return out, "; ".join(f"{src.device}: {data['reps']} interleaved repetitions, stripe {data['stripe']}, "
+                          f"{data['engine']}" for src, data in runs) + "."
+
+
+# ----------------------------------------------------------------------------- quantised streaming
+
+def stream_quant(runs: Sequence[Run]) -> Rows:
+    out = header("device", "weights, group", "GB read / token", "decode tokens/s (vs bf16)", "CPU s / token",
+                 "logits max / mean abs error, top-1 equal")
+    for src, data in runs:
+        group = data["config"]["group_size"]
+        for mode, t in data["throughput"].items():
+            acc = data["accuracy"].get(mode)
+            label = f"{mode}, group {group}" if acc else f"{mode} (run of group {group})"
+            out.append(row(src.device, label, f"{t['streamed_gb_per_token']:.3f}",
+                           f"{t['decode_tok_s']:.2f} ({ratio(t['speedup_vs_bf16'])})", f"{t['cpu_s_per_token']:.2f}",
+                           f"{acc['max_abs_err']:.2f} / {acc['mean_abs_err']:.3f}, {100 * acc['same_top1']:.0f} %"
+                           if acc else "-"))
+    return out, "Load average at the end: " + ", ".join(
+        f"group {data['config']['group_size']} {data['loadavg'][0]:.1f}" for _, data in runs) + "."
 
 
 # ----------------------------------------------------------------------------- the page
@@ -433,11 +462,6 @@ TABLES: dict[str, Table] = {
     "manager": Table(manager, (Source(DISK, "2026-11-25-manager-fence-work.json"),
                                Source(RAM, "2026-11-25-manager-fence-ramdev.json"))),
     # the latest runs of deepnvme's savers (no peers), with OpenMP's default and passive wait policy
-    "manager_latest": Table(manager_latest, (
-        Source(DISK, "2026-11-26-manager-omp-tmpbench-default.json", "OpenMP default"),
-        Source(DISK, "2026-11-26-manager-omp-tmpbench-passive.json", PASSIVE),
-        Source(RAM, "2026-11-26-manager-omp-ramdev-default.json", "OpenMP default"),
-        Source(RAM, "2026-11-26-manager-omp-ramdev-passive.json", PASSIVE))),
     "restore": Table(restore, (
         Source(DISK, "2026-11-25-manager-restore-thp1-work.json", THP + "1"),
         Source(DISK, "2026-11-25-manager-restore-thp0-work.json", THP + "0"),
@@ -473,7 +497,12 @@ TABLES: dict[str, Table] = {
                              Source("H200", "2026-11-27-gpu-io-h200-run3.json", "run 3"))),
     "gpu_load": Table(gpu_load, (Source("H200", "2026-11-27-gpu-load-h200-run3.json", "run 3"),)),
     "gpu_offload": Table(gpu_offload, (Source("H200", "2026-11-27-gpu-offload-h200.json"),)),
-    "data": Table(data_table, (Source(DISK, "2026-11-25-data-disk.json"), Source(RAM, "2026-11-25-data-ramdev.json"))),
+    "volume": Table(volume, (Source("2 RAM devices, 1 GiB/s each", "2026-11-27-volume-capped-2.json"),
+                             Source("2 RAM devices, uncapped", "2026-11-27-volume-uncapped.json"))),
+    "stream_quant": Table(stream_quant, (Source(DISK, "2026-11-27-stream-quant-disk.json"),
+                                         Source(DISK, "2026-11-27-stream-quant-disk-g64.json", "group 64"))),
+    "data": Table(data_table, (Source(DISK, "2026-11-27-tokens-disk.json"),
+                               Source(RAM, "2026-11-27-tokens-ramdev.json"))),
 }
 
 

@@ -9,6 +9,8 @@ from ..errors import (
 )
 from ..io.durable import clean_temp_files, wait_for_releases
 from ._staging import FencedStager, SnapshotStager, Stager
+from ._placed import gather_folder
+from ._sharded import save_safetensors_sharded
 from .async_saver import AsyncCheckpointer, AsyncSaveHandle, async_save
 from .distributed import save_distributed
 from .inplace import LoadResult, load_into
@@ -33,11 +35,13 @@ __all__ = [
     "Stager",
     "async_save",
     "clean_temp_files",
+    "gather_folder",
     "load",
     "load_into",
     "load_safetensors",
     "save",
     "save_distributed",
     "save_safetensors",
+    "save_safetensors_sharded",
     "wait_for_releases",
 ]

@@ -138,9 +138,9 @@ def gather_folder(source: Volume | VolumePath, dest: str | os.PathLike[str]) -> 
                         f"{type(source).__name__}")
     placement = read_placement(folders)
     names = set(placement.files)
-    extra = {n for n in os.listdir(folders[0])  # temporary files start with a dot
-             if n != PLACEMENT_NAME and not n.startswith(".")
-             and os.path.isfile(os.path.join(folders[0], n))}
+    temps = {os.path.basename(t.path) for t in durable.find_temp_files(folders[0])}
+    extra = {n for n in os.listdir(folders[0])
+             if n != PLACEMENT_NAME and n not in temps and os.path.isfile(os.path.join(folders[0], n))}
     paths = placement.check(sorted(names | extra))
     out = os.fspath(dest)
     os.makedirs(out, exist_ok=True)

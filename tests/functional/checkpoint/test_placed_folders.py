@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -117,3 +118,48 @@ def test_load_of_placed_torch_shards(tmp_path):
                     {"pytorch_model-1.bin": 0, "pytorch_model-2.bin": 1})
     back = deepnvme.load(vol / "m")
     assert torch.equal(back["a"], parts["pytorch_model-1.bin"]["a"]) and torch.equal(back["b"], torch.ones(3))
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {f"w{i}": torch.randn(n, generator=g) for i, n in enumerate([40_000, 3_000, 25_000, 25_000,
+                                                                         9_000, 17_000, 1_000, 30_000])}
+
+
+def test_dcp_save_on_a_volume_places_files_and_reads_back(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter
+
+    vol = Volume([tmp_path / "d0", tmp_path / "d1"])
+    state = _state()
+    dcp.save(state, storage_writer=NVMeStorageWriter(vol / "step", thread_count=4), no_dist=True)
+    folders = [tmp_path / "d0" / "step", tmp_path / "d1" / "step"]
+    data = [sorted(f for f in os.listdir(d) if f.endswith(".distcp")) for d in folders]
+    assert len(data[0]) == 2 and len(data[1]) == 2, data
+    sizes = [sum(os.path.getsize(d / f) for f in fs) for d, fs in zip(folders, data)]
+    assert abs(sizes[0] - sizes[1]) < 0.25 * sum(sizes)
+    assert (folders[0] / ".metadata").exists() and not (folders[1] / ".metadata").exists()
+    record = json.loads((folders[0] / PLACEMENT_NAME).read_text())["files"]
+    assert {n: d for d in (0, 1) for n in data[d]} == record
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=NVMeStorageReader(vol / "step"), no_dist=True)
+    assert all(same_bytes(back[k], state[k]) for k in state)
+    # a second save replaces the first on every drive
+    state2 = {k: v + 1 for k, v in state.items()}
+    dcp.save(state2, storage_writer=NVMeStorageWriter(vol / "step", thread_count=4), no_dist=True)
+    assert sum(len([f for f in os.listdir(d) if f.endswith(".distcp")]) for d in folders) == 4
+    # stock dcp.load reads the folder gathered into one directory
+    deepnvme.gather_folder(vol / "step", tmp_path / "joined")
+    stock = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(stock, storage_reader=dcp.FileSystemReader(tmp_path / "joined"))
+    assert all(same_bytes(stock[k], state2[k]) for k in state)
+    # a missing drive is named
+    shutil.move(tmp_path / "d1", tmp_path / "gone")
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(back, storage_reader=NVMeStorageReader(vol / "step"), no_dist=True)
+    inner = info.value.failures[0][0]  # DCP wraps each rank's error with its traceback
+    assert isinstance(inner, VolumeLayoutError)
+    assert re.search(r"volume drive 1 \(.*d1/step\) should hold '__0_.*distcp'.*not mounted", str(inner))

@@ -8,9 +8,9 @@ from ..errors import (
     DistributedSaveError,
 )
 from ..io.durable import clean_temp_files, wait_for_releases
-from ._staging import FencedStager, SnapshotStager, Stager
 from ._placed import gather_folder
 from ._sharded import save_safetensors_sharded
+from ._staging import FencedStager, SnapshotStager, Stager
 from .async_saver import AsyncCheckpointer, AsyncSaveHandle, async_save
 from .distributed import save_distributed
 from .inplace import LoadResult, load_into

@@ -21,8 +21,8 @@ from ..errors import CheckpointFormatError
 from ..formats.hf_index import LAYOUTS, CheckpointFiles, Kind, parse_index
 from ..io import durable
 from ..io.volume import Volume, VolumePath
-from ._placed import Placement, assign, drive_folders, read_placement, write_placement
 from ._paths import as_path
+from ._placed import Placement, assign, drive_folders, read_placement, write_placement
 
 __all__ = ["shard_groups", "save_safetensors_sharded", "load_placed_folder", "is_placed"]
 

@@ -124,7 +124,7 @@ def load(path: str | os.PathLike[str] | IO[bytes] | Volume | VolumePath, map_loc
     ``Volume`` or volume folder holding a placement record is a folder of whole files placed
     on the drives (``pytorch_model.bin`` shards), read on their drives at once.
     """
-    if isinstance(path, (Volume, VolumePath)) and is_placed(path):
+    if isinstance(path, Volume) or (isinstance(path, VolumePath) and is_placed(path)):
         return load_placed_folder(path, "torch", lambda file: load(
             file, map_location, weights_only=weights_only, mmap=mmap, populate=populate, config=config))
     if isinstance(path, VolumePath):

@@ -128,7 +128,6 @@ def _state() -> dict[str, torch.Tensor]:
 
 def test_dcp_save_on_a_volume_places_files_and_reads_back(tmp_path):
     import torch.distributed.checkpoint as dcp
-
     from torch.distributed.checkpoint.api import CheckpointException
 
     from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter
@@ -163,3 +162,44 @@ def test_dcp_save_on_a_volume_places_files_and_reads_back(tmp_path):
     inner = info.value.failures[0][0]  # DCP wraps each rank's error with its traceback
     assert isinstance(inner, VolumeLayoutError)
     assert re.search(r"volume drive 1 \(.*d1/step\) should hold '__0_.*distcp'.*not mounted", str(inner))
+
+
+def _dcp_rank(rank: int, world: int, port: int, root: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        vol = Volume([os.path.join(root, "d0"), os.path.join(root, "d1")])
+        # rank 0 holds four times rank 1's bytes: one drive each would be unbalanced
+        state = {f"r{rank}.{i}": torch.full((25_000 * (4 if rank == 0 else 1),), float(rank + i))
+                 for i in range(2)}
+        dcp.save(state, storage_writer=NVMeStorageWriter(vol / "s", thread_count=2))
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(back, storage_reader=NVMeStorageReader(vol / "s"))
+        assert all(torch.equal(back[k], state[k]) for k in state)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_dcp_volume_balances_every_ranks_files(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_dcp_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    sizes = [sum(os.path.getsize(tmp_path / d / "s" / f) for f in os.listdir(tmp_path / d / "s")
+                 if f.endswith(".distcp")) for d in ("d0", "d1")]
+    # files 400k, 400k (rank 0) and 100k, 100k (rank 1): 500k on each drive
+    assert abs(sizes[0] - sizes[1]) < 20_000, sizes

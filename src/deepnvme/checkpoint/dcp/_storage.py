@@ -59,6 +59,7 @@ from ...handles.aio import AioHandle
 from ...io import durable
 from ...io.volume import Volume, VolumePath
 from ...memory.views import byte_view
+from .._placed import drive_folders, read_placement, write_placement
 from ._io import (
     RunningHash,
     SavedTensor,
@@ -70,7 +71,6 @@ from ._io import (
 )
 from ._read import PROBE_MIN, Job, SliceJob, SpanJob, SpanPool, probe_layouts, run_jobs
 from ._share import Schedule, schedule, share_read
-from .._placed import drive_folders, read_placement, write_placement
 from ._sums import ItemSums
 from ._volume import PlacedPrefix, file_queue, place_plans
 

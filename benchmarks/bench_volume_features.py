@@ -115,7 +115,7 @@ class StateOnlyAdamW(torch.optim.AdamW):
 def _params(n: int, pieces: int = 12) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(1)
     out = []
-    for i in range(pieces):
+    for _ in range(pieces):
         p = torch.nn.Parameter(torch.randn(n // pieces, generator=g))
         p.grad = torch.randn(n // pieces, generator=g) * 1e-3
         out.append(p)

@@ -16,15 +16,18 @@ import errno
 import json
 import os
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import VolumeLayoutError
+from ..errors import CheckpointFormatError, VolumeLayoutError
+from ..formats.hf_index import LAYOUTS, CheckpointFiles, Kind, parse_index
+from ..formats.index import owners
 from ..io import durable
 from ..io.volume import Volume, VolumePath
 
 __all__ = ["PLACEMENT_NAME", "drive_folders", "assign", "write_placement", "read_placement",
-           "Placement", "gather_folder"]
+           "Placement", "gather_folder", "is_placed", "load_placed_folder"]
 
 PLACEMENT_NAME = "deepnvme-placement.json"
 _FORMAT = "deepnvme-placement"
@@ -148,3 +151,59 @@ def gather_folder(source: Volume | VolumePath, dest: str | os.PathLike[str]) -> 
         with durable.atomic_target(os.path.join(out, name)) as tmp:
             shutil.copyfile(src, tmp)
     return sorted(paths)
+
+
+def is_placed(target: object) -> bool:
+    """Whether ``target`` is a volume folder (a Volume or ``vol / "name"``) with a placement
+    record, i.e. a folder of whole files placed on the drives rather than a striped file."""
+    folders = drive_folders(target)
+    return folders is not None and os.path.isfile(os.path.join(folders[0], PLACEMENT_NAME))
+
+
+def load_placed_folder(target: Volume | VolumePath, kind: Kind,
+                       load_file: Callable[[str], Any]) -> dict[str, Any]:
+    """Load every file of the ``kind`` checkpoint placed on a volume with ``load_file`` (each
+    drive's files by one thread, the drives at once) and merge them under the rule of
+    :func:`deepnvme.formats.index.owners`. A missing drive or file raises
+    :class:`~deepnvme.VolumeLayoutError` naming it."""
+    folders = drive_folders(target)
+    if folders is None:
+        raise TypeError(f"not a volume folder: {target!r}")
+    placement = read_placement(folders)
+    files = _find(placement, kind)
+    by_drive: dict[int, list[str]] = {}
+    for path in files.files:
+        by_drive.setdefault(placement.files.get(os.path.basename(path), 0), []).append(path)
+
+    def load_drive(paths: list[str]) -> list[tuple[str, Any]]:
+        return [(p, load_file(p)) for p in paths]
+
+    with ThreadPoolExecutor(max(1, len(by_drive)), thread_name_prefix="deepnvme-shards") as pool:
+        loaded = [pair for fut in [pool.submit(load_drive, ps) for ps in by_drive.values()]
+                  for pair in fut.result()]
+    order = {p: i for i, p in enumerate(files.files)}
+    loaded.sort(key=lambda pair: order[pair[0]])
+    for file, part in loaded:
+        if not isinstance(part, dict):
+            raise CheckpointFormatError(f"{file!r} holds a {type(part).__name__}, not a dict of tensors")
+    owners(loaded, files)
+    return {name: value for _, part in loaded for name, value in part.items()}
+
+
+def _find(placement: Placement, kind: Kind) -> CheckpointFiles:
+    """The files of the ``kind`` checkpoint of a placed folder (a single file before an index)."""
+    home = placement.folders[0]
+    for k, single, index_name in LAYOUTS:
+        if k != kind:
+            continue
+        if single in placement.files or os.path.isfile(os.path.join(home, single)):
+            return CheckpointFiles(k, tuple(placement.check([single]).values()))
+        index = os.path.join(home, index_name)
+        if os.path.isfile(index):
+            with open(index, "rb") as f:
+                shards = parse_index(f.read(), file=index)
+            paths = placement.check(sorted(set(shards.values())))
+            weight_map = {name: paths[shard] for name, shard in shards.items()}
+            return CheckpointFiles(k, tuple(paths.values()), weight_map, index)
+    raise CheckpointFormatError(f"{home!r} (drive 0 of the volume) holds no {kind} checkpoint: "
+                                "neither a single file nor an index")

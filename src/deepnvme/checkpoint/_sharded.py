@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from ..config import IOConfig, parse_size
-from ..errors import CheckpointFormatError
-from ..formats.hf_index import LAYOUTS, CheckpointFiles, Kind, parse_index
 from ..io import durable
 from ..io.volume import Volume, VolumePath
 from ._paths import as_path
-from ._placed import Placement, assign, drive_folders, read_placement, write_placement
+from ._placed import assign, drive_folders, write_placement
+from .safetensors import save_safetensors
 
-__all__ = ["shard_groups", "save_safetensors_sharded", "load_placed_folder", "is_placed"]
+__all__ = ["shard_groups", "save_safetensors_sharded"]
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
@@ -61,8 +60,6 @@ def save_safetensors_sharded(tensors: Mapping[str, torch.Tensor],
     Each file is fsynced and atomically renamed; the index is written last. Shards of an older
     save that the new index does not name are removed. Blocks.
     """
-    from .safetensors import save_safetensors  # the file writer imports this module's loader
-
     placed = drive_folders(folder)
     folders = placed or (as_path(folder, "deepnvme.save_safetensors_sharded",
                                                 "a folder path, a Volume or a volume folder"),)
@@ -111,63 +108,3 @@ def _remove_stale(folders: Sequence[str], drives: Mapping[str, int], *, indexed:
         for name in os.listdir(folder):
             if (_SHARD_RE.match(name) or name in (SINGLE, INDEX)) and (name, d) not in keep:
                 durable.remove_quietly(os.path.join(folder, name))
-
-
-def is_placed(target: object) -> bool:
-    """Whether ``target`` is a volume folder (a Volume or ``vol / "name"``) with a placement
-    record, i.e. a folder of whole files placed on the drives rather than a striped file."""
-    from ._placed import PLACEMENT_NAME
-
-    folders = drive_folders(target)
-    return folders is not None and os.path.isfile(os.path.join(folders[0], PLACEMENT_NAME))
-
-
-def load_placed_folder(target: Volume | VolumePath, kind: Kind,
-                       load_file: Callable[[str], Any]) -> dict[str, Any]:
-    """Load every file of the ``kind`` checkpoint placed on a volume with ``load_file`` (each
-    drive's files by one thread, the drives at once) and merge them under the rule of
-    :func:`deepnvme.formats.index.owners`. A missing drive or file raises
-    :class:`~deepnvme.VolumeLayoutError` naming it."""
-    from ..formats.index import owners
-
-    folders = drive_folders(target)
-    if folders is None:
-        raise TypeError(f"not a volume folder: {target!r}")
-    placement = read_placement(folders)
-    files = _find(placement, kind)
-    by_drive: dict[int, list[str]] = {}
-    for path in files.files:
-        by_drive.setdefault(placement.files.get(os.path.basename(path), 0), []).append(path)
-
-    def load_drive(paths: list[str]) -> list[tuple[str, Any]]:
-        return [(p, load_file(p)) for p in paths]
-
-    with ThreadPoolExecutor(max(1, len(by_drive)), thread_name_prefix="deepnvme-shards") as pool:
-        loaded = [pair for fut in [pool.submit(load_drive, ps) for ps in by_drive.values()]
-                  for pair in fut.result()]
-    order = {p: i for i, p in enumerate(files.files)}
-    loaded.sort(key=lambda pair: order[pair[0]])
-    for file, part in loaded:
-        if not isinstance(part, dict):
-            raise CheckpointFormatError(f"{file!r} holds a {type(part).__name__}, not a dict of tensors")
-    owners(loaded, files)
-    return {name: value for _, part in loaded for name, value in part.items()}
-
-
-def _find(placement: Placement, kind: Kind) -> CheckpointFiles:
-    """The files of the ``kind`` checkpoint of a placed folder (a single file before an index)."""
-    home = placement.folders[0]
-    for k, single, index_name in LAYOUTS:
-        if k != kind:
-            continue
-        if single in placement.files or os.path.isfile(os.path.join(home, single)):
-            return CheckpointFiles(k, tuple(placement.check([single]).values()))
-        index = os.path.join(home, index_name)
-        if os.path.isfile(index):
-            with open(index, "rb") as f:
-                shards = parse_index(f.read(), file=index)
-            paths = placement.check(sorted(set(shards.values())))
-            weight_map = {name: paths[shard] for name, shard in shards.items()}
-            return CheckpointFiles(k, tuple(paths.values()), weight_map, index)
-    raise CheckpointFormatError(f"{home!r} (drive 0 of the volume) holds no {kind} checkpoint: "
-                                "neither a single file nor an index")

@@ -37,7 +37,7 @@ from ..io.volume_files import striped_size
 from ..memory.views import aligned_empty, storage_bytes
 from ._folders import load_folder
 from ._paths import as_path
-from ._sharded import is_placed, load_placed_folder
+from ._placed import is_placed, load_placed_folder
 from ._striped import StripedReader
 
 __all__ = ["load"]

@@ -24,7 +24,7 @@ from ..io.volume import Volume, VolumePath
 from ..memory.views import aligned_empty, storage_bytes
 from ._folders import load_folder
 from ._paths import as_path
-from ._sharded import load_placed_folder
+from ._placed import load_placed_folder
 from .inplace import load_into
 
 __all__ = ["save_safetensors", "load_safetensors"]

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import (
-    DEFAULT_SUFFIX,
     FileSystem,
     FileSystemReader,
     FileSystemWriter,
@@ -59,7 +58,7 @@ from ...handles.aio import AioHandle
 from ...io import durable
 from ...io.volume import Volume, VolumePath
 from ...memory.views import byte_view
-from .._placed import drive_folders, read_placement, write_placement
+from .._placed import read_placement, write_placement
 from ._io import (
     RunningHash,
     SavedTensor,
@@ -72,7 +71,7 @@ from ._io import (
 from ._read import PROBE_MIN, Job, SliceJob, SpanJob, SpanPool, probe_layouts, run_jobs
 from ._share import Schedule, schedule, share_read
 from ._sums import ItemSums
-from ._volume import PlacedPrefix, file_queue, place_plans
+from ._volume import PlacedPrefix, file_queue, place_plans, remove_unnamed, volume_home
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 
@@ -165,9 +164,8 @@ class NVMeStorageWriter(FileSystemWriter):
     ``config`` tunes the I/O (see :mod:`deepnvme.config`); other keyword arguments are
     ``FileSystemWriter``'s. ``sync_files`` is always on: every file is fsynced before rename.
 
-    ``path`` may be a :class:`~deepnvme.Volume` or a folder on one (``vol / "name"``): every
-    data file is then written whole to one drive, balanced by bytes over all ranks' files
-    (:mod:`._volume`), with ``.metadata`` and ``deepnvme-placement.json`` in drive 0's folder.
+    On a :class:`~deepnvme.Volume` (or ``vol / "name"``) each data file lies whole on one drive,
+    balanced by bytes over all ranks' files (:mod:`._volume`); ``.metadata`` on drive 0.
     """
 
     fs: _EngineFileSystem
@@ -175,8 +173,7 @@ class NVMeStorageWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike[str] | Volume | VolumePath, *,
                  config: IOConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         kwargs["sync_files"] = False  # our streams fsync themselves; never os.sync()
-        self.folders = drive_folders(path)
-        home: str | os.PathLike[str] = self.folders[0] if self.folders else path  # type: ignore[assignment]
+        self.folders, home = volume_home(path)
         super().__init__(home, **kwargs)
         self.fs = _EngineFileSystem(checkpoint_config(config))
         self.path = self.fs.init_path(home)
@@ -220,12 +217,7 @@ class NVMeStorageWriter(FileSystemWriter):
         """Delete the data files the committed ``.metadata`` does not name (older saves')."""
         named = {os.path.basename(os.fspath(info.relative_path))
                  for info in metadata.storage_data.values()}
-        for directory in self.folders or (os.fspath(self.path),):
-            if not os.path.isdir(directory):
-                continue
-            for name in os.listdir(directory):
-                if name.startswith("__") and name.endswith(DEFAULT_SUFFIX) and name not in named:
-                    durable.remove_quietly(os.path.join(directory, name))
+        remove_unnamed(self.folders or (os.fspath(self.path),), named)
 
 
 class NVMeStorageReader(FileSystemReader):
@@ -243,8 +235,7 @@ class NVMeStorageReader(FileSystemReader):
 
     def __init__(self, path: str | os.PathLike[str] | Volume | VolumePath, *,
                  config: IOConfig | Mapping[str, Any] | None = None, share_group: Any = None) -> None:
-        folders = drive_folders(path)
-        home: str | os.PathLike[str] = folders[0] if folders else path  # type: ignore[assignment]
+        folders, home = volume_home(path)
         super().__init__(home)
         self.fs = _EngineFileSystem(checkpoint_config(config))
         self.path = self.fs.init_path(home)
@@ -302,9 +293,8 @@ class NVMeStorageReader(FileSystemReader):
             jobs: list[Job] = []
             for path, items in self._items_per_file(plan).items():
                 jobs += self._file_jobs(handle, path, items, planner)
-            # on a volume, files of every drive advance together (their drives are read at once)
-            jobs.sort(key=(lambda job: (job.path, job.start)) if self.placement is None
-                      else (lambda job: (job.start, job.path)))
+            on_volume = self.placement is not None  # the files of every drive advance together
+            jobs.sort(key=lambda job: (job.start, job.path) if on_volume else (job.path, job.start))
             run_jobs(handle, jobs, pool=SpanPool(span=_READ_SPAN, buffers=_READ_BUFFERS),
                      ahead=_READ_AHEAD)
         finally:
@@ -390,7 +380,6 @@ class NVMeStorageReader(FileSystemReader):
                                             f"{tuple(part.size())}, the target {tuple(target.size())}")
             target.copy_(part)
         planner.commit_tensor(req, target)
-
 
 
 def _slice_job(path: str, req: ReadItem, info: Any, layout: TensorLayout,

@@ -22,9 +22,29 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from .._placed import assign
+from ...io import durable
+from ...io.volume import Volume, VolumePath
+from .._placed import assign, drive_folders
 
-__all__ = ["PlacedPrefix", "place_plans", "file_queue"]
+__all__ = ["PlacedPrefix", "place_plans", "file_queue", "volume_home", "remove_unnamed"]
+
+
+def volume_home(path: str | os.PathLike[str] | Volume | VolumePath
+                ) -> tuple[tuple[str, ...] | None, str | os.PathLike[str]]:
+    """The drive folders of a volume folder (None for a plain path) and the folder that holds
+    ``.metadata``: drive 0's, or the plain path itself."""
+    if isinstance(path, (Volume, VolumePath)):
+        folders = drive_folders(path) or ()
+        return folders, folders[0]
+    return None, path
+
+
+def remove_unnamed(directories: Sequence[str], named: set[str]) -> None:
+    """Delete the ``__*.distcp`` data files in ``directories`` that are not in ``named``."""
+    for directory in directories:
+        for name in os.listdir(directory) if os.path.isdir(directory) else ():
+            if name.startswith("__") and name.endswith(DEFAULT_SUFFIX) and name not in named:
+                durable.remove_quietly(os.path.join(directory, name))
 
 
 @dataclasses.dataclass

@@ -203,3 +203,19 @@ def test_dcp_volume_balances_every_ranks_files(tmp_path):
                  if f.endswith(".distcp")) for d in ("d0", "d1")]
     # files 400k, 400k (rank 0) and 100k, 100k (rank 1): 500k on each drive
     assert abs(sizes[0] - sizes[1]) < 20_000, sizes
+
+
+def test_cli_volume_gather(tmp_path, capsys):
+    from deepnvme.cli.main import main
+
+    tensors = _tensors()
+    drives = [str(tmp_path / "d0"), str(tmp_path / "d1")]
+    deepnvme.save_safetensors_sharded(tensors, Volume(drives) / "m", max_shard_size=60_000)
+    assert main(["volume", "gather", "m", str(tmp_path / "out"), "--drives", *drives]) == 0
+    assert "gathered" in capsys.readouterr().out
+    stock: dict[str, torch.Tensor] = {}
+    for name in os.listdir(tmp_path / "out"):
+        if name.endswith(".safetensors"):
+            stock.update(load_file(tmp_path / "out" / name))
+    assert stock.keys() == tensors.keys() and all(same_bytes(stock[k], tensors[k]) for k in tensors)
+    assert main(["volume", "gather", "m", str(tmp_path / "out2"), "--drives", drives[0]]) != 0

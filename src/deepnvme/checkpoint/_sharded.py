@@ -61,8 +61,8 @@ def save_safetensors_sharded(tensors: Mapping[str, torch.Tensor],
     save that the new index does not name are removed. Blocks.
     """
     placed = drive_folders(folder)
-    folders = placed or (as_path(folder, "deepnvme.save_safetensors_sharded",
-                                                "a folder path, a Volume or a volume folder"),)
+    folders = placed or (as_path(folder, "deepnvme.save_safetensors_sharded", "a str or "
+                                 "os.PathLike folder path, a Volume or a volume folder"),)
     limit = parse_size(max_shard_size)
     if limit <= 0:
         raise ValueError(f"max_shard_size {max_shard_size!r} must be positive")

@@ -100,7 +100,8 @@ def load_safetensors(path: str | os.PathLike[str] | Volume | VolumePath,
     if isinstance(path, (Volume, VolumePath)):
         return load_placed_folder(path, "safetensors", lambda file: load_safetensors(
             file, device, mmap=mmap, populate=populate, config=config))
-    path = as_path(path, "deepnvme.load_safetensors", "a file or folder path, a Volume or a volume folder")
+    path = as_path(path, "deepnvme.load_safetensors",
+                   "a str or os.PathLike file or folder path, a Volume or a volume folder")
     if os.path.isdir(path):
         return load_folder(path, "safetensors", lambda file: load_safetensors(
             file, device, mmap=mmap, populate=populate, config=config))

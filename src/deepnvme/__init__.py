@@ -33,12 +33,14 @@ from .checkpoint import (
     SnapshotStager,
     async_save,
     clean_temp_files,
+    gather_folder,
     load,
     load_into,
     load_safetensors,
     save,
     save_distributed,
     save_safetensors,
+    save_safetensors_sharded,
 )
 from .config import IOConfig, override, resolve_config
 from .errors import (
@@ -148,6 +150,7 @@ __all__ = [
     "clean_temp_files",
     "free_cpu_locked_tensor",
     "from_deepspeed_config",
+    "gather_folder",
     "gds_status",
     "inference",
     "is_pinned",
@@ -162,5 +165,6 @@ __all__ = [
     "save",
     "save_distributed",
     "save_safetensors",
+    "save_safetensors_sharded",
     "write_token_dataset",
 ]

@@ -8,6 +8,8 @@ from ..errors import (
     DistributedSaveError,
 )
 from ..io.durable import clean_temp_files, wait_for_releases
+from ._placed import gather_folder
+from ._sharded import save_safetensors_sharded
 from ._staging import FencedStager, SnapshotStager, Stager
 from .async_saver import AsyncCheckpointer, AsyncSaveHandle, async_save
 from .distributed import save_distributed
@@ -33,11 +35,13 @@ __all__ = [
     "Stager",
     "async_save",
     "clean_temp_files",
+    "gather_folder",
     "load",
     "load_into",
     "load_safetensors",
     "save",
     "save_distributed",
     "save_safetensors",
+    "save_safetensors_sharded",
     "wait_for_releases",
 ]

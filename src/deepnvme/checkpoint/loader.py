@@ -32,11 +32,12 @@ from ..formats.torchzip import (
 from ..handles.aio import AioHandle, wait_all
 from ..io.mapped import map_private
 from ..io.mapped import populate as populate_mapping
-from ..io.volume import VolumePath
+from ..io.volume import Volume, VolumePath
 from ..io.volume_files import striped_size
 from ..memory.views import aligned_empty, storage_bytes
 from ._folders import load_folder
 from ._paths import as_path
+from ._placed import is_placed, load_placed_folder
 from ._striped import StripedReader
 
 __all__ = ["load"]
@@ -95,7 +96,7 @@ def _prefetch(handle: AioHandle, path: str | VolumePath, spans: dict[str, Record
     return buffers, futures
 
 
-def load(path: str | os.PathLike[str] | IO[bytes] | VolumePath, map_location: Any = None, *,
+def load(path: str | os.PathLike[str] | IO[bytes] | Volume | VolumePath, map_location: Any = None, *,
          weights_only: bool = True, mmap: bool | None = None, populate: bool = True,
          config: IOConfig | Mapping[str, Any] | None = None) -> Any:
     """Load a ``torch.save`` file like ``torch.load(path, map_location, weights_only=...)``.
@@ -119,8 +120,13 @@ def load(path: str | os.PathLike[str] | IO[bytes] | VolumePath, map_location: An
 
     A folder holding ``pytorch_model.bin``, or shards named by ``pytorch_model.bin.index.json``,
     gives one dict merging every file (loaded one after the other). A :class:`~deepnvme.Volume`
-    path reads a file saved striped by :func:`deepnvme.save` (``mmap`` does not apply).
+    path reads a file saved striped by :func:`deepnvme.save` (``mmap`` does not apply); a
+    ``Volume`` or volume folder holding a placement record is a folder of whole files placed
+    on the drives (``pytorch_model.bin`` shards), read on their drives at once.
     """
+    if isinstance(path, Volume) or (isinstance(path, VolumePath) and is_placed(path)):
+        return load_placed_folder(path, "torch", lambda file: load(
+            file, map_location, weights_only=weights_only, mmap=mmap, populate=populate, config=config))
     if isinstance(path, VolumePath):
         return _load_striped(path, map_location, weights_only, checkpoint_config(config))
     if not isinstance(path, (str, os.PathLike)) and hasattr(path, "read"):

@@ -20,9 +20,11 @@ from ..io import durable
 from ..io.file import reserve
 from ..io.mapped import map_private
 from ..io.mapped import populate as populate_mapping
+from ..io.volume import Volume, VolumePath
 from ..memory.views import aligned_empty, storage_bytes
 from ._folders import load_folder
 from ._paths import as_path
+from ._placed import load_placed_folder
 from .inplace import load_into
 
 __all__ = ["save_safetensors", "load_safetensors"]
@@ -75,7 +77,8 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLik
             handle.write_many(tmp, [(header, 0), *items], fsync=True).result()
 
 
-def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = "cpu", *,
+def load_safetensors(path: str | os.PathLike[str] | Volume | VolumePath,
+                     device: str | torch.device = "cpu", *,
                      mmap: bool = False, populate: bool = True,
                      config: IOConfig | Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Read a ``.safetensors`` file (the package's or ours) into a dict of tensors on ``device``.
@@ -90,8 +93,15 @@ def load_safetensors(path: str | os.PathLike[str], device: str | torch.device = 
     and, unless ``populate=False``, reads every page in before returning with
     ``intra_op_parallelism`` threads: the fastest fresh load on a fast device, since new memory
     is never zeroed. ``populate=False`` leaves pages to be read on first use.
+
+    A :class:`~deepnvme.Volume` or a folder on one (``vol / "name"``) is a folder saved there by
+    :func:`deepnvme.save_safetensors_sharded`: each shard is read on its drive, the drives at once.
     """
-    path = as_path(path, "deepnvme.load_safetensors")
+    if isinstance(path, (Volume, VolumePath)):
+        return load_placed_folder(path, "safetensors", lambda file: load_safetensors(
+            file, device, mmap=mmap, populate=populate, config=config))
+    path = as_path(path, "deepnvme.load_safetensors",
+                   "a str or os.PathLike file or folder path, a Volume or a volume folder")
     if os.path.isdir(path):
         return load_folder(path, "safetensors", lambda file: load_safetensors(
             file, device, mmap=mmap, populate=populate, config=config))

@@ -1,8 +1,9 @@
-"""``deepnvme volume join|split``: convert between a file striped over a volume and a plain one.
+"""``deepnvme volume join|split|gather``: between volumes and plain files and folders.
 
 ``join`` copies a striped file into one plain file (which ``torch.load``, ``safetensors`` or any
-tool reads); ``split`` stripes a plain file over the drives. Both write under a temporary name
-and replace the target only once every byte is on disk.
+tool reads); ``split`` stripes a plain file over the drives; ``gather`` copies a folder whose
+files were placed on the drives (sharded safetensors, DCP) into one plain folder. All write
+under temporary names and replace a target only once its bytes are on disk.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import time
 from typing import Any
 
+from ..checkpoint._placed import gather_folder
 from ..checkpoint._striped import join_file, split_file
 from ..config import checkpoint_config
 from ..io.volume import Volume
@@ -39,10 +41,20 @@ def _split(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gather(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    vol = _volume(args)
+    names = gather_folder(vol if args.name == "." else vol / args.name, os.path.abspath(args.output))
+    print(f"gathered {len(names)} files of {args.name} from {len(args.drives)} drives into "
+          f"{args.output} in {time.perf_counter() - start:.2f} s")
+    return 0
+
+
 _DESCRIPTION = """\
 Convert between a file striped over a volume (one directory per drive, as deepnvme.Volume)
-and a plain file. The drives must be given in the order the file was striped with, and the
-same stripe unit; a mismatch is an error naming the drive, never wrong bytes."""
+and a plain file, or gather a folder whose files lie whole on different drives into one. The
+drives must be given in the order the file was striped with, and the same stripe unit; a
+mismatch is an error naming the drive, never wrong bytes."""
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -52,11 +64,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_volume_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``deepnvme volume`` with its ``join`` and ``split`` commands."""
+    """Register ``deepnvme volume`` with its ``join``, ``split`` and ``gather`` commands."""
     v: argparse.ArgumentParser = subparsers.add_parser(
-        "volume", help="convert between striped and plain files",
+        "volume", help="convert between volumes and plain files or folders",
         description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = v.add_subparsers(dest="volume_command", metavar="{join,split}", required=True)
+    sub = v.add_subparsers(dest="volume_command", metavar="{join,split,gather}", required=True)
     j = sub.add_parser("join", help="copy a striped file into one plain file",
                        description="Copy the striped file NAME of the volume into OUTPUT.")
     j.add_argument("name", metavar="NAME", help="the file's name on the volume")
@@ -69,4 +81,13 @@ def add_volume_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("name", metavar="NAME", help="the file's name on the volume (replaced)")
     _common(s)
     s.set_defaults(func=_split)
+    g = sub.add_parser("gather", help="copy a folder placed on the drives into one folder",
+                       description="Copy the folder NAME ('.' for the drive directories "
+                       "themselves), saved to the volume by save_safetensors_sharded or "
+                       "NVMeStorageWriter, into the plain folder OUTPUT, which stock readers "
+                       "(dcp.load, from_pretrained) take.")
+    g.add_argument("name", metavar="NAME", help="the folder's name on the volume, or '.'")
+    g.add_argument("output", metavar="OUTPUT", help="the plain folder to write into")
+    _common(g)
+    g.set_defaults(func=_gather)
     return v

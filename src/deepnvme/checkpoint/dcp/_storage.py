@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import (
-    DEFAULT_SUFFIX,
     FileSystem,
     FileSystemReader,
     FileSystemWriter,
@@ -57,7 +56,9 @@ from ...config import IOConfig, checkpoint_config
 from ...errors import CheckpointCorruptError, CheckpointFormatError
 from ...handles.aio import AioHandle
 from ...io import durable
+from ...io.volume import Volume, VolumePath
 from ...memory.views import byte_view
+from .._placed import read_placement, write_placement
 from ._io import (
     RunningHash,
     SavedTensor,
@@ -70,6 +71,7 @@ from ._io import (
 from ._read import PROBE_MIN, Job, SliceJob, SpanJob, SpanPool, probe_layouts, run_jobs
 from ._share import Schedule, schedule, share_read
 from ._sums import ItemSums
+from ._volume import PlacedPrefix, file_queue, place_plans, remove_unnamed, volume_home
 
 __all__ = ["NVMeStorageWriter", "NVMeStorageReader"]
 
@@ -161,29 +163,47 @@ class NVMeStorageWriter(FileSystemWriter):
 
     ``config`` tunes the I/O (see :mod:`deepnvme.config`); other keyword arguments are
     ``FileSystemWriter``'s. ``sync_files`` is always on: every file is fsynced before rename.
+
+    On a :class:`~deepnvme.Volume` (or ``vol / "name"``) each data file lies whole on one drive,
+    balanced by bytes over all ranks' files (:mod:`._volume`); ``.metadata`` on drive 0.
     """
 
     fs: _EngineFileSystem
 
-    def __init__(self, path: str | os.PathLike[str], *,
+    def __init__(self, path: str | os.PathLike[str] | Volume | VolumePath, *,
                  config: IOConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         kwargs["sync_files"] = False  # our streams fsync themselves; never os.sync()
-        super().__init__(path, **kwargs)
+        self.folders, home = volume_home(path)
+        super().__init__(home, **kwargs)
         self.fs = _EngineFileSystem(checkpoint_config(config))
-        self.path = self.fs.init_path(path)
+        self.path = self.fs.init_path(home)
+        self._placed: dict[str, int] = {}
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Name this save's files apart from the previous save's (one token for all ranks)."""
+        """Name this save's files apart from the previous save's (one token for all ranks);
+        on a volume, give each data file its drive."""
         token = secrets.token_hex(4)
-        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{token}_"))
-                if plan.storage_data is None else plan for i, plan in enumerate(plans)]
+        plans = [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{token}_"))
+                 if plan.storage_data is None else plan for i, plan in enumerate(plans)]
+        if self.folders is None:
+            return plans
+        plans, self._placed = place_plans(plans, len(self.folders), thread_count=self.thread_count,
+                                          single_file_per_rank=self.single_file_per_rank)
+        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        fut = super().write_data(plan, planner)
+        if self.folders is not None and isinstance(plan.storage_data, PlacedPrefix):
+            fut = self._write_data(planner, file_queue(
+                plan, self.folders, thread_count=self.thread_count,
+                single_file_per_rank=self.single_file_per_rank))
+        else:
+            fut = super().write_data(plan, planner)
         fut.add_done_callback(lambda _: self.fs.close())  # every rank; runs now if already done
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self.folders is not None:  # before .metadata names the files
+            write_placement(self.folders, self._placed)
         self.fs.replacing = True  # keep the old .metadata until the new one replaces it
         try:
             super().finish(metadata, results)
@@ -197,10 +217,7 @@ class NVMeStorageWriter(FileSystemWriter):
         """Delete the data files the committed ``.metadata`` does not name (older saves')."""
         named = {os.path.basename(os.fspath(info.relative_path))
                  for info in metadata.storage_data.values()}
-        directory = os.fspath(self.path)
-        for name in os.listdir(directory):
-            if name.startswith("__") and name.endswith(DEFAULT_SUFFIX) and name not in named:
-                durable.remove_quietly(os.path.join(directory, name))
+        remove_unnamed(self.folders or (os.fspath(self.path),), named)
 
 
 class NVMeStorageReader(FileSystemReader):
@@ -210,15 +227,20 @@ class NVMeStorageReader(FileSystemReader):
     ``dcp.load`` runs on, that carries CPU tensors (gloo): bytes that several ranks load (replicated
     tensors, plain data) are then read by one of them and broadcast to the others (see
     :mod:`._share`), so the storage serves them once. Every rank passes the same kind of group.
+    ``path`` may be a :class:`~deepnvme.Volume` or a folder on one, saved there by
+    :class:`NVMeStorageWriter`: each data file is read on its drive, the drives at once.
     """
 
     fs: _EngineFileSystem
 
-    def __init__(self, path: str | os.PathLike[str], *,
+    def __init__(self, path: str | os.PathLike[str] | Volume | VolumePath, *,
                  config: IOConfig | Mapping[str, Any] | None = None, share_group: Any = None) -> None:
-        super().__init__(path)
+        folders, home = volume_home(path)
+        super().__init__(home)
         self.fs = _EngineFileSystem(checkpoint_config(config))
-        self.path = self.fs.init_path(path)
+        self.path = self.fs.init_path(home)
+        #: on a volume: where each data file lies (read from drive 0's placement record)
+        self.placement = read_placement(folders) if folders else None
         self.share_group = share_group
         self.item_sums: ItemSums | None = None  # set: items read whole are checked against these
         self._metadata: Metadata | None = None
@@ -271,7 +293,8 @@ class NVMeStorageReader(FileSystemReader):
             jobs: list[Job] = []
             for path, items in self._items_per_file(plan).items():
                 jobs += self._file_jobs(handle, path, items, planner)
-            jobs.sort(key=lambda job: (job.path, job.start))
+            on_volume = self.placement is not None  # the files of every drive advance together
+            jobs.sort(key=lambda job: (job.start, job.path) if on_volume else (job.path, job.start))
             run_jobs(handle, jobs, pool=SpanPool(span=_READ_SPAN, buffers=_READ_BUFFERS),
                      ahead=_READ_AHEAD)
         finally:
@@ -280,11 +303,13 @@ class NVMeStorageReader(FileSystemReader):
     def _items_per_file(self, plan: LoadPlan) -> dict[str, list[tuple[ReadItem, Any]]]:
         """The plan's items with their storage info, by data file path; CheckpointFormatError
         if an item lies past the end of its file."""
-        per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
+        by_name: dict[str, list[tuple[ReadItem, Any]]] = {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
-            path = os.fspath(self.fs.concat_path(self.path, os.fspath(info.relative_path)))
-            per_file.setdefault(path, []).append((req, info))
+            by_name.setdefault(os.fspath(info.relative_path), []).append((req, info))
+        paths = ({n: os.fspath(self.fs.concat_path(self.path, n)) for n in by_name}
+                 if self.placement is None else self.placement.check(by_name))
+        per_file = {paths[n]: items for n, items in by_name.items()}
         for path, items in per_file.items():
             size = os.stat(path).st_size
             for req, info in items:
@@ -355,7 +380,6 @@ class NVMeStorageReader(FileSystemReader):
                                             f"{tuple(part.size())}, the target {tuple(target.size())}")
             target.copy_(part)
         planner.commit_tensor(req, target)
-
 
 
 def _slice_job(path: str, req: ReadItem, info: Any, layout: TensorLayout,

@@ -15,8 +15,9 @@ torch and a warm-up step, reset after the first step), ``--reps`` interleaved re
 - ``keepgrads``: the same with ``offload_gradients=False`` (gradients in memory, as ZeRO-3);
 - ``fused``: the defaults with the update fused into the backward (``fuse_backward=True``);
 - ``deepspeed`` (with ``--ds-python``): ZeRO-3, ``offload_param`` and ``offload_optimizer`` on
-  nvme under ``dir``, its parameter buffers holding the budget (at least two of the largest
-  parameter), ``sub_group_size`` a quarter of the budget, torch's AdamW, DeepSpeed's CPU
+  nvme under ``dir``, one parameter buffer of the largest parameter's size per parameter it swaps
+  (fewer fail with "Not enough buffers": DeepSpeed's buffers are fixed-size, so it holds more than
+  the budget), ``sub_group_size`` a quarter of the budget, torch's AdamW, DeepSpeed's CPU
   accelerator and gloo (one rank).
 
 Reported: the median step (s), CPU seconds per step (getrusage, all threads), peak RSS, and
@@ -187,6 +188,9 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+PERSISTENCE = 100_000  # ZeRO-3's default stage3_param_persistence_threshold: smaller parameters stay in memory
+
+
 def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                  ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531")):
@@ -199,6 +203,7 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
     n_params = sum(p.numel() for p in make_model_meta(args).parameters())
     budget_elems = budget_of(args, n_params) // 4
     largest = args.vocab * args.dim
+    swapped = sum(p.numel() >= PERSISTENCE for p in make_model_meta(args).parameters())
     nvme = os.path.join(args.dir, "deepspeed")
     os.makedirs(nvme, exist_ok=True)
     cfg = {
@@ -209,12 +214,14 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
             "stage": 3,
             "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
                               "buffer_size": largest,
-                              # one buffer per live parameter (fixed size: the largest one);
-                              # fewer than 8 asserts "Not enough buffers" in a block
-                              "buffer_count": max(8, budget_elems // largest), "max_in_cpu": 0},
+                              # one fixed-size buffer (the largest parameter) per swapped parameter in
+                              # flight: with fewer, ZeRO-3 asserts "Not enough buffers 0 for swapping 1"
+                              # (8 did too), so one per parameter it swaps (over the persistence threshold)
+                              "buffer_count": max(8, swapped + 2), "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
                                   "buffer_count": 4},
             "stage3_max_live_parameters": budget_elems,
+            "stage3_param_persistence_threshold": PERSISTENCE,
             "stage3_prefetch_bucket_size": budget_elems // 4,
             "sub_group_size": budget_elems // 4,
         },

@@ -16,7 +16,7 @@ BOUNDS = [
     ("generate", "--batch-size", 1), ("generate", "--prompt-len", 1),
     ("generate", "--gen-len", 1), ("generate", "--prefetch", 0),
     ("generate", "--block-size", 1), ("generate", "--queue-depth", 1),
-    ("generate", "--parallelism", 1),
+    ("generate", "--parallelism", 1), ("generate", "--group-size", 1),
 ]
 
 

@@ -18,6 +18,7 @@ import os
 from ..io.durable import create_temp
 from ..io.posix import O_DIRECT, POSIX
 from ._system import Mount, mount_of
+from ._system import read_text as _read
 
 __all__ = ["QueueFacts", "RaidFacts", "StorageFacts", "gather_storage_facts", "data_devices",
            "probe_o_direct"]
@@ -87,14 +88,6 @@ def data_devices(level: str | None, devices: int) -> int:
     if level in ("raid6", "6"):
         return max(1, devices - 2)
     return 1
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def _int(path: str) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-__all__ = ["Mount", "BlockDevice", "mount_of", "block_device", "mem_available"]
+__all__ = ["Mount", "BlockDevice", "mount_of", "block_device", "mem_available", "read_text"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,8 @@ def mount_of(path: str, *, mountinfo: str = "/proc/self/mountinfo") -> Mount | N
     return best
 
 
-def _read(path: str) -> str | None:
+def read_text(path: str) -> str | None:
+    """A small file's text, stripped (sysfs, procfs), or None where it cannot be read."""
     try:
         with open(path) as f:
             return f.read().strip()
@@ -80,22 +81,22 @@ def block_device(dev: str, *, sys_root: str = "/sys") -> BlockDevice | None:
         node = os.path.dirname(node)
     name = os.path.basename(node)
     queue = os.path.join(node, "queue")
-    rot = _read(os.path.join(queue, "rotational"))
-    sched_line = _read(os.path.join(queue, "scheduler"))
+    rot = read_text(os.path.join(queue, "rotational"))
+    sched_line = read_text(os.path.join(queue, "scheduler"))
     scheduler = None
     if sched_line:
         chosen = [w[1:-1] for w in sched_line.split() if w.startswith("[")]
         scheduler = chosen[0] if chosen else sched_line
-    model = _read(os.path.join(node, "device", "model"))
+    model = read_text(os.path.join(node, "device", "model"))
     if not model:
-        vendor = _read(os.path.join(node, "device", "vendor"))
+        vendor = read_text(os.path.join(node, "device", "vendor"))
         model = f"vendor {vendor}" if vendor else None
     return BlockDevice(name, model, None if rot is None else rot == "1", scheduler)
 
 
 def mem_available() -> int | None:
     """Bytes of MemAvailable from /proc/meminfo, or None."""
-    text = _read("/proc/meminfo") or ""
+    text = read_text("/proc/meminfo") or ""
     for line in text.splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024

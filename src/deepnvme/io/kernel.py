@@ -39,7 +39,6 @@ __all__ = ["KernelQueue", "kernel_worker", "BOUNCES_PER_WORKER"]
 log = logging.getLogger(__name__)
 BOUNCES_PER_WORKER = 4
 FIXED_MIN_BYTES = 64 << 10  # smallest chunk worth a registered-buffer look-up
-COMPLETION_GROUP = 4  # completions handled between two submissions (see _run)
 _RETRY = (errno.EINTR, errno.EAGAIN)
 #: a work item: one chunk ``(op, chunk)`` or a range of a gathered request ``(op, start, stop)``
 Item = Union["tuple[Op, Chunk]", "tuple[Op, int, int]"]
@@ -309,12 +308,10 @@ def _complete(w: _Worker, tag: int, res: int) -> None:
 
 def _run(w: _Worker, window_ref: weakref.ref[Window], work: queue.SimpleQueue[Any],
          kq: KernelQueue) -> None:
-    """Completions are handled :data:`COMPLETION_GROUP` at a time, each group's freed slots
-    refilled and submitted before the next: a device that completes a whole batch at once
-    then sees new requests while the rest are processed, instead of a lockstep of full
-    batches (more small random reads per second at a deep queue)."""
+    """Every completion reaped by one system call is handled, and its slots refilled, before
+    the next call: one call, one hand-off to the window and one lock per round of
+    completions, not per few of them."""
     stopping = False
-    events: list[tuple[int, int]] = []  # reaped, not yet handled
     while True:
         while w.waiting and w.free:
             rest = _start(w, w.waiting[0])
@@ -323,9 +320,12 @@ def _run(w: _Worker, window_ref: weakref.ref[Window], work: queue.SimpleQueue[An
                 break
             w.waiting.popleft()
         while not stopping and w.free and not w.waiting:
+            busy = w.inflight or w.finished
+            if busy and work.empty():  # cheaper than raising queue.Empty every round
+                break
             try:
-                item = work.get_nowait() if w.inflight or w.finished else work.get()
-            except queue.Empty:
+                item = work.get_nowait() if busy else work.get()
+            except queue.Empty:  # another worker took it
                 break
             if item is None:
                 stopping = True
@@ -336,14 +336,12 @@ def _run(w: _Worker, window_ref: weakref.ref[Window], work: queue.SimpleQueue[An
             item = rest = None  # hold no request past its completion (its buffer stays exported)
         if w.inflight:
             try:
-                # submit what was just queued; wait only when nothing is left to handle
-                events += kq.submit_and_wait(0 if events else 1, w.single)
+                events = kq.submit_and_wait(1, w.single)  # submit what was queued, wait for one
             except OSError as exc:
                 w.fail_all(DeepNVMeIOError.from_oserror(exc, op=f"{kq.name} submit",
                                                         path=None, offset=None, size=None))
                 events = []
-            group, events = events[:COMPLETION_GROUP], events[COMPLETION_GROUP:]
-            w.complete_many(group)
+            w.complete_many(events)
         if w.finished:
             window = window_ref()
             if window is None:

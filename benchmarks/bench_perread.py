@@ -25,7 +25,8 @@ _CHILD = r"""
 import json, os, resource, sys, time
 import torch
 from deepnvme import AioHandle
-path, size, count, depth, engine, seed = sys.argv[1], *map(int, sys.argv[2:4]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+path, engine = sys.argv[1], sys.argv[5]
+size, count, depth, seed = (int(sys.argv[i]) for i in (2, 3, 4, 6))
 blocks = os.path.getsize(path) // size
 g = torch.Generator().manual_seed(seed)
 offs = torch.randperm(blocks, generator=g)[:count].to(torch.int64) * size
@@ -98,7 +99,8 @@ def main() -> None:
         print(f"{name:>10}: {us:6.2f} CPU-us/read  {iops:9.0f} IOPS (medians of {len(rs)})")
     first = trees[0][0]
     for name, _ in trees[1:]:
-        print(f"{name} / {first}: CPU per read {summary[name]['cpu_us_per_read'] / summary[first]['cpu_us_per_read']:.2f}x, "
+        cpu = summary[name]["cpu_us_per_read"] / summary[first]["cpu_us_per_read"]
+        print(f"{name} / {first}: CPU per read {cpu:.2f}x, "
               f"IOPS {summary[name]['iops'] / summary[first]['iops']:.2f}x")
     if a.out:
         with open(a.out, "w") as f:

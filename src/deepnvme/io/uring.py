@@ -31,7 +31,6 @@ __all__ = ["UringQueue", "probe_io_uring"]
 _SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427  # same on x86_64 and aarch64
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _ENTER_GETEVENTS = 1
-_SETUP_COOP_TASKRUN = 1 << 8
 _FEAT_SINGLE_MMAP, _FEAT_NODROP, _FEAT_RW_CUR_POS = 1 << 0, 1 << 1, 1 << 3
 _OP_READ, _OP_WRITE, _OP_READ_FIXED, _OP_WRITE_FIXED = 22, 23, 4, 5
 _REGISTER_BUFFERS2, _REGISTER_BUFFERS_UPDATE, _RSRC_REGISTER_SPARSE = 15, 16, 1
@@ -61,28 +60,6 @@ _holders_lock = threading.RLock()
 _holders: dict[Any, list[UringQueue]] = {}
 
 
-def _setup(depth: int) -> tuple[int, bytearray]:
-    """``io_uring_setup`` with cooperative task running where the kernel has it (5.19+):
-    completions are posted when the worker next enters the kernel, instead of interrupting
-    it for each one; older kernels refuse the flag (EINVAL) and get a plain ring."""
-    try:
-        return _setup_with(depth, _SETUP_COOP_TASKRUN)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return _setup_with(depth, 0)
-
-
-def _setup_with(depth: int, flags: int) -> tuple[int, bytearray]:
-    params = bytearray(_PARAMS.size)
-    struct.pack_into("<I", params, 8, flags)  # io_uring_params.flags
-    buf = (ctypes.c_char * len(params)).from_buffer(params)
-    try:
-        return syscall(_SYS_SETUP, ctypes.c_uint(depth), buf), params
-    finally:
-        del buf
-
-
 class UringQueue:
     """One io_uring with ``depth`` entries: :meth:`prep` queues, :meth:`submit_and_wait` runs.
 
@@ -99,7 +76,10 @@ class UringQueue:
     name = "io_uring"
 
     def __init__(self, depth: int) -> None:
-        fd, params = _setup(max(1, depth))
+        params = bytearray(_PARAMS.size)
+        buf = (ctypes.c_char * len(params)).from_buffer(params)
+        fd = syscall(_SYS_SETUP, ctypes.c_uint(max(1, depth)), buf)
+        del buf
         self.fd = fd
         try:
             self._map(_PARAMS.unpack(params))

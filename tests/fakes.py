@@ -428,6 +428,11 @@ class FaultyQueue:
             return self.inner.prep(tag, write, fd, address, length, offset, buf_index)
         return length
 
+    def prep_many(self, tags, write, fd, addresses, lengths, offsets, slots):
+        for i, tag in enumerate(tags):  # each entry through prep, so every fault applies
+            self.prep(tag, write, fd, addresses[i], lengths[i], offsets[i],
+                      -1 if slots is None else slots[i])
+
     def submit_and_wait(self, wait, single=False):
         faked, self.faked = self.faked, []
         return faked + self.inner.submit_and_wait(0 if faked else wait, single)

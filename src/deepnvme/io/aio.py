@@ -75,6 +75,18 @@ class AioQueue:
         self._queued.append(tag)
         return length
 
+    def prep_many(self, tags: list[int], write: bool, fd: int, addresses: list[int],
+                  lengths: list[int], offsets: list[int], slots: list[int] | None) -> None:
+        """Queue one read or write per ``tags[i]`` on one descriptor, as :meth:`prep` does
+        (``slots`` is ignored: no registered buffers)."""
+        if max(lengths) > _MAX_LEN:
+            lengths = [min(n, _MAX_LEN) for n in lengths]
+        pack, iocbs, size = _IOCB.pack_into, self._iocbs, _IOCB.size
+        cmd = _CMD_PWRITE if write else _CMD_PREAD
+        for tag, address, length, offset in zip(tags, addresses, lengths, offsets):
+            pack(iocbs, tag * size, tag, 0, 0, cmd, 0, fd, address, length, offset)
+        self._queued += tags
+
     def submit_and_wait(self, wait: int, single: bool = False) -> list[tuple[int, int]]:
         """Submit what :meth:`prep` queued, wait for at least ``wait`` completions, return
         ``(tag, result)`` pairs (bytes moved or ``-errno``). ``single``: one per call."""
@@ -109,8 +121,8 @@ class AioQueue:
             if err != errno.EINTR:
                 raise OSError(err, os.strerror(err))
         self._inflight -= got
-        words = self._event_words
-        return [(words[4 * i], words[4 * i + 2]) for i in range(got)]
+        words = self._event_words  # data (the tag) and res of each event, as two strided views
+        return list(zip(words[0:4 * got:4].tolist(), words[2:4 * got:4].tolist()))
 
     def close(self) -> None:
         """Destroy the context (pending entries must be reaped first)."""

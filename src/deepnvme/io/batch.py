@@ -12,13 +12,12 @@ heap several times, a large share of a batch's time.
 from __future__ import annotations
 
 import errno
-from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DeepNVMeIOError, ShortTransferError
-from .op import Batch, Op, Transfer
-from .plan import PAGE_SIZE, Alignment, Chunk, Kind, plan_transfer
+from .op import Batch, Gathered, Op, Transfer
+from .plan import PAGE_SIZE, Alignment, plan_transfer
 
 if TYPE_CHECKING:
     from .opening import Opener
@@ -44,24 +43,6 @@ class Items:
 
     def __len__(self) -> int:
         return len(self.addresses)
-
-
-class _GatheredChunks(Sequence[Chunk]):
-    """The chunks of a gathered request, made one at a time as the engine hands them out."""
-
-    __slots__ = ("items", "order")
-
-    def __init__(self, items: Items, order: list[int]) -> None:
-        self.items, self.order = items, order
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def __getitem__(self, i):  # type: ignore[no-untyped-def]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self.order)))]
-        j, items = self.order[i], self.items
-        return Chunk(items.addresses[j], items.offsets[j], items.sizes[j], Kind.DIRECT)
 
 
 def submit_many(opener: Opener, window: Window, block_size: int, write: bool, target: str,
@@ -152,7 +133,7 @@ def _gathered(batch: Batch, items: Items, index: list[int]) -> Op:
     carrier = Transfer(write=first.write, address=0, size=sum(items.sizes[j] for j in index),
                        target=first.target, file_offset=items.offsets[index[0]])
     op = Op(carrier, False, False, batch=batch)
-    op.chunks = _GatheredChunks(items, index)
+    op.chunks = Gathered(items.addresses, items.offsets, items.sizes, index)
     op.fd_direct, op.fd_buffered, op.remaining = batch.fd_direct, batch.fd_buffered, len(index)
     return op
 

@@ -72,7 +72,7 @@ class Engine:
         self._window = Window(
             config.queue_depth * (config.intra_op_parallelism if make_queue is not None else 1),
             posix, _starter(config, posix, mover, make_queue, self._bounces),
-            closed_message=_CLOSED)
+            closed_message=_CLOSED, span=config.queue_depth if make_queue is not None else 0)
         _live_engines.add(self)
 
     @staticmethod

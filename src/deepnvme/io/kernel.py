@@ -21,7 +21,7 @@ import queue
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Union, cast
 
 import torch
 
@@ -30,7 +30,7 @@ from ..memory.pinned import new_cpu_locked_tensor
 from .plan import Chunk, Kind, align_up
 
 if TYPE_CHECKING:
-    from .op import Op
+    from .op import Gathered, Op
     from .posix import Posix
     from .window import Window
 
@@ -39,8 +39,9 @@ __all__ = ["KernelQueue", "kernel_worker", "BOUNCES_PER_WORKER"]
 log = logging.getLogger(__name__)
 BOUNCES_PER_WORKER = 4
 FIXED_MIN_BYTES = 64 << 10  # smallest chunk worth a registered-buffer look-up
-COMPLETION_GROUP = 4  # completions handled between two submissions (see _run)
 _RETRY = (errno.EINTR, errno.EAGAIN)
+#: a work item: one chunk ``(op, chunk)`` or a range of a gathered request ``(op, start, stop)``
+Item = Union["tuple[Op, Chunk]", "tuple[Op, int, int]"]
 
 
 class KernelQueue(Protocol):
@@ -52,6 +53,9 @@ class KernelQueue(Protocol):
     def prep(self, tag: int, write: bool, fd: int, address: int, length: int,
              offset: int, buf_index: int = -1) -> int: ...
 
+    def prep_many(self, tags: list[int], write: bool, fd: int, addresses: list[int],
+                  lengths: list[int], offsets: list[int], slots: list[int] | None) -> None: ...
+
     def fixed_slot(self, address: int, length: int) -> int: ...
 
     def submit_and_wait(self, wait: int, single: bool = False) -> list[tuple[int, int]]: ...
@@ -62,22 +66,27 @@ class KernelQueue(Protocol):
 class _Worker:
     """One worker's chunks in flight, by tag (parallel lists: cheaper than an object per chunk).
 
-    ``done[tag]`` bytes of ``chunk[tag]`` have moved; ``bounce[tag]`` is the bounce buffer a
-    chunk borrowed, or None.
+    Slot ``tag`` holds a chunk of request ``op[tag]``: ``length[tag]`` bytes at file
+    ``offset[tag]`` of ``kind[tag]``, to or from ``address[tag]`` (the bounce buffer
+    ``bounce[tag]`` if it borrowed one, else the caller's ``user[tag]``); ``done[tag]`` bytes
+    have moved.
     """
 
     def __init__(self, kq: KernelQueue, posix: Posix, block_size: int, single: bool) -> None:
         self.kq, self.posix, self.single = kq, posix, single
         depth = kq.depth
         self.op: list[Op | None] = [None] * depth
-        self.chunk: list[Chunk | None] = [None] * depth
+        self.kind = [Kind.DIRECT] * depth
         self.fd = [0] * depth
         self.address = [0] * depth
+        self.user = [0] * depth
+        self.offset = [0] * depth
+        self.length = [0] * depth
         self.slot = [-1] * depth  # registered-buffer slot, or -1
         self.done = [0] * depth
         self.bounce: list[torch.Tensor | None] = [None] * depth
         self.free = list(range(depth - 1, -1, -1))
-        self.waiting: deque[tuple[Op, Chunk]] = deque()  # taken, waiting for a bounce buffer
+        self.waiting: deque[Item] = deque()  # taken, not yet started (slots or bounce buffers)
         self.bounce_size = align_up(block_size, 4096)
         self.spare: list[torch.Tensor] = []
         self.bounces_made = 0
@@ -98,30 +107,67 @@ class _Worker:
         t = op.transfer
         kind = chunk.kind
         bounce = None
+        user = t.address + chunk.buf_offset
         if kind is Kind.BOUNCE:
             bounce = self._bounce(chunk.length)
             if bounce is None:
                 return False
             address = bounce.data_ptr()
             if t.write:
-                ctypes.memmove(address, t.address + chunk.buf_offset, chunk.length)
+                ctypes.memmove(address, user, chunk.length)
         else:
-            address = t.address + chunk.buf_offset
+            address = user
         fd = op.fd_buffered if kind is Kind.BUFFERED else op.fd_direct
         # big direct chunks from locked memory skip per-request page pinning (io_uring);
         # measured no gain for small chunks, which then skip the look-up too
         slot = (self.kq.fixed_slot(address, chunk.length)
                 if kind is not Kind.BUFFERED and chunk.length >= FIXED_MIN_BYTES else -1)
         tag = self.free.pop()
-        self.op[tag], self.chunk[tag], self.fd[tag], self.slot[tag] = op, chunk, fd, slot
-        self.address[tag], self.done[tag], self.bounce[tag] = address, 0, bounce
+        self.op[tag], self.kind[tag], self.fd[tag], self.slot[tag] = op, kind, fd, slot
+        self.address[tag], self.user[tag], self.done[tag], self.bounce[tag] = address, user, 0, bounce
+        self.offset[tag], self.length[tag] = chunk.file_offset, chunk.length
         self.kq.prep(tag, t.write, fd, address, chunk.length, chunk.file_offset, slot)
         return True
 
-    def _resubmit(self, tag: int, op: Op, c: Chunk) -> None:
+    def start_range(self, op: Op, start: int, stop: int) -> int:
+        """Queue chunks ``start`` to ``stop`` of a gathered request (direct chunks at absolute
+        addresses) while slots are free, all in one :meth:`KernelQueue.prep_many`; returns the
+        index of the first chunk not queued."""
+        if op.stopped:
+            self.finished.extend([op] * (stop - start))
+            return stop
+        n = min(len(self.free), stop - start)
+        if not n:
+            return start
+        g = cast("Gathered", op.chunks)
+        index = g.order[start:start + n]
+        addrs, offs, sizes = g.addresses, g.offsets, g.sizes
+        addresses = [addrs[j] for j in index]
+        offsets = [offs[j] for j in index]
+        lengths = [sizes[j] for j in index]
+        slots = None
+        if max(lengths) >= FIXED_MIN_BYTES:  # as in start: only big chunks look for a slot
+            fixed = self.kq.fixed_slot
+            slots = [fixed(a, ln) if ln >= FIXED_MIN_BYTES else -1
+                     for a, ln in zip(addresses, lengths)]
+        tags = self.free[-n:]
+        fd = op.fd_direct
+        self.kq.prep_many(tags, op.transfer.write, fd, addresses, lengths, offsets, slots)
+        del self.free[-n:]  # queued: from here on nothing raises
+        ops, kinds, fds, address, user = self.op, self.kind, self.fd, self.address, self.user
+        offset, length, done, slot = self.offset, self.length, self.done, self.slot
+        direct = Kind.DIRECT
+        for i, tag in enumerate(tags):
+            ops[tag], kinds[tag], fds[tag], done[tag] = op, direct, fd, 0
+            address[tag] = user[tag] = addresses[i]
+            offset[tag], length[tag] = offsets[i], lengths[i]
+            slot[tag] = -1 if slots is None else slots[i]
+        return start + n
+
+    def _resubmit(self, tag: int, op: Op) -> None:
         done = self.done[tag]
         self.kq.prep(tag, op.transfer.write, self.fd[tag], self.address[tag] + done,
-                     c.length - done, c.file_offset + done, self.slot[tag])
+                     self.length[tag] - done, self.offset[tag] + done, self.slot[tag])
 
     def _bounce(self, length: int) -> torch.Tensor | None:
         if self.spare:
@@ -136,36 +182,51 @@ class _Worker:
 
     # --- completions ---------------------------------------------------------------------
 
+    def complete_many(self, events: list[tuple[int, int]]) -> None:
+        """Handle ``(tag, result)`` completions: whole transfers without a bounce buffer (the
+        common case) end here, every other one goes through :meth:`complete`."""
+        ops, length, done, bounce = self.op, self.length, self.done, self.bounce
+        free, finished = self.free, self.finished
+        for tag, res in events:
+            op = ops[tag]
+            if op is not None and res == length[tag] - done[tag] and bounce[tag] is None:
+                ops[tag] = None
+                free.append(tag)
+                finished.append(op)
+            else:
+                _complete(self, tag, res)
+
     def complete(self, tag: int, res: int) -> None:
-        op, c = self.op[tag], self.chunk[tag]
-        if op is None or c is None:  # the kernel never does this; a stray tag must not kill us
+        op = self.op[tag]
+        if op is None:  # the kernel never does this; a stray tag must not kill us
             log.error("deepnvme: %s completion for idle slot %d ignored", self.kq.name, tag)
             return
-        if res == c.length - self.done[tag] and self.bounce[tag] is None:  # the common case
+        offset, length, done = self.offset[tag], self.length[tag], self.done[tag]
+        if res == length - done and self.bounce[tag] is None:
             self._release(tag, op)
             return
         t = op.transfer
         if res < 0:
             if -res in _RETRY:
-                self._resubmit(tag, op, c)
+                self._resubmit(tag, op)
                 return
             what = "write" if t.write else "read"
             op.fail(DeepNVMeIOError.from_oserror(OSError(-res, errno.errorcode.get(-res, "")),
                                                  op=f"{what} ({self.kq.name})", path=t.name,
-                                                 offset=c.file_offset, size=c.length))
-        elif res == 0 or (self.done[tag] + res < c.length and self._at_eof(tag, op, c, res)):
+                                                 offset=offset, size=length))
+        elif res == 0 or (done + res < length and self._at_eof(tag, op, res)):
             op.fail(ShortTransferError("write made no progress" if t.write else
                                        "unexpected end of file", path=t.name,
-                                       offset=c.file_offset, size=c.length,
-                                       transferred=self.done[tag] + max(res, 0)))
-        elif self.done[tag] + res < c.length:
+                                       offset=offset, size=length,
+                                       transferred=done + max(res, 0)))
+        elif done + res < length:
             self.done[tag] += res
-            self._resubmit(tag, op, c)
+            self._resubmit(tag, op)
             return
         bounce = self.bounce[tag]
         if bounce is not None:
             if not t.write and op.error is None:
-                ctypes.memmove(t.address + c.buf_offset, bounce.data_ptr(), c.length)
+                ctypes.memmove(self.user[tag], bounce.data_ptr(), length)
             self.spare.append(bounce)
             self.bounce[tag] = None
         self._release(tag, op)
@@ -180,16 +241,16 @@ class _Worker:
         self._release(tag, op)
 
     def _release(self, tag: int, op: Op) -> None:
-        self.op[tag] = self.chunk[tag] = None
+        self.op[tag] = None
         self.free.append(tag)
         self.finished.append(op)
 
-    def _at_eof(self, tag: int, op: Op, c: Chunk, res: int) -> bool:
+    def _at_eof(self, tag: int, op: Op, res: int) -> bool:
         """A direct read that stops short at the end of the file cannot be resumed (the rest
         is not aligned): name the real cause instead of retrying into EINVAL."""
-        if op.transfer.write or c.kind is Kind.BUFFERED:
+        if op.transfer.write or self.kind[tag] is Kind.BUFFERED:
             return False
-        end = c.file_offset + self.done[tag] + res
+        end = self.offset[tag] + self.done[tag] + res
         return end >= self.posix.file_size(self.fd[tag])
 
     def fail_all(self, exc: BaseException) -> None:
@@ -198,9 +259,9 @@ class _Worker:
             if op is not None:
                 self.abandon(tag, op, exc)
         while self.waiting:
-            op, _ = self.waiting.popleft()
-            op.fail(exc)
-            self.finished.append(op)
+            item = self.waiting.popleft()
+            item[0].fail(exc)
+            self.finished.extend([item[0]] * _count(item))
 
 
 def kernel_worker(window_ref: weakref.ref[Window], work: queue.SimpleQueue[Any],
@@ -214,15 +275,24 @@ def kernel_worker(window_ref: weakref.ref[Window], work: queue.SimpleQueue[Any],
         on_exit(kq)
 
 
-def _start(w: _Worker, op: Op, chunk: Chunk) -> bool:
-    """``w.start`` that turns an unexpected failure (no memory for a bounce buffer ...) into
+def _count(item: Item) -> int:
+    return item[2] - item[1] if len(item) == 3 else 1
+
+
+def _start(w: _Worker, item: Item) -> Item | None:
+    """Start what can start of ``item``; returns the part that must wait (for free slots or a
+    bounce buffer), or None. An unexpected failure (no memory for a bounce buffer ...) becomes
     the request's error instead of killing the worker."""
+    op = item[0]
     try:
-        return w.start(op, chunk)
+        if len(item) == 2:
+            return None if w.start(op, item[1]) else item
+        nxt = w.start_range(op, item[1], item[2])
+        return None if nxt == item[2] else (op, nxt, item[2])
     except Exception as exc:  # noqa: BLE001 - recorded on the request, raised by its future
         op.fail(exc)
-        w.finished.append(op)
-        return True
+        w.finished.extend([op] * _count(item))
+        return None
 
 
 def _complete(w: _Worker, tag: int, res: int) -> None:
@@ -238,36 +308,40 @@ def _complete(w: _Worker, tag: int, res: int) -> None:
 
 def _run(w: _Worker, window_ref: weakref.ref[Window], work: queue.SimpleQueue[Any],
          kq: KernelQueue) -> None:
-    """Completions are handled :data:`COMPLETION_GROUP` at a time, each group's freed slots
-    refilled and submitted before the next: a device that completes a whole batch at once
-    then sees new requests while the rest are processed, instead of a lockstep of full
-    batches (more small random reads per second at a deep queue)."""
+    """Every completion reaped by one system call is handled, and its slots refilled, before
+    the next call: one call, one hand-off to the window and one lock per round of
+    completions, not per few of them."""
     stopping = False
-    events: list[tuple[int, int]] = []  # reaped, not yet handled
     while True:
-        while w.waiting and w.free and _start(w, *w.waiting[0]):
+        while w.waiting and w.free:
+            rest = _start(w, w.waiting[0])
+            if rest is not None:
+                w.waiting[0] = rest
+                break
             w.waiting.popleft()
         while not stopping and w.free and not w.waiting:
+            busy = w.inflight or w.finished
+            if busy and work.empty():  # cheaper than raising queue.Empty every round
+                break
             try:
-                item = work.get_nowait() if w.inflight or w.finished else work.get()
-            except queue.Empty:
+                item = work.get_nowait() if busy else work.get()
+            except queue.Empty:  # another worker took it
                 break
             if item is None:
                 stopping = True
-            elif not _start(w, *item):
-                w.waiting.append(item)
-            item = None  # hold no request past its completion (its buffer stays exported)
+            else:
+                rest = _start(w, item)
+                if rest is not None:
+                    w.waiting.append(rest)
+            item = rest = None  # hold no request past its completion (its buffer stays exported)
         if w.inflight:
             try:
-                # submit what was just queued; wait only when nothing is left to handle
-                events += kq.submit_and_wait(0 if events else 1, w.single)
+                events = kq.submit_and_wait(1, w.single)  # submit what was queued, wait for one
             except OSError as exc:
                 w.fail_all(DeepNVMeIOError.from_oserror(exc, op=f"{kq.name} submit",
                                                         path=None, offset=None, size=None))
                 events = []
-            group, events = events[:COMPLETION_GROUP], events[COMPLETION_GROUP:]
-            for tag, res in group:
-                _complete(w, tag, res)
+            w.complete_many(events)
         if w.finished:
             window = window_ref()
             if window is None:

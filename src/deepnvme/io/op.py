@@ -27,7 +27,7 @@ from .posix import Posix
 if TYPE_CHECKING:
     from .kept import KeptFile
 
-__all__ = ["Op", "Batch", "Transfer", "Session"]
+__all__ = ["Op", "Batch", "Transfer", "Session", "Gathered"]
 
 _VALIDATE_BLOCK = 8 << 20
 
@@ -220,6 +220,30 @@ class Op:
 
 
 _NO_FUTURE: Future[int] = Future()  # placeholder for batch members, never completed
+
+
+class Gathered(Sequence[Chunk]):
+    """The chunks of a request gathering many single-chunk items of a batch: item ``order[i]``
+    of the parallel lists ``addresses`` (absolute), ``offsets`` and ``sizes`` is chunk ``i``.
+
+    A kernel mover takes them as index ranges (no object per chunk); a :class:`Chunk` is made
+    only where one is asked for (the thread mover), with the address as its ``buf_offset``.
+    """
+
+    __slots__ = ("addresses", "offsets", "sizes", "order")
+
+    def __init__(self, addresses: list[int], offsets: list[int], sizes: list[int],
+                 order: list[int]) -> None:
+        self.addresses, self.offsets, self.sizes, self.order = addresses, offsets, sizes, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self.order)))]
+        j = self.order[i]
+        return Chunk(self.addresses[j], self.offsets[j], self.sizes[j], Kind.DIRECT)
 
 
 class Batch(Op):

@@ -238,6 +238,27 @@ class UringQueue:
         self._tail = (self._tail + 1) & 0xFFFFFFFF
         return length
 
+    def prep_many(self, tags: list[int], write: bool, fd: int, addresses: list[int],
+                  lengths: list[int], offsets: list[int], slots: list[int] | None) -> None:
+        """Queue one read or write per ``tags[i]`` (as :meth:`prep`, on one descriptor, from
+        registered buffer ``slots[i]`` where given and >= 0) in one call. Lengths above the
+        kernel's maximum are queued capped: they complete short and are resubmitted."""
+        if max(lengths) > _MAX_LEN:
+            lengths = [min(n, _MAX_LEN) for n in lengths]
+        plain = _OP_WRITE if write else _OP_READ
+        fixed = _OP_WRITE_FIXED if write else _OP_READ_FIXED
+        pack, sqes, mask, size, tail = _SQE.pack_into, self._sqes, self._sq_mask, _SQE.size, self._tail
+        if slots is None:
+            for tag, address, length, offset in zip(tags, addresses, lengths, offsets):
+                pack(sqes, (tail & mask) * size, plain, 0, 0, fd, offset, address, length, 0, tag, 0)
+                tail += 1
+        else:
+            for tag, address, length, offset, slot in zip(tags, addresses, lengths, offsets, slots):
+                pack(sqes, (tail & mask) * size, plain if slot < 0 else fixed, 0, 0, fd, offset,
+                     address, length, 0, tag, max(slot, 0))
+                tail += 1
+        self._tail = tail & 0xFFFFFFFF
+
     def submit_and_wait(self, wait: int, single: bool = False) -> list[tuple[int, int]]:
         """Submit what :meth:`prep` queued and wait for at least ``wait`` completions (0: none);
         returns ``(tag, result)`` pairs, result being bytes moved or ``-errno``.
@@ -269,9 +290,14 @@ class UringQueue:
         tail = cq[self._cq_tail]
         if head == tail:
             return []
-        tags, res, mask = self._cq_tags, self._cq_res, self._cq_mask
-        out = [(tags[2 * i], res[4 * i + 2])
-               for i in [(head + k) & mask for k in range((tail - head) & 0xFFFFFFFF)]]
+        first, n = head & self._cq_mask, (tail - head) & 0xFFFFFFFF
+        # the entries [first, first + n) of the ring, in two pieces where they wrap
+        end = min(first + n, self._cq_mask + 1)
+        tags, res = self._cq_tags, self._cq_res
+        out = list(zip(tags[2 * first:2 * end:2].tolist(), res[4 * first + 2:4 * end:4].tolist()))
+        if end - first < n:
+            rest = n - (end - first)
+            out += zip(tags[0:2 * rest:2].tolist(), res[2:4 * rest:4].tolist())
         cq[self._cq_head] = tail  # the entries are read: the kernel may reuse them
         return out
 

@@ -3,6 +3,9 @@
 
 The engine and batches admit requests here (:meth:`Window.admit`); the workers report each
 finished chunk (:meth:`Window.chunks_done`), which frees a place in the window for the next.
+A window made with ``span`` hands a gathered request's chunks (:class:`~deepnvme.io.op.Gathered`)
+as ranges ``(op, start, stop)`` of at most ``span`` chunk indices, one queue item for many small
+reads; other chunks go one at a time as ``(op, chunk)``. Workers of such a window take both.
 The workers are started on first admission by the ``start`` function the window is made with,
 which receives a weak reference to the window (a worker never keeps its window alive).
 Thread-safety: one lock (the worker group's) guards admission and the counters.
@@ -14,7 +17,7 @@ import collections
 import weakref
 from collections.abc import Callable
 
-from .op import Op
+from .op import Gathered, Op
 from .posix import Posix
 from .workers import WorkerGroup
 
@@ -27,12 +30,14 @@ StartWorkers = Callable[[WorkerGroup, "weakref.ref[Window]"], None]
 class Window:
     """At most ``size`` chunks handed out at once, over ``posix`` (for closing and fsync).
 
-    ``closed_message`` is the ``RuntimeError`` raised once :meth:`close` began.
+    ``closed_message`` is the ``RuntimeError`` raised once :meth:`close` began; ``span`` > 0
+    hands gathered chunks as ranges of at most ``span`` (see the module docstring).
     """
 
     def __init__(self, size: int, posix: Posix, start: StartWorkers, *,
-                 closed_message: str) -> None:
+                 closed_message: str, span: int = 0) -> None:
         self.size = size
+        self.span = span
         self.posix = posix
         self._start = start
         self.workers = WorkerGroup(name="deepnvme-io", closed_message=closed_message)
@@ -69,15 +74,20 @@ class Window:
 
     def _pump(self) -> None:
         """Hand chunks to the workers up to the window; caller holds the lock."""
-        put = self.workers.queue.put
-        while self._inflight < self.size and self._pending:
+        put, span, size = self.workers.queue.put, self.span, self.size
+        while self._inflight < size and self._pending:
             op = self._pending[0]
-            chunk = op.chunks[op.next]
-            op.next += 1
-            if op.next == len(op.chunks):
+            chunks, start = op.chunks, op.next
+            if span and type(chunks) is Gathered:
+                n = min(size - self._inflight, len(chunks) - start, span)
+                put((op, start, start + n))
+            else:
+                n = 1
+                put((op, chunks[start]))
+            op.next = start + n
+            if op.next == len(chunks):
                 self._pending.popleft()
-            self._inflight += 1
-            put((op, chunk))
+            self._inflight += n
 
     def chunks_done(self, ops: list[Op]) -> None:
         """One chunk of each of ``ops`` ended (an op appears once per chunk); called by the

@@ -291,11 +291,18 @@ def test_the_backward_order_is_learned_and_relearned_in_training(tmp_path):
         loss.backward()
         return off.stats().prefetch_hits
 
-    # no order known in the first backward; then the weights of the three layers evicted during
-    # the forward are each prefetched (biases are not saved for the backward)
-    assert [backward_hits() for _ in range(3)] == [0, 3, 3]
+    def learned(hits):
+        # no order known in the first backward; then the weights of the three layers evicted during
+        # the forward are prefetched (biases are not saved for the backward). A prefetch never waits:
+        # while the gradients' writes still hold the budget it is skipped, so a loaded machine may
+        # see fewer than three hits, never none once the order is known
+        return hits[0] == 0 and all(1 <= h <= 3 for h in hits[1:])
+
+    hits = [backward_hits() for _ in range(3)]
+    assert learned(hits), hits
     net.order = [5, 3, 1, 0, 2, 4]
-    assert [backward_hits() for _ in range(3)] == [0, 3, 3]
+    hits = [backward_hits() for _ in range(3)]
+    assert learned(hits), hits
     for order in (list(range(6)), net.order):   # the gradients accumulated over the six passes
         reference.order = order
         for _ in range(3):

@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ...config import IOConfig
 from ...errors import DeepNVMeError
+from ...memory.copy import ParallelCopy
+from .._arena import ArenaPool, Lease, arena_bytes
 from ..dcp import NVMeStorageReader, NVMeStorageWriter
 from ..dcp._sums import ItemSums, item_key
 from ._checksums import Running, file_checksum
@@ -171,16 +173,37 @@ class LocalPlan:
         return PlanCache(self.plan, self.keys, final[rank], metadata, rank_keys)
 
 
-def stage(planner: DefaultSavePlanner, plan: SavePlan) -> Staged:
-    """A snapshot of this rank's share: a CPU copy of each tensor the plan assigns it (DTensor
-    shards: the local shard) and the pickled bytes of its plain items. Memory: this rank's share."""
+def stage(planner: DefaultSavePlanner, plan: SavePlan, pool: ArenaPool) -> tuple[Staged, Lease]:
+    """A snapshot of this rank's share: each tensor the plan assigns it (DTensor shards: the
+    local shard) copied into one arena leased from ``pool`` (reused across saves, so a steady
+    state of saves allocates nothing and the copies land in memory already faulted in), and the
+    pickled bytes of its plain items. Memory: this rank's share, pages rounded up. Release the
+    lease once the share is written."""
     staged: Staged = {}
+    tensors: list[tuple[MetadataIndex, torch.Tensor]] = []
     for item in plan.items:
         data = planner.resolve_data(item)
         if isinstance(data, torch.Tensor):
-            data = data.detach().to("cpu", copy=True)
-        staged[item.index] = data
-    return staged
+            tensors.append((item.index, data.detach()))
+        else:
+            staged[item.index] = data
+    lease = pool.take(arena_bytes(t.numel() * t.element_size() for _, t in tensors))
+    try:
+        arena, offset, copy = lease.tensor, 0, ParallelCopy()
+        for index, src in tensors:
+            n = src.numel() * src.element_size()
+            dst = arena[offset:offset + n].view(src.dtype).view(src.shape)
+            if n and src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg():
+                copy.add(arena[offset:offset + n], src.reshape(-1).view(torch.uint8))
+            elif n:
+                dst.copy_(src)
+            staged[index] = dst
+            offset += arena_bytes([n])
+        copy.finish()
+    except BaseException:
+        lease.release()
+        raise
+    return staged, lease
 
 
 class _StagedPlanner(SavePlanner):

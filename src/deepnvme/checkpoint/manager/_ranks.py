@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 from ...config import IOConfig
 from ...errors import CheckpointCorruptError, FileNotFoundIOError
 from ...io import durable
+from ...memory.heap import trim_heap
+from .._arena import ArenaPool, Lease
 from .._writer import Call, Writer
 from ._commit import StepCommit
 from ._dcp_restore import files_to_check, restore_dcp
@@ -97,6 +99,9 @@ class RankSteps:
         self.tiers, self.after_commit, self.closing = tiers, after_commit, closing
         self._cache: PlanCache | None = None  # the last save's plan, reused while the structure holds
         self.planned = 0  # saves that ran DCP's global planning (and its exchange)
+        # one staging arena, reused by every save: settle() waits for the previous save's write
+        # before the next one stages, so a second arena would never be free sooner
+        self._arenas = ArenaPool(1, what="CheckpointManager staging arenas")
         if self.layout.leader:
             tidy(directory)
 
@@ -163,12 +168,13 @@ class RankSteps:
         mine = planner.finish_plan(cache.final)
         metadata = dataclasses.replace(cache.metadata)  # its storage_data is set per save
         staged: Staged = {}
+        lease: Lease | None = None
         try:
             at_phase("staging")
-            staged = stage(planner, mine)
+            staged, lease = stage(planner, mine, self._arenas)
         except BaseException as exc:  # the writer thread still votes, so no rank waits for this one
             own = exc
-        call = Call(fn=lambda: self._write(step, building, mine, staged, metadata, own, cache.rank_keys))
+        call = Call(fn=lambda: self._write(step, building, mine, staged, lease, metadata, own, cache.rank_keys))
         self._start().submit(call)
         if own is not None:
             raise own
@@ -202,8 +208,8 @@ class RankSteps:
             self._writer = Writer(self.config, name="deepnvme-checkpoint-ranks-writer")
         return self._writer
 
-    def _write(self, step: int, building: str, plan: SavePlan, staged: Staged, metadata: Metadata,
-               own: BaseException | None, rank_keys: dict[str, list[str]]) -> None:
+    def _write(self, step: int, building: str, plan: SavePlan, staged: Staged, lease: Lease | None,
+               metadata: Metadata, own: BaseException | None, rank_keys: dict[str, list[str]]) -> None:
         """The writer thread: write this rank's share (checksummed as written), vote, rank 0
         commits, everyone hears."""
         g = self.group
@@ -216,11 +222,19 @@ class RankSteps:
             except BaseException as exc:
                 own = exc
         staged.clear()
+        if lease is not None:  # written (or failed): the arena is free for the next save
+            lease.release()
         what = f"checkpoint step {step} in {self.directory!r} (earlier steps are intact)"
-        if len(self.layout.nodes) > 1:  # each node publishes its own directory
-            self._commit_nodes(step, building, metadata, written, own, rank_keys, what)
-        else:
-            self._commit_one(step, building, metadata, written, own, rank_keys, what)
+        try:
+            if len(self.layout.nodes) > 1:  # each node publishes its own directory
+                self._commit_nodes(step, building, metadata, written, own, rank_keys, what)
+            else:
+                self._commit_one(step, building, metadata, written, own, rank_keys, what)
+        finally:
+            # a save's transient pieces (plans, pickles, exchange buffers) are freed on several
+            # threads' malloc arenas, which keep them: resident memory grew 2-4 % over 100-300
+            # saves (none with MALLOC_ARENA_MAX=1); trimming costs about 1 ms on this thread
+            trim_heap()
         if self.after_commit is not None:
             self.after_commit(step)
 
@@ -381,6 +395,7 @@ class RankSteps:
         finally:
             if self._lock is not None:
                 self._lock.release()
+            self._arenas.close()
             self.group.close()
         if drained is not None:
             raise drained

@@ -19,7 +19,7 @@ import torch
 
 from ..data import TokenDataset
 
-__all__ = ["DataReader", "DATA_READERS", "sample_orders"]
+__all__ = ["DataReader", "DATA_READERS", "plain_files", "sample_orders"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +48,16 @@ def _stack(rows: Iterable[Any]) -> int:
     return int(torch.from_numpy(numpy.stack(list(rows)).astype(numpy.int64)).sum())
 
 
+def plain_files(ds: TokenDataset) -> tuple[str, str]:
+    """The dataset's .bin and .idx, which the stock readers open as plain files."""
+    if not isinstance(ds.bin_path, str) or not isinstance(ds.idx_path, str):
+        raise ValueError(f"{ds!r} is striped over a volume: the stock readers read plain files only")
+    return ds.bin_path, ds.idx_path
+
+
 def _read_memmap(ds: TokenDataset, order: list[int], batch_size: int, prefetch: int) -> int:
     import numpy
-    tokens = numpy.memmap(ds.bin_path, dtype=numpy.dtype(ds.index.dtype.name), mode="r",
+    tokens = numpy.memmap(plain_files(ds)[0], dtype=numpy.dtype(ds.index.dtype.name), mode="r",
                           offset=ds.index.base, shape=(ds.total_tokens,))
     n, total = ds.seq_len, 0
     for chunk in _chunks(order, batch_size):
@@ -63,7 +70,7 @@ def _read_megatron(ds: TokenDataset, order: list[int], batch_size: int, prefetch
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    mds = IndexedDataset(ds.bin_path[:-4], mmap=True)
+    mds = IndexedDataset(plain_files(ds)[0][:-4], mmap=True)
     starts = [0, *itertools.accumulate(ds.index.lengths.tolist())]  # first token of each sequence
     n, total = ds.seq_len, 0
     for chunk in _chunks(order, batch_size):

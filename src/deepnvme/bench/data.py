@@ -19,7 +19,7 @@ import torch
 
 from ..data import TokenDataset
 from ..errors import UsageError
-from ._data_readers import DATA_READERS, DataReader, sample_orders
+from ._data_readers import DATA_READERS, DataReader, plain_files, sample_orders
 from ._reading import EVICTIONS, check_cold, evict, missing_module, overall_cache, pick_eviction
 from ._units import GB, Stats
 
@@ -165,7 +165,7 @@ def _run(options: DataOptions, readers: list[DataReader], notes: list[str], prog
                              f"{options.seq_len + 1} tokens; lower --seq-len")
         orders = sample_orders(len(ds), shuffled=options.shuffled, sequential=options.sequential,
                                seed=options.seed)
-        files = (ds.bin_path, ds.idx_path)
+        files = plain_files(ds)
         how = pick_eviction(options.evict)
         if progress is not None:
             progress.update(progress.task_ids[0], total=options.reps * len(orders) * len(readers))

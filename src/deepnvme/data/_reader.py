@@ -23,6 +23,7 @@ from ..config import IOConfig
 from ..errors import DeepNVMeIOError
 from ..handles.aio import AioHandle
 from ..io.plan import PAGE_SIZE
+from ..io.volume import VolumePath
 from ..memory.views import aligned_empty
 from ._plan import BatchPlan, SampleGeometry, batch_buffer_bytes, plan_batch
 
@@ -37,7 +38,7 @@ class SampleReader:
     handing them out as ``out_dtype``; ``config`` sets the I/O handle (None: the defaults and
     the environment)."""
 
-    def __init__(self, bin_path: str, geometry: SampleGeometry, *, dtype: torch.dtype,
+    def __init__(self, bin_path: str | VolumePath, geometry: SampleGeometry, *, dtype: torch.dtype,
                  out_dtype: torch.dtype, config: IOConfig | None) -> None:
         self.bin_path = bin_path
         self.geometry = geometry
@@ -95,7 +96,7 @@ class SampleReader:
         ``plan`` reads."""
         if got != plan.nbytes:
             first = int(plan.file_offsets[0]) if plan.file_offsets.numel() else 0
-            raise DeepNVMeIOError(f"read {got} of the {plan.nbytes} bytes planned", path=self.bin_path,
+            raise DeepNVMeIOError(f"read {got} of the {plan.nbytes} bytes planned", path=str(self.bin_path),
                                   offset=first, size=plan.nbytes)
 
     def read(self, plan: BatchPlan, buffer: torch.Tensor) -> None:

@@ -16,8 +16,12 @@ import torch
 import torch.utils.data
 
 from ..config import IOConfig
+from ..errors import DeepNVMeIOError
 from ..formats.megatron_index import TokenIndex, parse_index
+from ..handles.aio import AioHandle
 from ..io.file import read_buffered
+from ..io.volume import VolumePath
+from ..io.volume_files import striped_size
 from ..memory.views import byte_view
 from ._plan import SampleGeometry
 from ._prefetch import iterate_batches
@@ -49,7 +53,8 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
 
     Args:
         prefix: the two files' path without suffix (``"corpus"`` for ``corpus.bin`` and
-            ``corpus.idx``), as :func:`~deepnvme.data.write_token_dataset` writes them.
+            ``corpus.idx``), as :func:`~deepnvme.data.write_token_dataset` writes them; on a
+            volume (``vol / "corpus"``) the two striped files, read from every drive at once.
         seq_len: tokens a sample advances by; each sample holds ``seq_len + 1`` tokens (the
             inputs and the labels shifted by one). A positive int.
         keep_dtype: hand out tokens in the file's dtype (e.g. uint16) instead of int64.
@@ -68,19 +73,31 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
     ``with`` block) stops this process's I/O threads.
     """
 
-    def __init__(self, prefix: str | os.PathLike[str], *, seq_len: int, keep_dtype: bool = False,
+    def __init__(self, prefix: str | os.PathLike[str] | VolumePath, *, seq_len: int, keep_dtype: bool = False,
                  config: IOConfig | None = None) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-        prefix = os.fspath(prefix)
-        self.idx_path, self.bin_path = f"{prefix}.idx", f"{prefix}.bin"
         self.seq_len = seq_len
         self.keep_dtype = keep_dtype
-        self.bin_size = os.stat(self.bin_path).st_size
-        idx = torch.empty(os.stat(self.idx_path).st_size, dtype=torch.uint8)
-        read_buffered(self.idx_path, idx, 0)
+        self.idx_path: str | VolumePath
+        self.bin_path: str | VolumePath
+        if isinstance(prefix, VolumePath):  # both files striped over the volume's drives
+            self.idx_path, self.bin_path = (VolumePath(prefix.volume, f"{prefix.name}.{s}") for s in ("idx", "bin"))
+            self.bin_size = striped_size(self.bin_path)
+            idx = torch.empty(striped_size(self.idx_path), dtype=torch.uint8)
+            with AioHandle(config=config) as handle:
+                got = handle.submit_read(idx, self.idx_path).result()
+            if got != idx.numel():
+                raise DeepNVMeIOError(f"read {got} of {idx.numel()} bytes", path=str(self.idx_path), offset=0,
+                                      size=idx.numel())
+        else:
+            plain = os.fspath(prefix)
+            self.idx_path, self.bin_path = f"{plain}.idx", f"{plain}.bin"
+            self.bin_size = os.stat(self.bin_path).st_size
+            idx = torch.empty(os.stat(self.idx_path).st_size, dtype=torch.uint8)
+            read_buffered(self.idx_path, idx, 0)
         self.index: TokenIndex = parse_index(byte_view(idx),
-                                             path=self.idx_path, bin_path=self.bin_path,
+                                             path=str(self.idx_path), bin_path=str(self.bin_path),
                                              bin_size=self.bin_size)
         count = max((self.index.total_tokens - 1) // seq_len, 0)
         self.geometry = SampleGeometry(base=self.index.base, itemsize=self.index.dtype.itemsize,
@@ -184,6 +201,8 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"TokenDataset({self.bin_path[:-4]!r}, seq_len={self.seq_len}, samples={len(self)}, "
+        where = (VolumePath(self.bin_path.volume, self.bin_path.name[:-4]) if isinstance(self.bin_path, VolumePath)
+                 else self.bin_path[:-4])
+        return (f"TokenDataset({where!r}, seq_len={self.seq_len}, samples={len(self)}, "
                 f"documents={self.num_documents}, tokens={self.total_tokens}, "
                 f"dtype={self.index.dtype.name})")

@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import array
 import os
+import secrets
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from ..formats.megatron_index import DTYPES, TokenDType, dtype_by_name, encode_index
+from ..handles.aio import AioHandle
 from ..io import durable
-from ..memory.views import byte_view
+from ..io.volume import VolumePath
+from ..io.volume_files import remove, rename
+from ..memory.views import aligned_empty, byte_view
 
 __all__ = ["write_token_dataset"]
 
+#: bytes per write of a striped .bin (two such buffers: one filling while one is written)
+STRIPED_BLOCK = 16 << 20
 _MAX_LENGTH = 2**31 - 1  # tokens per sequence: the .idx stores lengths as int32
 _TORCH_NAMES = {d.torch_dtype: d.name for d in DTYPES.values()}
 
@@ -65,12 +72,14 @@ def _as_tokens(doc: Any, dtype: TokenDType, j: int) -> torch.Tensor:
     return t.to(target).contiguous()
 
 
-def write_token_dataset(prefix: str | os.PathLike[str], documents: Iterable[Any], *,
+def write_token_dataset(prefix: str | os.PathLike[str] | VolumePath, documents: Iterable[Any], *,
                         dtype: Any = "uint16") -> None:
     """Write ``documents`` as ``prefix.bin`` and ``prefix.idx``; blocks until both are durable.
 
     Args:
-        prefix: the two files' path without suffix; missing folders on it are created.
+        prefix: the two files' path without suffix; missing folders on it are created. On a
+            volume (``vol / "corpus"``) both files are striped over its drives, so
+            :class:`~deepnvme.data.TokenDataset` reads samples from every drive at once.
         documents: token sequences (lists of ints, NumPy arrays, tensors), one per document.
         dtype: the tokens' type in the file: a NumPy name or dtype or a torch dtype (default
             uint16, for vocabularies below 65,536); a token that does not fit is a ValueError.
@@ -79,18 +88,16 @@ def write_token_dataset(prefix: str | os.PathLike[str], documents: Iterable[Any]
     end. A failure leaves no partial file and any previous pair untouched.
     """
     kind = token_dtype(dtype)
+    if isinstance(prefix, VolumePath):
+        _write_striped(prefix, documents, kind)
+        return
     prefix = os.fspath(prefix)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     lengths = array.array("q")
     with durable.atomic_target(f"{prefix}.bin") as tmp:
         with open(tmp, "wb") as f:
-            for j, doc in enumerate(documents):
-                tokens = _as_tokens(doc, kind, j)
-                if tokens.numel() > _MAX_LENGTH:
-                    raise ValueError(f"document {j} has {tokens.numel()} tokens, more than the format's "
-                                     f"int32 length field holds ({_MAX_LENGTH}); split it")
+            for tokens in _checked_tokens(documents, kind, lengths):
                 f.write(byte_view(tokens))
-                lengths.append(tokens.numel())
     count = len(lengths)
     sizes = torch.frombuffer(lengths, dtype=torch.int64) if count else torch.empty(0, dtype=torch.int64)
     pieces = encode_index(kind, sizes, torch.arange(count + 1, dtype=torch.int64))
@@ -98,3 +105,82 @@ def write_token_dataset(prefix: str | os.PathLike[str], documents: Iterable[Any]
         with open(tmp, "wb") as f:
             for piece in pieces:
                 f.write(piece)
+
+
+def _checked_tokens(documents: Iterable[Any], kind: TokenDType, lengths: array.array[int]) -> Iterable[torch.Tensor]:
+    """Each document's tokens as ``kind``, its length appended to ``lengths``."""
+    for j, doc in enumerate(documents):
+        tokens = _as_tokens(doc, kind, j)
+        if tokens.numel() > _MAX_LENGTH:
+            raise ValueError(f"document {j} has {tokens.numel()} tokens, more than the format's "
+                             f"int32 length field holds ({_MAX_LENGTH}); split it")
+        lengths.append(tokens.numel())
+        yield tokens
+
+
+class _StripedSink:
+    """Appends bytes to a striped file in blocks of :data:`STRIPED_BLOCK`, one block written
+    (and fsynced on every part it touches) while the next fills. Memory: two blocks."""
+
+    def __init__(self, handle: AioHandle, vpath: VolumePath) -> None:
+        self.handle, self.vpath = handle, vpath
+        self.blocks = [aligned_empty(STRIPED_BLOCK, min_bytes=0) for _ in range(2)]
+        self.pending: list[Future[int] | None] = [None, None]
+        self.current, self.filled, self.offset = 0, 0, 0
+
+    def write(self, data: torch.Tensor) -> None:
+        pos = 0
+        while pos < data.numel():
+            n = min(STRIPED_BLOCK - self.filled, data.numel() - pos)
+            self.blocks[self.current][self.filled:self.filled + n].copy_(data[pos:pos + n])
+            self.filled += n
+            pos += n
+            if self.filled == STRIPED_BLOCK:
+                self._flush()
+
+    def _flush(self) -> None:
+        block = self.blocks[self.current][:self.filled]
+        self.pending[self.current] = self.handle.submit_write(block, self.vpath, offset=self.offset, fsync=True)
+        self.offset += self.filled
+        self.current, self.filled = 1 - self.current, 0
+        waiting = self.pending[self.current]  # the other block, written earlier, is reused next
+        if waiting is not None:
+            waiting.result()
+
+    def close(self) -> int:
+        """Write what is left and wait for every write; the file's size."""
+        if self.filled or not self.offset:  # the tail, or an empty file (created and fsynced)
+            self._flush()
+        for f in self.pending:
+            if f is not None:
+                f.result()
+        return self.offset
+
+
+def _write_striped(prefix: VolumePath, documents: Iterable[Any], kind: TokenDType) -> None:
+    """:func:`write_token_dataset` onto a volume: both files written under temporary names,
+    then renamed into place (.bin before .idx); a failure removes them and leaves the
+    previous pair untouched."""
+    tag = f"deepnvme-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    names = {suffix: VolumePath(prefix.volume, f"{prefix.name}.{suffix}") for suffix in ("bin", "idx")}
+    temps = {suffix: VolumePath(prefix.volume, f"{prefix.name}.{suffix}.{tag}") for suffix in names}
+    lengths = array.array("q")
+    try:
+        with AioHandle() as handle:
+            sink = _StripedSink(handle, temps["bin"])
+            for tokens in _checked_tokens(documents, kind, lengths):
+                sink.write(tokens.reshape(-1).view(torch.uint8))
+            sink.close()
+            count = len(lengths)
+            sizes = torch.frombuffer(lengths, dtype=torch.int64) if count else torch.empty(0, dtype=torch.int64)
+            index = _StripedSink(handle, temps["idx"])
+            for piece in encode_index(kind, sizes, torch.arange(count + 1, dtype=torch.int64)):
+                if piece:
+                    index.write(torch.frombuffer(bytearray(piece), dtype=torch.uint8))
+            index.close()
+        rename(temps["bin"], names["bin"])
+        rename(temps["idx"], names["idx"])
+    except BaseException:
+        for t in temps.values():
+            remove(t)
+        raise

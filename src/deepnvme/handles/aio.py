@@ -156,17 +156,16 @@ class AioHandle(DeepSpeedMethods):
         as in :meth:`submit_read`."""
         return self._submit_many(True, path, items, validate, fsync, keep_open)
 
-    def read_many_into(self, path: str | os.PathLike[str], buffer: torch.Tensor, *,
+    def read_many_into(self, path: str | os.PathLike[str] | VolumePath, buffer: torch.Tensor, *,
                        buffer_offsets: torch.Tensor, file_offsets: torch.Tensor, sizes: torch.Tensor,
                        keep_open: bool = False) -> Future[int]:
         """Start reading many ranges of one file into one CPU ``buffer``, as :meth:`read_many`
         does: range ``k`` is ``sizes[k]`` bytes at ``file_offsets[k]`` of ``path``, landing at byte
         ``buffer_offsets[k]`` of ``buffer``. The three are 1-D integer tensors of one length
         (checked together, no Python object per range: for thousands of small reads); ``buffer``
-        stays alive until the future completes. ValueError for a range outside ``buffer``."""
-        if isinstance(path, VolumePath):
-            raise TypeError(f"read_many_into takes a plain file, not the striped {path!r}: use read_many")
-        target = os.fspath(path)
+        stays alive until the future completes. ValueError for a range outside ``buffer``.
+        A :class:`~deepnvme.VolumePath` is read striped: each range's pieces from their drives."""
+        target = path if isinstance(path, VolumePath) else os.fspath(path)
         if self._check_buffer(buffer):
             raise UnsupportedBufferError(f"read_many_into takes a CPU buffer; got one on {buffer.device}")
         at, off, size = (torch.as_tensor(t, dtype=torch.int64).reshape(-1)
@@ -182,6 +181,8 @@ class AioHandle(DeepSpeedMethods):
             raise ValueError(f"read_many_into({target!r}): range {k} ({int(size[k])} bytes at buffer byte "
                              f"{int(at[k])}) lies outside the {buffer.nbytes}-byte buffer")
         items = Items(addresses, lengths, off.tolist(), buffer)
+        if isinstance(target, VolumePath):  # split per drive (io.volume.split_ranges), read on all at once
+            return self._striped.submit_many(False, target, items, keep_open=keep_open)
         return self._engine.submit_many(False, target, items, validate=False, fsync=None,
                                         keep_open=keep_open)
 

@@ -24,7 +24,7 @@ from .batch import Items
 from .engine import Engine
 from .op import Transfer
 from .posix import Posix
-from .volume import VolumePath, stripe_spans
+from .volume import VolumePath, split_ranges
 from .volume_files import Layouts
 
 __all__ = ["StripedIO"]
@@ -103,15 +103,9 @@ class StripedIO:
                 if o + s > size:
                     raise ShortTransferError.past_end(path=str(vpath), offset=o, size=s,
                                                       file_size=size)
-        n = len(vol.paths)
-        per_drive = [Items([], [], [], items.keepalive) for _ in range(n)]
-        for address, size, offset in zip(items.addresses, items.sizes, items.offsets):
-            for span in stripe_spans(offset, size, drives=n, stripe=vol.stripe):
-                part = per_drive[span.drive]
-                part.addresses.append(address + span.buf_offset)
-                part.sizes.append(span.length)
-                part.offsets.append(span.part_offset)
-        return per_drive
+        return [Items(a, s, o, items.keepalive)
+                for a, s, o in split_ranges(items.addresses, items.sizes, items.offsets,
+                                            drives=len(vol.paths), stripe=vol.stripe)]
 
     def close_files(self, paths: Iterable[VolumePath], *, under: str | None = None) -> None:
         """Close kept descriptors of the parts of ``paths``, and of files under ``under``."""

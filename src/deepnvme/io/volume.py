@@ -17,11 +17,13 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
+
 from ..config import parse_size
 from ..errors import ConfigError, VolumeLayoutError
 
 __all__ = ["Volume", "VolumePath", "PartSpan", "VolumeRecord", "stripe_spans", "part_size",
-           "STRIPE_MULTIPLE", "RECORD_FORMAT"]
+           "split_ranges", "STRIPE_MULTIPLE", "RECORD_FORMAT"]
 
 #: the stripe unit is a multiple of this, so an aligned logical offset stays aligned in a part
 STRIPE_MULTIPLE = 4096
@@ -154,6 +156,37 @@ def stripe_spans(offset: int, length: int, *, drives: int, stripe: int) -> list[
                               buf_offset=pos - offset, length=n))
         pos += n
     return spans
+
+
+def split_ranges(addresses: list[int], sizes: list[int], offsets: list[int], *, drives: int,
+                 stripe: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """:func:`stripe_spans` of many ranges at once: per drive, the (addresses, sizes, part
+    offsets) of every range's pieces, in the ranges' order. ``addresses`` are where each range's
+    bytes lie in memory (a piece's address moves with it). Tensor arithmetic, no object per
+    range: a batch of thousands of small reads (token samples) is split in a few operations."""
+    if drives <= 0 or stripe <= 0:
+        raise ValueError(f"bad split: drives {drives}, stripe {stripe}")
+    off, size, addr = (torch.tensor(v, dtype=torch.int64) for v in (offsets, sizes, addresses))
+    if off.numel() and (int(off.min()) < 0 or int(size.min()) < 0):
+        k = int(((off < 0) | (size < 0)).nonzero()[0])
+        raise ValueError(f"bad span: offset {offsets[k]}, length {sizes[k]}")
+    keep = size > 0
+    off, size, addr = off[keep], size[keep], addr[keep]
+    first = off // stripe
+    count = (off + size - 1) // stripe - first + 1
+    which = torch.repeat_interleave(torch.arange(off.numel()), count)
+    starts = torch.cumsum(count, 0) - count
+    unit = first[which] + torch.arange(which.numel()) - torch.repeat_interleave(starts, count)
+    lo = torch.maximum(off[which], unit * stripe)
+    hi = torch.minimum(off[which] + size[which], (unit + 1) * stripe)
+    drive = unit % drives
+    part_off = (unit // drives) * stripe + (lo - unit * stripe)
+    piece_addr = addr[which] + (lo - off[which])
+    out = []
+    for d in range(drives):
+        mine = drive == d
+        out.append((piece_addr[mine].tolist(), (hi - lo)[mine].tolist(), part_off[mine].tolist()))
+    return out
 
 
 def part_size(size: int, drive: int, *, drives: int, stripe: int) -> int:

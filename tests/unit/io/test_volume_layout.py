@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from deepnvme import Volume, VolumeLayoutError
 from deepnvme.errors import ConfigError
-from deepnvme.io.volume import VolumeRecord, check_records, part_size, stripe_spans
+from deepnvme.io.volume import VolumeRecord, check_records, part_size, split_ranges, stripe_spans
 
 ENGINE_SPECIFIC = True  # pure: nothing here depends on the engine
 
@@ -35,6 +35,25 @@ def test_spans_cover_the_range_once_and_match_a_reference(offset, length, drives
             assert s.drive == unit % drives
             assert s.part_offset + b == (unit // drives) * stripe + (logical + b) % stripe
         pos += s.length
+
+
+@given(ranges=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 1 << 17)), max_size=12),
+       drives=st.integers(1, 5), stripe=st.sampled_from([4096, 8192, 65536]))
+def test_split_ranges_is_stripe_spans_of_each_range_in_order(ranges, drives, stripe):
+    addresses = [1_000_000 * (k + 1) for k in range(len(ranges))]
+    got = split_ranges(addresses, [n for _, n in ranges], [o for o, _ in ranges], drives=drives, stripe=stripe)
+    want: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in range(drives)]
+    for address, (offset, length) in zip(addresses, ranges):
+        for s in stripe_spans(offset, length, drives=drives, stripe=stripe):
+            want[s.drive][0].append(address + s.buf_offset)
+            want[s.drive][1].append(s.length)
+            want[s.drive][2].append(s.part_offset)
+    assert got == want
+
+
+def test_split_ranges_refuses_a_negative_range():
+    with pytest.raises(ValueError, match="offset -1"):
+        split_ranges([0], [10], [-1], drives=2, stripe=4096)
 
 
 @given(size=st.integers(0, 1 << 20), drives=st.integers(1, 5),

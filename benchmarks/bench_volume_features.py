@@ -15,6 +15,10 @@ Per repetition, the two layouts interleaved (their order alternating):
   a directory in DIR0. The I/O part of the step is measured alone by the same NVMeOptimizer over
   an AdamW that keeps AdamW's state but does not update ("I/O only"); the in-memory AdamW
   step over the same parameters is timed in the same rounds.
+- "token samples": a Megatron indexed dataset of TOKENS bytes of uint16 tokens written once by
+  ``write_token_dataset`` (on the volume: both files striped), then ``--samples`` samples of
+  ``--seq-len`` + 1 tokens in a shuffled order read by ``TokenDataset.__getitems__`` in batches of 64
+  (O_DIRECT: cold), the volume's batches split over both drives.
 Medians over repetitions; ratios are 1 drive / volume within this run (the machine may be
 shared: absolute times vary between runs, ratios less). CPU seconds from getrusage (this
 process, all threads). GB = 1e9 bytes.
@@ -43,6 +47,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 import deepnvme  # noqa: E402
 from deepnvme.checkpoint.dcp import NVMeStorageReader, NVMeStorageWriter  # noqa: E402
 from deepnvme.config import parse_size  # noqa: E402
+from deepnvme.data import TokenDataset, write_token_dataset  # noqa: E402
 
 
 def _cpu() -> float:
@@ -122,6 +127,26 @@ def _params(n: int, pieces: int = 12) -> list[torch.nn.Parameter]:
     return out
 
 
+def _corpus(prefix: Any, nbytes: int) -> None:
+    g = torch.Generator().manual_seed(2)
+    docs = (torch.randint(0, 50000, (1 << 20,), generator=g, dtype=torch.int32).to(torch.uint16)
+            for _ in range(max(1, nbytes // (2 << 20))))
+    write_token_dataset(prefix, docs)
+
+
+def tokens_round(prefix: Any, seq_len: int, samples: int, seed: int) -> dict[str, float]:
+    with TokenDataset(prefix, seq_len=seq_len) as ds:
+        order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:samples].tolist()
+        ds[0]  # the handle's threads start outside the timing
+        total = [0]
+
+        def read() -> None:
+            for i in range(0, len(order), 64):
+                total[0] += int(sum(int(t[0]) for t in ds.__getitems__(order[i:i + 64])))
+        t, c = timed(read)
+    return {"read": t, "read_cpu": c, "samples_per_s": len(order) / t, "cpu_us_per_sample": 1e6 * c / len(order)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,7 +159,10 @@ def main() -> int:
     ap.add_argument("--stripe", default="1M")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["sharded", "dcp", "optimizer"])
+    ap.add_argument("--tokens", type=parse_size, default=parse_size("512M"), help="corpus bytes")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--samples", type=int, default=20000)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["sharded", "dcp", "optimizer", "tokens"])
     args = ap.parse_args()
     tag = f".bench-volfeat-{os.getpid()}"
     vol = deepnvme.Volume([os.path.join(d, tag) for d in args.drives], stripe=args.stripe)
@@ -160,6 +188,10 @@ def main() -> int:
                     opts[key].step()  # creates the state on disk (not timed)
             mem_opt = torch.optim.AdamW(_params(args.params), lr=1e-3)
             mem_opt.step()
+        corpora = {"volume": vol / "corpus", "1 drive": os.path.join(one + "-tokens", "corpus")}
+        if "tokens" not in args.skip:
+            for where in corpora.values():
+                _corpus(where, args.tokens)
         for rep in range(args.reps):
             order = list(layouts) if rep % 2 == 0 else list(reversed(layouts))
             for name in order:
@@ -169,6 +201,9 @@ def main() -> int:
                         sharded_round(tensors, target, folders, max_shard))
                 if "dcp" not in args.skip:
                     runs.setdefault(f"dcp, {name}", []).append(dcp_round(tensors, target, folders))
+                if "tokens" not in args.skip:
+                    runs.setdefault(f"token samples, {name}", []).append(
+                        tokens_round(corpora[name], args.seq_len, args.samples, seed=rep))
                 for key in (name, f"{name}, I/O only") if opts else ():
                     s, c = timed(opts[key].step)
                     runs.setdefault(f"optimizer step, {key}", []).append({"step": s, "step_cpu": c})
@@ -181,7 +216,7 @@ def main() -> int:
         for _, folders in layouts.values():
             for f in folders:
                 _clear(f)
-        for p in [*vol.paths, one, os.path.join(args.drives[0], tag + "-swap")]:
+        for p in [*vol.paths, one, one + "-tokens", os.path.join(args.drives[0], tag + "-swap")]:
             _clear(p)
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     ratios: dict[str, float] = {}
@@ -207,11 +242,18 @@ def main() -> int:
         print(f"optimizer step (AdamW): volume {step_v:.3f}s, 1 drive {step_o:.3f}s "
               f"({step_o / step_v:.2f}x), in memory {base:.3f}s; I/O part (state read and written, "
               f"no update): volume {io_v:.3f}s, 1 drive {io_o:.3f}s: {io_o / io_v:.2f}x")
+    v, o = med.get("token samples, volume"), med.get("token samples, 1 drive")
+    if v and o:
+        ratios["token samples"] = v["samples_per_s"] / o["samples_per_s"]
+        print(f"token samples (shuffled, {args.seq_len + 1} tokens): {v['samples_per_s']:.0f}/s on the volume "
+              f"({v['cpu_us_per_sample']:.1f} CPU-us each), {o['samples_per_s']:.0f}/s on 1 drive "
+              f"({o['cpu_us_per_sample']:.1f}): {ratios['token samples']:.2f}x")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"label": args.label, "checkpoint_bytes": total, "shards": args.shards,
                        "params": args.params, "sub_group_bytes": args.sub_group,
-                       "reps": args.reps, "stripe": args.stripe, "node": platform.node(),
+                       "reps": args.reps, "stripe": args.stripe, "tokens": args.tokens, "seq_len": args.seq_len,
+                       "samples": args.samples, "node": platform.node(),
                        "cpus": os.cpu_count(), "torch": torch.__version__, "drives": args.drives,
                        "runs": runs, "median_s": med, "ratios_one_drive_over_volume": ratios},
                       f, indent=1)

@@ -36,7 +36,8 @@ def test_samples_from_a_volume_equal_the_plain_files(striped):
     with TokenDataset(vol / "corpus", seq_len=64) as ds, TokenDataset(plain, seq_len=64) as ref:
         assert len(ds) == len(ref) == (len(tokens) - 1) // 64 and ds.bin_size == ref.bin_size
         order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)).tolist()
-        assert torch.equal(torch.stack(ds.__getitems__(order)), torch.stack([tokens[i * 64:i * 64 + 65] for i in order]))
+        want = torch.stack([tokens[i * 64:i * 64 + 65] for i in order])
+        assert torch.equal(torch.stack(ds.__getitems__(order)), want)
         assert torch.equal(ds.document(7), ref.document(7)) and torch.equal(ds[len(ds) - 1], ref[len(ref) - 1])
         assert torch.equal(torch.cat(list(ds.batches(order, 16))), torch.stack(ds.__getitems__(order)))
         assert "corpus" in repr(ds) and "volume" in repr(ds)

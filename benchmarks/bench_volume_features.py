@@ -17,8 +17,8 @@ Per repetition, the two layouts interleaved (their order alternating):
   step over the same parameters is timed in the same rounds.
 - "token samples": a Megatron indexed dataset of TOKENS bytes of uint16 tokens written once by
   ``write_token_dataset`` (on the volume: both files striped), then ``--samples`` samples of
-  ``--seq-len`` + 1 tokens in a shuffled order read by ``TokenDataset.__getitems__`` in batches of 64
-  (O_DIRECT: cold), the volume's batches split over both drives.
+  ``--seq-len`` + 1 tokens in a shuffled order read by ``TokenDataset.batches`` in batches of 64
+  (read ahead; O_DIRECT: cold), the volume's batches split over both drives.
 Medians over repetitions; ratios are 1 drive / volume within this run (the machine may be
 shared: absolute times vary between runs, ratios less). CPU seconds from getrusage (this
 process, all threads). GB = 1e9 bytes.
@@ -141,8 +141,8 @@ def tokens_round(prefix: Any, seq_len: int, samples: int, seed: int) -> dict[str
         total = [0]
 
         def read() -> None:
-            for i in range(0, len(order), 64):
-                total[0] += int(sum(int(t[0]) for t in ds.__getitems__(order[i:i + 64])))
+            for batch in ds.batches(order, 64):
+                total[0] += int(batch[:, 0].sum())
         t, c = timed(read)
     return {"read": t, "read_cpu": c, "samples_per_s": len(order) / t, "cpu_us_per_sample": 1e6 * c / len(order)}
 

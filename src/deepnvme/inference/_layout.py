@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from ..io.plan import align_down, align_up
+from ..io.volume import VolumePath
 
 __all__ = ["TensorRecord", "Span", "BlockPlan", "plan_block_reads", "plan_packed_block",
            "align_up", "align_down", "TENSOR_ALIGN", "FILE_ALIGN"]
@@ -38,7 +39,7 @@ class TensorRecord:
 class Span:
     """One read: ``nbytes`` at ``file_offset`` of ``file`` into the buffer at ``buffer_offset``."""
 
-    file: str
+    file: str | VolumePath
     file_offset: int
     nbytes: int
     buffer_offset: int

@@ -16,6 +16,7 @@ from torch import nn
 
 from .._deprecation import renamed_keywords
 from ..config import IOConfig
+from ..io.volume import Volume
 from ._metrics import RssSampler, disk_read_bytes
 from ._quant import resolve_setting
 
@@ -166,7 +167,7 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 
 @renamed_keywords(offload_dir="packed_dir")
-def run_generate(model_dir: str, *, packed_dir: str | None = None, mode: str = "deepnvme",
+def run_generate(model_dir: str, *, packed_dir: str | Volume | None = None, mode: str = "deepnvme",
                  batch_size: int = 1, prompt_len: int = 32, gen_len: int = 16, prefetch: int = 1,
                  device: str = "cpu", dtype: str | torch.dtype | None = None,
                  pin_memory: bool = True, config: IOConfig | None = None,

@@ -12,6 +12,7 @@ from torch import nn
 from .._deprecation import module_aliases
 from ..config import IOConfig
 from ..handles.aio import AioHandle
+from ..io.volume import Volume
 from ._blocks import ParamGroup, find_blocks, group_parameters, placeholder
 from ._packed import write_packed
 from ._quant import QuantSetting, packed_entries, plan_quantized, resolve_setting, split_bindings
@@ -68,14 +69,15 @@ def quant_plan(groups: list[ParamGroup], setting: QuantSetting | None) -> dict[s
     return plan_quantized([(g.name, g.param, g.owners) for g in groups], setting)
 
 
-def stream_weights(model: nn.Module, directory: str, *, device: str | torch.device = "cpu",
+def stream_weights(model: nn.Module, directory: str | Volume, *, device: str | torch.device = "cpu",
                    prefetch: int = 1, pin_memory: bool = True, config: IOConfig | None = None,
                    blocks: Sequence[nn.Module] | None = None, quantize: str | None = None,
                    group_size: int | None = None) -> nn.Module:
     """Write each block's weights to ``directory`` and stream them back while the model runs.
 
     ``blocks`` defaults to the model's repeated layers (the largest ``nn.ModuleList``); their
-    parameters are written to ``directory/weights.bin`` (one 4096-aligned region per block,
+    parameters are written to ``directory/weights.bin`` (striped over the drives when
+    ``directory`` is a :class:`~deepnvme.Volume`; one 4096-aligned region per block,
     durable: temp file, fsync, rename) and released from memory. Everything else (embeddings,
     head, norms, all buffers, weights tied outside a block) stays resident on ``device``.
     While the model runs, reads of the next ``prefetch`` blocks overlap the current block's

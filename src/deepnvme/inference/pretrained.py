@@ -22,6 +22,7 @@ from .._deprecation import module_aliases, renamed_keywords
 from ..config import IOConfig
 from ..errors import DeepNVMeError
 from ..handles.aio import AioHandle
+from ..io.volume import Volume
 from ._blocks import ParamGroup, group_parameters, placeholder
 from ._layout import BlockPlan, TensorRecord, plan_block_reads
 from ._packed import load_manifest, source_stats, write_packed
@@ -95,7 +96,7 @@ def _record(setting: QuantSetting | None, dtype: torch.dtype) -> dict[str, Any] 
 
 
 @renamed_keywords(offload_dir="packed_dir")
-def load_streamed(pretrained_dir: str, *, packed_dir: str | None = None,
+def load_streamed(pretrained_dir: str, *, packed_dir: str | Volume | None = None,
                   device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                   prefetch: int = 1, pin_memory: bool = True, config: IOConfig | None = None,
                   model_class: Any = None, quantize: str | None = None,
@@ -105,7 +106,8 @@ def load_streamed(pretrained_dir: str, *, packed_dir: str | None = None,
 
     ``dtype`` defaults to the checkpoint's. Without ``packed_dir`` blocks stream straight from
     the checkpoint files (their dtype must then equal ``dtype``); with it, an aligned copy is
-    written there once (reused while the checkpoint is unchanged) and streamed instead.
+    written there once (reused while the checkpoint is unchanged) and streamed instead; a
+    :class:`~deepnvme.Volume` stripes the copy over its drives, each block read from all of them.
     ``model_class`` overrides ``AutoModelForCausalLM`` (any class with ``from_config``).
     ``quantize="int8"`` or ``"int4"`` (needs ``packed_dir``) stores the blocks' linear weights
     group-quantised in the copy (``group_size`` inputs per scale, default 128; scales in
@@ -152,7 +154,7 @@ def load_streamed(pretrained_dir: str, *, packed_dir: str | None = None,
 
 
 def _block_plans(index: dict[str, CheckpointTensor], per_block: list[list[ParamGroup]],
-                 recs: list[list[CheckpointTensor]], dtype: torch.dtype, packed_dir: str | None,
+                 recs: list[list[CheckpointTensor]], dtype: torch.dtype, packed_dir: str | Volume | None,
                  handle: AioHandle, setting: QuantSetting | None,
                  shapes: list[dict[str, tuple[int, int, bool]]]) -> list[BlockPlan]:
     for groups, rs in zip(per_block, recs):

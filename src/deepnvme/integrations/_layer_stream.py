@@ -35,6 +35,7 @@ from ..inference._layout import BlockPlan
 from ..inference._packed import load_manifest, source_stats, write_packed
 from ..inference._streamer import StreamedBlock
 from ..inference.install import install, resolve_blocks
+from ..io.volume import Volume
 from ._weights import LoaderOptions, checkpoint_tensors, loader_options, size_setting, stream_tensors
 
 __all__ = ["STREAM_KEYS", "LayerStreamResult", "StreamOptions", "assign_tensors", "choose_resident",
@@ -47,7 +48,8 @@ Load = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
 STREAM_KEYS: Mapping[str, str] = {
     "packed_dir": "directory for the aligned copy of the layers' weights (required; written "
-                   "once, reused while the checkpoint is unchanged)",
+                   "once, reused while the checkpoint is unchanged); a list of directories, one "
+                   "per drive, stripes it over them",
     "memory_budget": "bytes of weights kept in memory (int or size string such as '2G'): the "
                      "non-layer weights, then whole layers while they fit; default: no layer",
     "prefetch": "layers read ahead of the one computing (int >= 0, default 1); staging memory is "
@@ -64,7 +66,7 @@ class StreamOptions:
     """Validated settings: where the aligned copy lives, the budget in bytes (None: keep no
     layer), read-ahead depth, and the checkpoint reader's I/O settings and read window."""
 
-    packed_dir: str
+    packed_dir: str | Volume
     memory_budget: int | None
     prefetch: int
     loader: LoaderOptions
@@ -80,9 +82,12 @@ def stream_options(extra: Mapping[str, Any] | None, *, load_format: str,
         raise ConfigError(f"{source} must be a JSON object (a dict), got {type(extra).__name__}")
     rest = _renamed_keys(dict(extra or {}), source)
     directory = rest.pop("packed_dir", None)
-    if not isinstance(directory, str) or not directory:
+    if isinstance(directory, list) and directory and all(isinstance(d, str) and d for d in directory):
+        directory = Volume(directory)   # one directory per drive: the copy striped over them
+    elif not isinstance(directory, str) or not directory:
         raise ConfigError(f"{source}['packed_dir'] is required for load_format {load_format!r}: a "
-                          f"directory on fast storage for the layers' aligned copy, got {directory!r}")
+                          f"directory on fast storage for the layers' aligned copy (or a list of "
+                          f"directories, one per drive), got {directory!r}")
     budget = None
     if "memory_budget" in rest:
         budget = size_setting(source, "memory_budget", rest.pop("memory_budget"), minimum=0)

@@ -22,6 +22,15 @@ __all__ = ["add_volume_parser"]
 
 
 def _volume(args: argparse.Namespace) -> Volume:
+    """The volume of ``--drives`` (else ``DEEPNVME_VOLUME``) and ``--stripe`` (else
+    ``DEEPNVME_VOLUME_STRIPE``, else 1M); args.drives and args.stripe are filled in for the messages."""
+    if not args.drives:
+        named = Volume.from_env()
+        if named is None:
+            raise SystemExit("deepnvme volume: give the drives with --drives DIR [DIR ...] or set "
+                             "DEEPNVME_VOLUME (directories joined by ':')")
+        args.drives = list(named.paths)
+    args.stripe = args.stripe or os.environ.get("DEEPNVME_VOLUME_STRIPE", "").strip() or "1M"
     return Volume(args.drives, stripe=args.stripe)
 
 
@@ -58,9 +67,10 @@ mismatch is an error naming the drive, never wrong bytes."""
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drives", nargs="+", required=True, metavar="DIR",
-                   help="the volume's directories, one per drive, in order")
-    p.add_argument("--stripe", default="1M", help="stripe unit (default 1M)")
+    p.add_argument("--drives", nargs="+", metavar="DIR",
+                   help="the volume's directories, one per drive, in order (default: DEEPNVME_VOLUME)")
+    p.add_argument("--stripe", default=None,
+                   help="stripe unit (default: DEEPNVME_VOLUME_STRIPE, else 1M)")
 
 
 def add_volume_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +67,23 @@ class Volume:
         self.paths: tuple[str, ...] = dirs
         #: the stripe unit in bytes
         self.stripe: int = unit
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Volume | None:
+        """The volume named by ``DEEPNVME_VOLUME`` (its directories, one per drive, joined by
+        ``os.pathsep`` as in ``PATH``) and ``DEEPNVME_VOLUME_STRIPE`` (default ``1M``); None
+        when ``DEEPNVME_VOLUME`` is unset or empty. For containers whose drives arrive as
+        separate mounts: the job's launcher names them once. Read when called, never at import."""
+        env = os.environ if environ is None else environ
+        listed = env.get("DEEPNVME_VOLUME", "").strip()
+        if not listed:
+            return None
+        dirs = [d for d in listed.split(os.pathsep) if d.strip()]
+        stripe = env.get("DEEPNVME_VOLUME_STRIPE", "").strip() or "1M"
+        try:
+            return cls(dirs, stripe=stripe)
+        except ConfigError as exc:
+            raise ConfigError(f"DEEPNVME_VOLUME={listed!r}, DEEPNVME_VOLUME_STRIPE={stripe!r}: {exc}") from None
 
     def __truediv__(self, name: str | os.PathLike[str]) -> VolumePath:
         return VolumePath(self, os.fspath(name))

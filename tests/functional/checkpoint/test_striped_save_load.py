@@ -58,3 +58,23 @@ def test_join_gives_a_file_torch_loads_and_split_round_trips(tmp_path):
     swapped = ["--drives", str(tmp_path / "b"), str(tmp_path / "a"), "--stripe", "8K"]
     assert main(["volume", "join", "model.pt", str(tmp_path / "x.pt"), *swapped]) != 0
     assert not os.path.exists(tmp_path / "x.pt")
+
+
+def test_the_volume_command_takes_its_drives_from_deepnvme_volume(tmp_path, monkeypatch, capsys):
+    from deepnvme.cli.main import main
+
+    vol = Volume([tmp_path / "a", tmp_path / "b"], stripe="8K")
+    deepnvme.save(_state(), vol / "model.pt")
+    monkeypatch.delenv("DEEPNVME_VOLUME", raising=False)
+    with pytest.raises(SystemExit, match="DEEPNVME_VOLUME"):
+        main(["volume", "join", "model.pt", str(tmp_path / "p.pt")])
+    monkeypatch.setenv("DEEPNVME_VOLUME", os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b")]))
+    monkeypatch.setenv("DEEPNVME_VOLUME_STRIPE", "8K")
+    assert Volume.from_env() == vol
+    assert main(["volume", "join", "model.pt", str(tmp_path / "p.pt")]) == 0
+    assert "2 drives" in capsys.readouterr().out
+    _same(torch.load(tmp_path / "p.pt", weights_only=True), _state())
+    monkeypatch.setenv("DEEPNVME_VOLUME_STRIPE", "1000")  # not a multiple of 4096: named
+    with pytest.raises(deepnvme.errors.ConfigError, match="DEEPNVME_VOLUME_STRIPE='1000'"):
+        Volume.from_env()
+    assert Volume.from_env({"DEEPNVME_VOLUME": " "}) is None

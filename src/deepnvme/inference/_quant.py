@@ -75,6 +75,8 @@ def matrix_shape(module: nn.Module, attr: str, param: torch.Tensor) -> tuple[int
         return int(param.shape[0]), int(param.shape[1]), False
     if type(module).__name__ == "Conv1D":   # transformers' GPT-2 layer: weight is (in, out)
         return int(param.shape[1]), int(param.shape[0]), True
+    if any(c.__name__ == "LinearBase" for c in type(module).__mro__):   # vLLM's linear layers (fused
+        return int(param.shape[0]), int(param.shape[1]), False          # qkv_proj too): (out, in) per rank
     return None
 
 

@@ -33,8 +33,9 @@ from ..handles.aio import AioHandle
 from ..inference._blocks import ParamGroup, group_parameters, placeholder
 from ..inference._layout import BlockPlan
 from ..inference._packed import load_manifest, source_stats, write_packed
+from ..inference._quant import QuantSetting, packed_entries, resolve_setting, split_bindings
 from ..inference._streamer import StreamedBlock
-from ..inference.install import install, resolve_blocks
+from ..inference.install import install, quant_plan, resolve_blocks
 from ..io.volume import Volume
 from ._weights import LoaderOptions, checkpoint_tensors, loader_options, size_setting, stream_tensors
 
@@ -50,6 +51,11 @@ STREAM_KEYS: Mapping[str, str] = {
     "packed_dir": "directory for the aligned copy of the layers' weights (required; written "
                    "once, reused while the checkpoint is unchanged); a list of directories, one "
                    "per drive, stripes it over them",
+    "quantize": "store the streamed layers' linear weights group-quantised: 'int8' or 'int4' "
+                "(read at a half or a quarter of the bytes, dequantised as each layer runs); "
+                "default: as they are",
+    "group_size": "inputs per quantisation scale (default 128; must divide each linear "
+                  "weight's input dimension)",
     "memory_budget": "bytes of weights kept in memory (int or size string such as '2G'): the "
                      "non-layer weights, then whole layers while they fit; default: no layer",
     "prefetch": "layers read ahead of the one computing (int >= 0, default 1); staging memory is "
@@ -70,6 +76,7 @@ class StreamOptions:
     memory_budget: int | None
     prefetch: int
     loader: LoaderOptions
+    quant: QuantSetting | None = None   # streamed layers' linear weights stored quantised
 
 
 def stream_options(extra: Mapping[str, Any] | None, *, load_format: str,
@@ -94,8 +101,13 @@ def stream_options(extra: Mapping[str, Any] | None, *, load_format: str,
     prefetch = rest.pop("prefetch", 1)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ConfigError(f"{source}['prefetch'] must be an integer >= 0, got {prefetch!r}")
+    try:
+        quant = resolve_setting(rest.pop("quantize", None), rest.pop("group_size", None))
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc} (keys 'quantize', 'group_size')") from None
     loader = loader_options(rest, source=source, load_format=load_format, also_known=STREAM_KEYS)
-    return StreamOptions(packed_dir=directory, memory_budget=budget, prefetch=prefetch, loader=loader)
+    return StreamOptions(packed_dir=directory, memory_budget=budget, prefetch=prefetch, loader=loader,
+                         quant=quant)
 
 
 def _renamed_keys(extra: dict[str, Any], source: str) -> dict[str, Any]:
@@ -244,14 +256,18 @@ def stream_layers(model: nn.Module, model_dir: str, options: StreamOptions, *, l
             layers.fill(i)
         log.info("deepnvme: every layer fits in memory_budget=%d; nothing is streamed", budget)
         return _result(streamed, keep, sizes, 0, False, loaded | layers.loaded)
-    plans, converted = _aligned_copy(layers, options, _fingerprint(by_block, rest, groups, fingerprint))
+    # every layer's copy is stored alike (the kept ones too: which layers are kept follows the
+    # budget, the copy does not), kept layers being used from memory at full precision
+    shapes = [quant_plan(gs, options.quant) for gs in groups]
+    plans, converted = _aligned_copy(layers, options, _fingerprint(by_block, rest, groups, fingerprint), shapes)
     if not converted:
         for i in keep:
             layers.fill(i)
         loaded |= {n for i in streamed for g in groups[i] for n in g.names}
     loaded |= layers.loaded
-    stream = [StreamedBlock(named[i][1], plans[i], [(g.param, plans[i].tensor_offsets[g.name])
-                                                    for g in groups[i]]) for i in streamed]
+    stream = [StreamedBlock(named[i][1], plans[i], *split_bindings(
+        [(g.name, g.param) for g in groups[i]], plans[i].tensor_offsets, shapes[i], options.quant))
+        for i in streamed]
     device = next(iter(model.parameters())).device
     install(model, stream, device=device, prefetch=options.prefetch, pin_memory=True,
             config=options.loader.io)
@@ -266,18 +282,22 @@ def _fingerprint(by_block: list[list[StoredTensor]], rest: list[StoredTensor],
     return {"files": source_stats(files), "layers": layout, **extra}
 
 
-def _aligned_copy(layers: _Layers, options: StreamOptions, fingerprint: dict[str, Any]
-                  ) -> tuple[list[BlockPlan], bool]:
-    """The layers' plans in the aligned copy: reused if its manifest matches ``fingerprint``,
-    else written now (every layer loaded once, in order; kept layers stay loaded)."""
-    plans = load_manifest(options.packed_dir, fingerprint)
+def _aligned_copy(layers: _Layers, options: StreamOptions, fingerprint: dict[str, Any],
+                  shapes: list[dict[str, tuple[int, int, bool]]]) -> tuple[list[BlockPlan], bool]:
+    """The layers' plans in the aligned copy: reused if its manifest matches ``fingerprint``
+    and the quantisation setting, else written now (every layer loaded once, in order; kept
+    layers stay loaded; ``shapes``: per layer, the weights stored quantised)."""
+    first = next((g.param.dtype for gs in layers.groups for g in gs), torch.float32)
+    setting = None if options.quant is None else options.quant.record(first)
+    plans = load_manifest(options.packed_dir, fingerprint, setting)
     if plans is not None and len(plans) == len(layers.groups):
         log.info("deepnvme: reusing the aligned layer copy in %s", options.packed_dir)
         return plans, False
     with AioHandle(config=options.loader.io) as handle:
         plans = write_packed(options.packed_dir, [
-            [(g.name, _nbytes(g), functools.partial(layers.tensor, i, g)) for g in gs]
-            for i, gs in enumerate(layers.groups)], handle=handle, fingerprint=fingerprint)
+            [e for g in gs for e in packed_entries(g.name, _nbytes(g), functools.partial(layers.tensor, i, g),
+                                                   shapes[i].get(g.name), options.quant, g.param.dtype)]
+            for i, gs in enumerate(layers.groups)], handle=handle, fingerprint=fingerprint, setting=setting)
     if layers.current not in layers.keep:
         layers.release(layers.current)
     log.info("deepnvme: wrote the aligned layer copy to %s", options.packed_dir)

@@ -112,3 +112,71 @@ def test_checkpoint_names_outside_the_layers_are_one_clear_error(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(DeepNVMeError, match="names that start with the layers. module names"):
         _stream(str(tmp_path), str(tmp_path / "aligned"), cls=Renamed)
+
+
+class LinearBase(nn.Module):
+    """Stands in for vLLM's linear layer base class (its layers are not nn.Linear)."""
+
+
+class FusedLinear(LinearBase):
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
+
+    def forward(self, h):
+        return h @ self.weight.t()
+
+
+class FusedBlock(Block):
+    def __init__(self):
+        super().__init__()
+        self.proj = FusedLinear(32, 32)
+
+
+class FusedToy(Toy):
+    def __init__(self, layers=4):
+        super().__init__(layers)
+        self.layers = nn.ModuleList(FusedBlock() for _ in range(layers))
+
+
+@pytest.mark.parametrize("mode, bound", [("int8", 0.02), ("int4", 0.8)])
+def test_quantised_layers_stream_at_a_fraction_of_the_bytes(checkpoint, tmp_path, mode, bound):
+    ref, model_dir = checkpoint
+    x = torch.randint(0, 64, (3, 5))
+    aligned = str(tmp_path / "aligned")
+    plain, _ = _stream(model_dir, str(tmp_path / "plain"))
+    model, result = _stream(model_dir, aligned, quantize=mode, group_size=16, memory_budget=FIXED + LAYER_BYTES)
+    assert result.streamed == (0, 1, 3) and result.converted
+    with torch.no_grad():
+        want, got = ref(x), model(x)
+        model(x)
+        assert not torch.equal(got, want) and (got - want).abs().max() < bound
+        assert torch.equal(model.layers[2](torch.ones(1, 32)), ref.layers[2](torch.ones(1, 32)))  # kept: exact
+        plain(x)
+        plain(x)
+    assert stream_stats(model).bytes_read < 0.6 * stream_stats(plain).bytes_read
+    # the same folder with another setting is rewritten, never read as this one
+    again, result = _stream(model_dir, aligned, quantize=mode, group_size=16)
+    assert not result.converted
+    other, result = _stream(model_dir, aligned, group_size=None)
+    assert result.converted
+    with torch.no_grad():
+        assert torch.equal(other(x), ref(x))
+    # vLLM-style linear layers (a LinearBase that is not nn.Linear) are quantised too
+    fused_dir = tmp_path / "fused"
+    fused_dir.mkdir()
+    torch.manual_seed(0)
+    fref = FusedToy().eval()
+    save_file({k: v.contiguous() for k, v in fref.state_dict().items()}, str(fused_dir / "model.safetensors"))
+    fused, _ = _stream(str(fused_dir), str(tmp_path / "fa"), cls=FusedToy, quantize=mode, group_size=16)
+    with torch.no_grad():
+        got = fused(x)
+    assert not torch.equal(got, fref(x)) and (got - fref(x)).abs().max() < bound
+
+
+def test_quantise_options_are_checked_naming_the_keys(tmp_path):
+    with pytest.raises(ConfigError, match="quantize.*'quantize', 'group_size'"):
+        stream_options({"packed_dir": str(tmp_path), "quantize": "int3"}, load_format="deepnvme_stream")
+    with pytest.raises(ConfigError, match="group_size"):
+        stream_options({"packed_dir": str(tmp_path), "quantize": "int8", "group_size": 0},
+                       load_format="deepnvme_stream")

@@ -76,6 +76,35 @@ def test_streamed_layers_give_the_in_memory_tokens(tmp_path, dtype, caplog):
     assert any("reusing the aligned layer copy" in r.getMessage() for r in caplog.records)
 
 
+def _quantised_layers(model):
+    return [len(b.quantized) for b in streamer_of(model).blocks]
+
+
+def test_int8_streamed_layers_read_half_the_bytes(tmp_path):
+    model_dir = tiny_llama(tmp_path / "llama", torch.bfloat16, layers=LAYERS)
+    base = {"prefetch": 1, "engine": "threads", "read_window": "64K"}
+    plain, (plain_stats, _) = _run(model_dir, "deepnvme_stream", "bfloat16",
+                                   model_loader_extra_config={**base, "packed_dir": str(tmp_path / "p")})
+    extra = {**base, "packed_dir": str(tmp_path / "q"), "quantize": "int8", "group_size": 64}
+    llm = vllm.LLM(model=model_dir, load_format="deepnvme_stream", skip_tokenizer_init=True,
+                   distributed_executor_backend="uni", enforce_eager=True, dtype="bfloat16",
+                   max_model_len=128, seed=0, model_loader_extra_config=extra)
+    try:
+        # q/k/v fused into qkv_proj, gate/up into gate_up_proj, o_proj, down_proj: 4 per layer
+        assert llm.apply_model(_quantised_layers)[0] == [4] * LAYERS
+        llm.apply_model(lambda m: streamer_of(m).reset_stats())
+        params = vllm.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        stats = llm.apply_model(stream_stats)[0]
+    finally:
+        del llm
+        gc.collect()
+    assert stats.bytes_read < 0.65 * plain_stats.bytes_read
+    same = sum(a == b for t, u in zip(tokens, plain) for a, b in zip(t, u))
+    assert same >= 0.5 * sum(len(t) for t in plain), (tokens, plain)
+
+
 @pytest.fixture(scope="module")
 def loader_cls():
     from vllm.config.load import LoadConfig

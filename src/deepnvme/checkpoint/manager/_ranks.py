@@ -38,6 +38,7 @@ from ._dcp_step import (
     LocalPlan,
     PlanCache,
     Staged,
+    StagedPlanner,
     Written,
     finish_step,
     local_plan,
@@ -46,6 +47,7 @@ from ._dcp_step import (
     state_dicts,
     write_share,
 )
+from ._fenced_share import ShareFence, ShareFences
 from ._group import RankGroup
 from ._lock import DirectoryLock, tidy, try_lock
 from ._nodes import Layout, publish_nodes, retire_nodes
@@ -86,7 +88,7 @@ class RankSteps:
     def __init__(self, directory: str, group: RankGroup, *, keep: int | None, config: IOConfig,
                  rng_key: str, algorithm: str | None = None, layout: Layout | None = None,
                  tiers: Tiers | None = None, after_commit: Callable[[int], None] | None = None,
-                 closing: Callable[[], None] | None = None) -> None:
+                 closing: Callable[[], None] | None = None, fences: ShareFences | None = None) -> None:
         self.directory, self.group, self.config, self.rng_key = directory, group, config, rng_key
         self.algorithm = algorithm  # per-file checksums (None: off), see _dcp_step.file_sums
         self._commit = StepCommit(directory, keep=keep, algorithm=None)  # retention
@@ -97,6 +99,7 @@ class RankSteps:
         self.tiers, self.after_commit, self.closing = tiers, after_commit, closing
         self._cache: PlanCache | None = None  # the last save's plan, reused while the structure holds
         self.planned = 0  # saves that ran DCP's global planning (and its exchange)
+        self.fences = fences  # fenced staging (:mod:`._fenced_share`); None: snapshots
         if self.layout.leader:
             tidy(directory)
 
@@ -163,12 +166,16 @@ class RankSteps:
         mine = planner.finish_plan(cache.final)
         metadata = dataclasses.replace(cache.metadata)  # its storage_data is set per save
         staged: Staged = {}
+        fence: ShareFence | None = None
         try:
             at_phase("staging")
-            staged = stage(planner, mine)
+            if self.fences is not None:  # nothing copied but small items: the live tensors are written
+                fence = self.fences.stage(planner, mine, state)
+            else:
+                staged = stage(planner, mine)
         except BaseException as exc:  # the writer thread still votes, so no rank waits for this one
             own = exc
-        call = Call(fn=lambda: self._write(step, building, mine, staged, metadata, own, cache.rank_keys))
+        call = Call(fn=lambda: self._write(step, building, mine, staged, fence, metadata, own, cache.rank_keys))
         self._start().submit(call)
         if own is not None:
             raise own
@@ -202,20 +209,26 @@ class RankSteps:
             self._writer = Writer(self.config, name="deepnvme-checkpoint-ranks-writer")
         return self._writer
 
-    def _write(self, step: int, building: str, plan: SavePlan, staged: Staged, metadata: Metadata,
-               own: BaseException | None, rank_keys: dict[str, list[str]]) -> None:
-        """The writer thread: write this rank's share (checksummed as written), vote, rank 0
-        commits, everyone hears."""
+    def _write(self, step: int, building: str, plan: SavePlan, staged: Staged, fence: ShareFence | None,
+               metadata: Metadata, own: BaseException | None, rank_keys: dict[str, list[str]]) -> None:
+        """The writer thread: write this rank's share (the snapshot ``staged``, or the live
+        tensors behind ``fence``; checksummed as written), end the fence, vote, rank 0 commits,
+        everyone hears."""
         g = self.group
         written = Written([], {}, {})
-        if own is None:
-            try:
-                written = write_share(building, plan, staged, rank=g.rank, config=self.config,
-                                      algorithm=self.algorithm)
+        try:
+            if own is None:
+                source = StagedPlanner(staged) if fence is None else fence.planner()
+                written = write_share(building, plan, source, rank=g.rank, config=self.config,
+                                      algorithm=self.algorithm,
+                                      transforms=None if fence is None else fence.transforms())
                 at_phase("writing")  # written and fsynced, not agreed
-            except BaseException as exc:
-                own = exc
-        staged.clear()
+        except BaseException as exc:
+            own = exc
+        finally:  # before any collective: an optimizer step waiting at the fence goes on
+            staged.clear()
+            if fence is not None and self.fences is not None:
+                self.fences.ended(fence)
         what = f"checkpoint step {step} in {self.directory!r} (earlier steps are intact)"
         if len(self.layout.nodes) > 1:  # each node publishes its own directory
             self._commit_nodes(step, building, metadata, written, own, rank_keys, what)
@@ -372,6 +385,8 @@ class RankSteps:
         try:
             if self._writer is not None:
                 self._writer.stop()
+            if self.fences is not None:
+                self.fences.close()
             if self.closing is not None:  # the tiers' background work (_tiered)
                 try:
                     self.closing()

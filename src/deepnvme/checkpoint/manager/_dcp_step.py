@@ -47,7 +47,7 @@ from ._checksums import Running, file_checksum
 from ._steps import FORMAT, MANIFEST
 
 __all__ = ["KIND", "LocalPlan", "PlanCache", "state_dicts", "load_into", "local_plan", "global_plans", "stage",
-           "StagedPlanner", "write_share", "Written", "item_sums", "finish_step", "read_step", "rng_entry"]
+           "StagedPlanner", "write_share", "Written", "item_sums", "finish_step", "read_step", "ReadHints", "rng_entry"]
 
 KIND = "dcp"  # the manifest's "layout" of a multi-rank step
 Staged = dict[MetadataIndex, "torch.Tensor | io.BytesIO"]
@@ -280,8 +280,18 @@ def item_sums(manifest: Mapping[str, Any]) -> ItemSums | None:
     return None if not algorithm or sums is None else ItemSums(algorithm, sums, functools.partial(Running, algorithm))
 
 
+@dataclasses.dataclass(frozen=True)
+class ReadHints:
+    """Where a step's data files are when the nodes gathered them (:mod:`._tiers`): ``local``,
+    for each data file, the ranks whose node read it from its own storage (a shared read goes to
+    one of them); ``present``, files here only in part and their ``(offset, length)`` ranges."""
+
+    local: dict[str, frozenset[int]]
+    present: dict[str, list[tuple[int, int]]]
+
+
 def read_step(path: str, saved: dict[str, Any], *, group: Any, config: IOConfig,
-              partial: bool = False, sums: ItemSums | None = None) -> None:
+              partial: bool = False, sums: ItemSums | None = None, hints: ReadHints | None = None) -> None:
     """Load the step directory ``path`` into ``saved`` in place, DCP resharding where the saving
     world differs. ``group``: the (gloo) process group of the readers (None: this process alone);
     what several of them load is read once and broadcast over it. ``sums``: items read whole are
@@ -289,6 +299,8 @@ def read_step(path: str, saved: dict[str, Any], *, group: Any, config: IOConfig,
     rank's error (a deepnvme error as it is) on every rank."""
     reader = NVMeStorageReader(path, config=config, share_group=group)
     reader.item_sums = sums
+    if hints is not None:
+        reader.local, reader.present = hints.local, hints.present
     with warnings.catch_warnings():  # without a group, DCP warns that it assumes one process: it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         try:

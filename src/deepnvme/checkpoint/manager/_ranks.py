@@ -33,10 +33,11 @@ from ...errors import CheckpointCorruptError, FileNotFoundIOError
 from ...io import durable
 from .._writer import Call, Writer
 from ._commit import StepCommit
-from ._dcp_restore import files_to_check, restore_dcp
+from ._dcp_restore import files_to_check, plan_reads, restore_dcp
 from ._dcp_step import (
     LocalPlan,
     PlanCache,
+    ReadHints,
     Staged,
     StagedPlanner,
     Written,
@@ -62,7 +63,7 @@ from ._steps import (
     remove_leftovers,
     step_dir,
 )
-from ._tiers import Tiers
+from ._tiers import Source, Tiers
 from ._verify import check_step_files
 from ._votes import describe as _describe
 from ._votes import failed as _failed
@@ -79,6 +80,10 @@ def _no_hook(phase: str) -> None:
 
 
 at_phase: Callable[[str], None] = _no_hook
+
+
+def _kept(restored: bool) -> None:
+    """Nothing to do after reading a step in place."""
 
 
 class RankSteps:
@@ -317,21 +322,30 @@ class RankSteps:
         problems = []
         for chosen in candidates:
             problem: str | None = f"checkpoint step {chosen}: no tier holds it"
-            sources = self.tiers.sources(survey, chosen) if survey is not None and self.tiers is not None \
-                else iter([(step_dir(self.directory, chosen), None)])
-            for path, done in sources:  # with tiers: the fastest first, then the durable one
+
+            def reads(metadata: Metadata, local: dict[str, frozenset[int]], at: int = chosen
+                      ) -> list[list[tuple[str, int, int]]] | None:
+                return plan_reads(state, metadata, rank=g.rank, strict=strict, rng_key=self.rng_key, local=local,
+                                  gather=lambda obj: g.gather(obj, thread="main", what=f"restore(step={at}) plan"))
+
+            sources = self.tiers.sources(survey, chosen, reads) if survey is not None and self.tiers is not None \
+                else iter([Source(step_dir(self.directory, chosen), _kept)])
+            for source in sources:  # with tiers: the fastest first, then the durable one
+                path, restored = source.path, False
                 try:
                     problem = self._check(path, chosen)
                     if problem is None and not is_dcp_step(path):
                         single(chosen)
+                        restored = True
                         return chosen
                     if problem is None:
-                        problem = self._read(path, chosen, state, rng=rng, strict=strict, rank_state=rank_state)
+                        problem = self._read(path, chosen, state, rng=rng, strict=strict, rank_state=rank_state,
+                                             hints=source.hints)
                         if problem is None:
+                            restored = True
                             return chosen
                 finally:
-                    if done is not None:
-                        done()
+                    source.done(restored)
             if step is not None:
                 raise CheckpointCorruptError(problem)
             log.warning("deepnvme.CheckpointManager.restore: skipping %s; trying the previous step", problem)
@@ -339,7 +353,7 @@ class RankSteps:
         raise CheckpointCorruptError(f"no intact checkpoint in {self.directory!r}: {'; '.join(problems)}")
 
     def _read(self, path: str, step: int, state: MutableMapping[str, Any], *, rng: bool, strict: bool,
-              rank_state: Any) -> str | None:
+              rank_state: Any, hints: ReadHints | None = None) -> str | None:
         """Collective: restore the multi-rank step at ``path``; what is corrupt in it on any rank
         (items are checked as read; None: restored). Other failures raise on every rank."""
         g = self.group
@@ -347,7 +361,7 @@ class RankSteps:
         try:
             restore_dcp(path, step, state, group=g.group("main"), rank=g.rank, world=g.world,
                         rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
-                        rank_state=rank_state)
+                        rank_state=rank_state, hints=hints)
         except BaseException as exc:  # heard by every rank below, so that all act alike
             own = exc
         said = g.gather(_describe(own), thread="main", what=f"restore(step={step}) read")

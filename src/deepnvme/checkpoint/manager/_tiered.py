@@ -48,7 +48,7 @@ class Tiering:
         self.drainer = None if durable is None else Drainer(durable, source=directory, every=durable_every,
                                                             keep=keep_durable, group=group)
         used = len(self.layout.nodes) > 1 or durable is not None
-        self.tiers = Tiers(group, self.layout, directory, durable) if used else None
+        self.tiers = Tiers(group, self.layout, directory, durable, replicas) if used else None
         self._tidied: set[int] = set()
 
     def after_commit(self, step: int) -> None:

@@ -166,7 +166,7 @@ def nodes_replicas_durable(rank: int, world: int, root: str, per_node: int) -> N
 
 def heal_and_count(rank: int, world: int, root: str, per_node: int) -> None:
     """Restores across ``world // per_node`` simulated nodes, counting the bytes sent between
-    them: with every node intact nothing travels (each shared read goes to a rank whose node
+    them: with every node intact (with or without replicas) nothing travels (each shared read goes to a rank whose node
     holds the file); after node 0's directory is lost, it receives exactly its own ranks' files
     and those of the ranks it keeps replicas of (not the other nodes' files), rebuilds its copy
     of the step and its replicas, so that losing the last node afterwards is survivable too."""
@@ -194,6 +194,17 @@ def heal_and_count(rank: int, world: int, root: str, per_node: int) -> None:
         return [sum(got[n * per_node:(n + 1) * per_node]) for n in range(nodes)]
 
     _tiers.exchange = counting
+    # 0) no replicas: each node holds only its own ranks' files, yet nothing travels at restore
+    plain = os.path.join(root, f"plain{node}")
+    with deepnvme.CheckpointManager(plain, keep=1, timeout=60) as mgr:
+        assert mgr.save(1, state)
+    before = snapshot(model, opt)
+    _zero(model)
+    with deepnvme.CheckpointManager(plain, keep=1, timeout=60) as mgr:
+        assert mgr.restore(state) == 1
+    got = snapshot(model, opt)
+    assert same(got["model"], before["model"]) and same(got["optim"], before["optim"])
+    assert per_node_received() == [0] * nodes
     with deepnvme.CheckpointManager(mine, **opts) as mgr:
         for step in (1, 2):
             train(model, opt)

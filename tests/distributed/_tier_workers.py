@@ -162,3 +162,143 @@ def nodes_replicas_durable(rank: int, world: int, root: str, per_node: int) -> N
             assert "replicas=2" in str(exc) and "durable=" in str(exc), exc
         else:
             raise AssertionError("a step missing on every tier was restored")
+
+
+def heal_and_count(rank: int, world: int, root: str, per_node: int) -> None:
+    """Restores across ``world // per_node`` simulated nodes, counting the bytes sent between
+    them: with every node intact (with or without replicas) nothing travels (each shared read goes to a rank whose node
+    holds the file); after node 0's directory is lost, it receives exactly its own ranks' files
+    and those of the ranks it keeps replicas of (not the other nodes' files), rebuilds its copy
+    of the step and its replicas, so that losing the last node afterwards is survivable too."""
+    from deepnvme.checkpoint.manager import _tiers
+
+    log = Records()
+    node, nodes = rank // per_node, world // per_node
+    dirs = [os.path.join(root, f"node{n}") for n in range(nodes)]
+    mine = dirs[node]
+    model, opt = model_and_optim(ddp=True)
+    state: dict[str, Any] = {"model": model, "optim": opt, "meta": {"epoch": 0}}
+    opts: dict[str, Any] = {"keep": 2, "replicas": 2, "timeout": 60}
+    received: list[int] = []
+    real_exchange = _tiers.exchange
+
+    def counting(group: Any, *, send: Any, receive: Any, **kwargs: Any) -> BaseException | None:
+        if receive is not None:
+            received.append(receive.nbytes)
+        return real_exchange(group, send=send, receive=receive, **kwargs)
+
+    def per_node_received() -> list[int]:
+        got: list[Any] = [None] * world
+        dist.all_gather_object(got, sum(received))
+        received.clear()
+        return [sum(got[n * per_node:(n + 1) * per_node]) for n in range(nodes)]
+
+    _tiers.exchange = counting
+    # 0) no replicas: each node holds only its own ranks' files, yet nothing travels at restore
+    plain = os.path.join(root, f"plain{node}")
+    with deepnvme.CheckpointManager(plain, keep=1, timeout=60) as mgr:
+        assert mgr.save(1, state)
+    before = snapshot(model, opt)
+    _zero(model)
+    with deepnvme.CheckpointManager(plain, keep=1, timeout=60) as mgr:
+        assert mgr.restore(state) == 1
+    got = snapshot(model, opt)
+    assert same(got["model"], before["model"]) and same(got["optim"], before["optim"])
+    assert per_node_received() == [0] * nodes
+    with deepnvme.CheckpointManager(mine, **opts) as mgr:
+        for step in (1, 2):
+            train(model, opt)
+            state["meta"] = {"epoch": step}
+            assert mgr.save(step, state)
+    expected = snapshot(model, opt)
+    with open(os.path.join(mine, STEP.format(2), "manifest.json")) as f:
+        manifest = json.load(f)
+    sizes, files_of = manifest["files"], [r["files"] for r in manifest["ranks"]]
+    manifest_bytes = os.path.getsize(os.path.join(mine, STEP.format(2), "manifest.json"))
+
+    def restored() -> None:
+        got = snapshot(model, opt)
+        assert same(got["model"], expected["model"]) and same(got["optim"], expected["optim"])
+        assert state["meta"] == {"epoch": 2}
+
+    # 1) every node intact, the saving world size: no bytes travel between the nodes
+    _zero(model)
+    with deepnvme.CheckpointManager(mine, **opts) as mgr:
+        assert mgr.restore(state) == 2
+    restored()
+    assert per_node_received() == [0] * nodes
+    assert not [n for n in os.listdir(mine) if n.startswith(".step-")]  # the gathered directory is gone
+
+    # 2) node 0's directory is lost: it gets its ranks' files and its replicas' sources' files whole
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(dirs[0])
+    dist.barrier()
+    _zero(model)
+    with deepnvme.CheckpointManager(mine, **opts) as mgr:
+        assert mgr.restore(state) == 2
+    restored()
+    ours = range(per_node)
+    sources = {(r - per_node) % world for r in ours}
+    wanted = sum(sizes[n] for r in {*ours, *sources} for n in files_of[r]) + sizes[".metadata"] + manifest_bytes
+    got = per_node_received()
+    assert got == [wanted] + [0] * (nodes - 1), (got, wanted)
+    if nodes > 2:  # the other nodes' files did not travel
+        assert wanted < sum(sizes.values()), (wanted, sizes)
+    if node == 0:  # healed: its copy of the step and the replicas it keeps, complete
+        healed = os.path.join(mine, STEP.format(2))
+        assert set(os.listdir(healed)) == {*(n for r in ours for n in files_of[r]), ".metadata", "manifest.json"}
+        for s in sources:
+            copy = os.path.join(_replicas.replica_dir(mine, s), STEP.format(2))
+            assert set(os.listdir(copy)) == {*files_of[s], ".metadata", "manifest.json"}
+        if rank == 0:
+            assert main(["verify", mine]) == 0
+            assert any("rebuilt step 2" in m for m in log.messages), log.messages
+    dist.barrier()
+
+    # 3) a second loss: the last node, whose replicas node 0 keeps (rebuilt above)
+    if rank == 0:
+        shutil.rmtree(dirs[-1])
+    dist.barrier()
+    _zero(model)
+    with deepnvme.CheckpointManager(mine, **opts) as mgr:
+        assert mgr.latest_step() == 2
+        assert mgr.restore(state) == 2
+    restored()
+    per_node_received()
+    _tiers.exchange = real_exchange
+
+
+def ranges(rank: int, world: int, root: str) -> None:
+    """A file sent in part: only the given byte ranges travel; the receiver's copy has the
+    full size, those bytes, and holes (zeros) elsewhere."""
+    from deepnvme.checkpoint.manager._transfer import Transfer, exchange
+
+    group = dist.new_group(backend="gloo")
+    size, spans = 3 << 20, [(100, 1000), (1 << 20, 70000), ((3 << 20) - 10, 10)]
+    src = os.path.join(root, "sent.bin")
+    if rank == 0:
+        data = os.urandom(size)
+        with open(src, "wb") as f:
+            f.write(data)
+    dist.barrier()
+    if rank == 0:
+        out = Transfer(1, [(src, size), (src, size)], [spans, None])
+        assert out.nbytes == 71010 + size
+        assert exchange(group, send=out, receive=None, chunk=50000) is None
+    elif rank == 1:
+        into = Transfer(0, [(os.path.join(root, "part.bin"), size), (os.path.join(root, "whole.bin"), size)],
+                        [spans, None])
+        assert exchange(group, send=None, receive=into, chunk=50000) is None
+        with open(src, "rb") as f:
+            data = f.read()
+        with open(os.path.join(root, "part.bin"), "rb") as f:
+            part = f.read()
+        assert len(part) == size
+        expect = bytearray(size)
+        for offset, length in spans:
+            expect[offset:offset + length] = data[offset:offset + length]
+        assert part == bytes(expect)
+        with open(os.path.join(root, "whole.bin"), "rb") as f:
+            assert f.read() == data
+    dist.barrier()

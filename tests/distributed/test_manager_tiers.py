@@ -37,6 +37,19 @@ def test_four_ranks_on_two_nodes(tmp_path):
     run_ranks(_tier_workers.nodes_replicas_durable, 4, str(tmp_path), str(tmp_path), 2, deadline=280)
 
 
+def test_restore_sends_only_what_a_node_reads_and_a_lost_node_heals(tmp_path):
+    run_ranks(_tier_workers.heal_and_count, 2, str(tmp_path), str(tmp_path), 1, deadline=200)
+
+
+@pytest.mark.slow
+def test_restore_on_four_nodes_sends_only_the_lost_nodes_files_and_heals(tmp_path):
+    run_ranks(_tier_workers.heal_and_count, 4, str(tmp_path), str(tmp_path), 1, deadline=300)
+
+
+def test_files_travel_in_byte_ranges(tmp_path):
+    run_ranks(_tier_workers.ranges, 2, str(tmp_path), str(tmp_path), deadline=60)
+
+
 def test_one_process_durable_drain_skips_when_behind_and_close_drains(tmp_path, caplog):
     gate, real = threading.Event(), _durable.copy_file
     first: list[str] = []

@@ -82,16 +82,16 @@ class Staging:
             raise ValueError(f"FencedStager: staging_bytes must be None or an int >= 0, got {budget!r}")
         self.budget = budget
         self._pool = pool if pool is not None else ArenaPool(1)
-        self._holder: FencedWrite | None = None
+        self._holder: object | None = None  # a FencedWrite, or a multi-rank ShareFence
         self._lease: Lease | None = None
         self._lock = threading.Lock()  # guards _holder and _lease
         self._taking = threading.Lock()  # one save at a time waits for the pool
 
-    def _held_by(self, holder: FencedWrite) -> torch.Tensor | None:
+    def _held_by(self, holder: object) -> torch.Tensor | None:
         with self._lock:
             return self._lease.tensor if self._holder is holder and self._lease is not None else None
 
-    def acquire(self, holder: FencedWrite, need: int) -> torch.Tensor | None:
+    def acquire(self, holder: object, need: int) -> torch.Tensor | None:
         """The arena for ``holder`` (at most ``budget`` bytes; None when the budget is 0), waiting
         while an earlier save holds it."""
         cap = need if self.budget is None else min(need, self.budget)
@@ -110,7 +110,7 @@ class Staging:
                 self._holder, self._lease = holder, lease
             return lease.tensor
 
-    def release(self, holder: FencedWrite) -> None:
+    def release(self, holder: object) -> None:
         with self._lock:
             if self._holder is not holder or self._lease is None:
                 return

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,9 +62,12 @@ class Schedule:
         return {e.key: e.src for e in self.entries}
 
 
-def schedule(plans: list[LoadPlan], metadata: Metadata) -> list[LoadPlan]:
+def schedule(plans: list[LoadPlan], metadata: Metadata,
+             local: Mapping[str, frozenset[int]] | None = None) -> list[LoadPlan]:
     """Every plan with a :class:`Schedule` of the requests several ranks make as its
-    ``storage_data`` (plans unchanged where no request is shared). Deterministic."""
+    ``storage_data`` (plans unchanged where no request is shared). ``local``: for data files
+    that only some ranks read from their own storage, those ranks (a file not named: every
+    rank); a shared request goes to one of them when any asks for it. Deterministic."""
     needed: dict[Key, list[int]] = {}
     for rank, plan in enumerate(plans):
         for req in plan.items:
@@ -80,7 +83,10 @@ def schedule(plans: list[LoadPlan], metadata: Metadata) -> list[LoadPlan]:
     entries = []
     for k in shared:
         nbytes, dtype = _size(k, metadata)
-        src = min(needed[k], key=lambda r: (load[r], r))
+        near = needed[k]
+        if local is not None and (held := local.get(str(info[k[1]].relative_path))) is not None:
+            near = [r for r in near if r in held] or near
+        src = min(near, key=lambda r: (load[r], r))
         load[src] += nbytes
         entries.append(Entry(k, src, nbytes, dtype))
     sched = Schedule(tuple(sorted(entries, key=lambda e: e.src)))  # stable: file order per reader

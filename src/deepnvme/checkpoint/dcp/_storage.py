@@ -243,6 +243,11 @@ class NVMeStorageReader(FileSystemReader):
         self.placement = read_placement(folders) if folders else None
         self.share_group = share_group
         self.item_sums: ItemSums | None = None  # set: items read whole are checked against these
+        #: data files some ranks read from their own storage: those ranks (:func:`._share.schedule`)
+        self.local: dict[str, frozenset[int]] | None = None
+        #: data files present only in part: their ``(offset, length)`` ranges; an item outside
+        #: them is a CheckpointFormatError rather than a read of the file's holes
+        self.present: dict[str, list[tuple[int, int]]] | None = None
         self._metadata: Metadata | None = None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -253,7 +258,7 @@ class NVMeStorageReader(FileSystemReader):
         """With a ``share_group``: each request several ranks make is given to one of them."""
         if self.share_group is None or self._metadata is None or len(plans) < 2:
             return plans
-        return schedule(plans, self._metadata)
+        return schedule(plans, self._metadata, self.local)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         """Read the plan's items with the engine and load each into the planner's target:
@@ -306,7 +311,13 @@ class NVMeStorageReader(FileSystemReader):
         by_name: dict[str, list[tuple[ReadItem, Any]]] = {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
-            by_name.setdefault(os.fspath(info.relative_path), []).append((req, info))
+            name = os.fspath(info.relative_path)
+            if self.present is not None and name in self.present and not any(
+                    a <= info.offset and info.offset + info.length <= a + n for a, n in self.present[name]):
+                raise CheckpointFormatError(
+                    f"{name!r} is here only in part and lacks bytes {info.offset}..{info.offset + info.length} "
+                    f"of {req.storage_index.fqn!r}: the ranges gathered from other nodes do not match this load")
+            by_name.setdefault(name, []).append((req, info))
         paths = ({n: os.fspath(self.fs.concat_path(self.path, n)) for n in by_name}
                  if self.placement is None else self.placement.check(by_name))
         per_file = {paths[n]: items for n, items in by_name.items()}

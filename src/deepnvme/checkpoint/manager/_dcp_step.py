@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.filesystem import _StoragePrefix, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import (
@@ -49,7 +49,7 @@ from ._checksums import Running, file_checksum
 from ._steps import FORMAT, MANIFEST
 
 __all__ = ["KIND", "LocalPlan", "PlanCache", "state_dicts", "load_into", "local_plan", "global_plans", "stage",
-           "write_share", "Written", "item_sums", "finish_step", "read_step", "rng_entry"]
+           "StagedPlanner", "write_share", "Written", "item_sums", "finish_step", "read_step", "ReadHints", "rng_entry"]
 
 KIND = "dcp"  # the manifest's "layout" of a multi-rank step
 Staged = dict[MetadataIndex, "torch.Tensor | io.BytesIO"]
@@ -206,7 +206,7 @@ def stage(planner: DefaultSavePlanner, plan: SavePlan, pool: ArenaPool) -> tuple
     return staged, lease
 
 
-class _StagedPlanner(SavePlanner):
+class StagedPlanner(SavePlanner):
     """Hands the staged copies to DCP's writer in place of the live state."""
 
     def __init__(self, staged: Staged) -> None:
@@ -249,14 +249,18 @@ class Written:
     item_sums: dict[str, int]
 
 
-def write_share(building: str, plan: SavePlan, staged: Staged, *, rank: int, config: IOConfig,
-                algorithm: str | None = None) -> Written:
-    """Write this rank's staged share into ``building`` (each file fsynced; the directory made
-    if rank 0 has not yet: with a cached plan no exchange orders them); what it wrote. With
-    ``algorithm``: checksums of each file and item, hashed while writing (nothing is read back)."""
+def write_share(building: str, plan: SavePlan, source: SavePlanner, *, rank: int, config: IOConfig,
+                algorithm: str | None = None, transforms: _StorageWriterTransforms | None = None) -> Written:
+    """Write this rank's share into ``building`` (each file fsynced; the directory made if rank
+    0 has not yet: with a cached plan no exchange orders them); what it wrote. ``source``
+    resolves each item's data (a :class:`StagedPlanner`, or a fenced share's planner, which
+    also passes ``transforms`` to hear when each item is written). With ``algorithm``:
+    checksums of each file and item, hashed while writing (nothing is read back)."""
     os.makedirs(building, exist_ok=True)
     writer = _writer(building, rank, config, algorithm)
-    results = writer.write_data(plan, _StagedPlanner(staged)).wait()
+    if transforms is not None:
+        writer.transforms = transforms
+    results = writer.write_data(plan, source).wait()
     items: dict[str, int] = {}
     for res in results if algorithm is not None else []:
         info = res.storage_data
@@ -299,8 +303,18 @@ def item_sums(manifest: Mapping[str, Any]) -> ItemSums | None:
     return None if not algorithm or sums is None else ItemSums(algorithm, sums, functools.partial(Running, algorithm))
 
 
+@dataclasses.dataclass(frozen=True)
+class ReadHints:
+    """Where a step's data files are when the nodes gathered them (:mod:`._tiers`): ``local``,
+    for each data file, the ranks whose node read it from its own storage (a shared read goes to
+    one of them); ``present``, files here only in part and their ``(offset, length)`` ranges."""
+
+    local: dict[str, frozenset[int]]
+    present: dict[str, list[tuple[int, int]]]
+
+
 def read_step(path: str, saved: dict[str, Any], *, group: Any, config: IOConfig,
-              partial: bool = False, sums: ItemSums | None = None) -> None:
+              partial: bool = False, sums: ItemSums | None = None, hints: ReadHints | None = None) -> None:
     """Load the step directory ``path`` into ``saved`` in place, DCP resharding where the saving
     world differs. ``group``: the (gloo) process group of the readers (None: this process alone);
     what several of them load is read once and broadcast over it. ``sums``: items read whole are
@@ -308,6 +322,8 @@ def read_step(path: str, saved: dict[str, Any], *, group: Any, config: IOConfig,
     rank's error (a deepnvme error as it is) on every rank."""
     reader = NVMeStorageReader(path, config=config, share_group=group)
     reader.item_sums = sums
+    if hints is not None:
+        reader.local, reader.present = hints.local, hints.present
     with warnings.catch_warnings():  # without a group, DCP warns that it assumes one process: it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         try:

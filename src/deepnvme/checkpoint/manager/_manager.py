@@ -24,7 +24,7 @@ import torch
 from ...config import IOConfig, checkpoint_config
 from ...errors import CheckpointFormatError, CheckpointMismatchError, FileNotFoundIOError
 from .._paths import as_path
-from .._staging import SnapshotStager, Staged, Stager
+from .._staging import FencedStager, SnapshotStager, Staged, Stager, StagingStats
 from .._writer import Job, Ledger, Writer
 from ._checksums import hasher, record_names, resolve_algorithm
 from ._commit import PendingStep, StepCommit, explain_failure
@@ -48,6 +48,19 @@ __all__ = ["CheckpointManager", "SaveStats", "RNG_KEY"]
 log = logging.getLogger(__name__)
 
 RNG_KEY = "_deepnvme_rng"  # the reserved entry holding RNG states in a saved checkpoint
+
+
+def _rank_staging(stager: Stager, world: int) -> tuple[int | None] | None:
+    """How a manager over ``world`` ranks stages: None for snapshots of each rank's share,
+    ``(staging_bytes,)`` for fenced saves of it (:mod:`._fenced_share`). ``ValueError`` for a
+    stager the ranks cannot use."""
+    if isinstance(stager, SnapshotStager):
+        return None
+    if isinstance(stager, FencedStager) and not stager.precopy:
+        return (stager.staging_bytes,)
+    what = "FencedStager(precopy=True)" if isinstance(stager, FencedStager) else f"staging={stager.name!r}"
+    raise ValueError(f"CheckpointManager over {world} ranks: {what} is single-process only; use "
+                     "staging='snapshot', 'fenced' or FencedStager(staging_bytes=...)")
 
 
 class CheckpointManager:
@@ -85,7 +98,8 @@ class CheckpointManager:
             ``steps``, ``latest_step`` and ``close`` are collectives that every rank calls in
             the same order, ``directory`` is one directory all ranks see, and a step is a
             ``torch.distributed.checkpoint`` checkpoint (see docs/checkpoints.md, "Several
-            ranks"; ``checksums`` are per file and per item there); snapshot staging only.
+            ranks"; ``checksums`` are per file and per item there); ``"snapshot"`` copies this rank's
+            share, ``"fenced"`` writes it from the live tensors (``precopy`` is single-process only).
         timeout: seconds a rank waits for the others in the manager's own collectives before a
             :class:`~deepnvme.RanksTimeoutError` naming the ranks that did not arrive.
         replicas: 2: each rank's files of a step are also kept on another node (several ranks,
@@ -127,13 +141,12 @@ class CheckpointManager:
         self._closed = False
         self._saves, self._blocked, self._last_write = 0, 0.0, 0.0
         ranks = rank_group(group, timeout, extra=("durable",) if lasting else ())
-        if ranks is not None and not isinstance(stager, SnapshotStager):
-            raise ValueError(f"CheckpointManager over {ranks.world} ranks: staging={stager.name!r} is "
-                             "single-process only for now; use the snapshot stager")
+        fenced = None if ranks is None else _rank_staging(stager, ranks.world)
         self._ranks: RankSteps | None
         self._ranks, self._drainer = open_tiers(  # several ranks: their steps; one process: its durable tier
             ranks, self.directory, keep=keep, config=self._config, rng_key=RNG_KEY, algorithm=self._algorithm,
-            replicas=replicas, durable=lasting, durable_every=durable_every, keep_durable=keep_durable)
+            replicas=replicas, durable=lasting, durable_every=durable_every, keep_durable=keep_durable,
+            fenced=fenced)
         if ranks is None:
             tidy(self.directory)  # leftovers of killed runs, if no writer holds the directory
 
@@ -321,6 +334,8 @@ class CheckpointManager:
     def stats(self) -> SaveStats:
         """Cumulative cost of this manager's saves to the caller (see :class:`SaveStats`)."""
         st = self.stager.stats()
+        if self._ranks is not None and (fences := self._ranks.fences) is not None:  # fenced over ranks
+            st = StagingStats(fence_wait_seconds=fences.fence_wait, copied_bytes=fences.copied())
         return SaveStats(saves=self._saves, blocked_seconds=self._blocked + st.fence_wait_seconds,
                          fence_wait_seconds=st.fence_wait_seconds, arena_wait_seconds=st.arena_wait_seconds,
                          last_write_seconds=self._last_write, fence_copied_bytes=st.copied_bytes,

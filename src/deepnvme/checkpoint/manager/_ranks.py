@@ -35,11 +35,13 @@ from ...memory.heap import trim_heap
 from .._arena import ArenaPool, Lease
 from .._writer import Call, Writer
 from ._commit import StepCommit
-from ._dcp_restore import files_to_check, restore_dcp
+from ._dcp_restore import files_to_check, plan_reads, restore_dcp
 from ._dcp_step import (
     LocalPlan,
     PlanCache,
+    ReadHints,
     Staged,
+    StagedPlanner,
     Written,
     finish_step,
     local_plan,
@@ -48,6 +50,7 @@ from ._dcp_step import (
     state_dicts,
     write_share,
 )
+from ._fenced_share import ShareFence, ShareFences
 from ._group import RankGroup
 from ._lock import DirectoryLock, tidy, try_lock
 from ._nodes import Layout, publish_nodes, retire_nodes
@@ -62,7 +65,7 @@ from ._steps import (
     remove_leftovers,
     step_dir,
 )
-from ._tiers import Tiers
+from ._tiers import Source, Tiers
 from ._verify import check_step_files
 from ._votes import describe as _describe
 from ._votes import failed as _failed
@@ -81,6 +84,10 @@ def _no_hook(phase: str) -> None:
 at_phase: Callable[[str], None] = _no_hook
 
 
+def _kept(restored: bool) -> None:
+    """Nothing to do after reading a step in place."""
+
+
 class RankSteps:
     """Steps of ``directory`` saved and restored by the ranks of ``group`` together (see the
     module). One thread drives it; rank 0 holds the directory's writer lock while saving."""
@@ -88,7 +95,7 @@ class RankSteps:
     def __init__(self, directory: str, group: RankGroup, *, keep: int | None, config: IOConfig,
                  rng_key: str, algorithm: str | None = None, layout: Layout | None = None,
                  tiers: Tiers | None = None, after_commit: Callable[[int], None] | None = None,
-                 closing: Callable[[], None] | None = None) -> None:
+                 closing: Callable[[], None] | None = None, fences: ShareFences | None = None) -> None:
         self.directory, self.group, self.config, self.rng_key = directory, group, config, rng_key
         self.algorithm = algorithm  # per-file checksums (None: off), see _dcp_step.file_sums
         self._commit = StepCommit(directory, keep=keep, algorithm=None)  # retention
@@ -102,6 +109,7 @@ class RankSteps:
         # one staging arena, reused by every save: settle() waits for the previous save's write
         # before the next one stages, so a second arena would never be free sooner
         self._arenas = ArenaPool(1, what="CheckpointManager staging arenas")
+        self.fences = fences  # fenced staging (:mod:`._fenced_share`); None: snapshots
         if self.layout.leader:
             tidy(directory)
 
@@ -169,12 +177,17 @@ class RankSteps:
         metadata = dataclasses.replace(cache.metadata)  # its storage_data is set per save
         staged: Staged = {}
         lease: Lease | None = None
+        fence: ShareFence | None = None
         try:
             at_phase("staging")
-            staged, lease = stage(planner, mine, self._arenas)
+            if self.fences is not None:  # nothing copied but small items: the live tensors are written
+                fence = self.fences.stage(planner, mine, state)
+            else:
+                staged, lease = stage(planner, mine, self._arenas)
         except BaseException as exc:  # the writer thread still votes, so no rank waits for this one
             own = exc
-        call = Call(fn=lambda: self._write(step, building, mine, staged, lease, metadata, own, cache.rank_keys))
+        call = Call(fn=lambda: self._write(step, building, mine, staged, lease, fence, metadata, own,
+                                           cache.rank_keys))
         self._start().submit(call)
         if own is not None:
             raise own
@@ -209,21 +222,28 @@ class RankSteps:
         return self._writer
 
     def _write(self, step: int, building: str, plan: SavePlan, staged: Staged, lease: Lease | None,
-               metadata: Metadata, own: BaseException | None, rank_keys: dict[str, list[str]]) -> None:
-        """The writer thread: write this rank's share (checksummed as written), vote, rank 0
-        commits, everyone hears."""
+               fence: ShareFence | None, metadata: Metadata, own: BaseException | None,
+               rank_keys: dict[str, list[str]]) -> None:
+        """The writer thread: write this rank's share (the snapshot ``staged`` in the arena
+        ``lease``, or the live tensors behind ``fence``; checksummed as written), end the fence,
+        free the arena, vote, rank 0 commits, everyone hears."""
         g = self.group
         written = Written([], {}, {})
-        if own is None:
-            try:
-                written = write_share(building, plan, staged, rank=g.rank, config=self.config,
-                                      algorithm=self.algorithm)
+        try:
+            if own is None:
+                source = StagedPlanner(staged) if fence is None else fence.planner()
+                written = write_share(building, plan, source, rank=g.rank, config=self.config,
+                                      algorithm=self.algorithm,
+                                      transforms=None if fence is None else fence.transforms())
                 at_phase("writing")  # written and fsynced, not agreed
-            except BaseException as exc:
-                own = exc
-        staged.clear()
-        if lease is not None:  # written (or failed): the arena is free for the next save
-            lease.release()
+        except BaseException as exc:
+            own = exc
+        finally:  # before any collective: an optimizer step waiting at the fence goes on
+            staged.clear()
+            if lease is not None:  # written (or failed): the arena is free for the next save
+                lease.release()
+            if fence is not None and self.fences is not None:
+                self.fences.ended(fence)
         what = f"checkpoint step {step} in {self.directory!r} (earlier steps are intact)"
         try:
             if len(self.layout.nodes) > 1:  # each node publishes its own directory
@@ -318,21 +338,30 @@ class RankSteps:
         problems = []
         for chosen in candidates:
             problem: str | None = f"checkpoint step {chosen}: no tier holds it"
-            sources = self.tiers.sources(survey, chosen) if survey is not None and self.tiers is not None \
-                else iter([(step_dir(self.directory, chosen), None)])
-            for path, done in sources:  # with tiers: the fastest first, then the durable one
+
+            def reads(metadata: Metadata, local: dict[str, frozenset[int]], at: int = chosen
+                      ) -> list[list[tuple[str, int, int]]] | None:
+                return plan_reads(state, metadata, rank=g.rank, strict=strict, rng_key=self.rng_key, local=local,
+                                  gather=lambda obj: g.gather(obj, thread="main", what=f"restore(step={at}) plan"))
+
+            sources = self.tiers.sources(survey, chosen, reads) if survey is not None and self.tiers is not None \
+                else iter([Source(step_dir(self.directory, chosen), _kept)])
+            for source in sources:  # with tiers: the fastest first, then the durable one
+                path, restored = source.path, False
                 try:
                     problem = self._check(path, chosen)
                     if problem is None and not is_dcp_step(path):
                         single(chosen)
+                        restored = True
                         return chosen
                     if problem is None:
-                        problem = self._read(path, chosen, state, rng=rng, strict=strict, rank_state=rank_state)
+                        problem = self._read(path, chosen, state, rng=rng, strict=strict, rank_state=rank_state,
+                                             hints=source.hints)
                         if problem is None:
+                            restored = True
                             return chosen
                 finally:
-                    if done is not None:
-                        done()
+                    source.done(restored)
             if step is not None:
                 raise CheckpointCorruptError(problem)
             log.warning("deepnvme.CheckpointManager.restore: skipping %s; trying the previous step", problem)
@@ -340,7 +369,7 @@ class RankSteps:
         raise CheckpointCorruptError(f"no intact checkpoint in {self.directory!r}: {'; '.join(problems)}")
 
     def _read(self, path: str, step: int, state: MutableMapping[str, Any], *, rng: bool, strict: bool,
-              rank_state: Any) -> str | None:
+              rank_state: Any, hints: ReadHints | None = None) -> str | None:
         """Collective: restore the multi-rank step at ``path``; what is corrupt in it on any rank
         (items are checked as read; None: restored). Other failures raise on every rank."""
         g = self.group
@@ -348,7 +377,7 @@ class RankSteps:
         try:
             restore_dcp(path, step, state, group=g.group("main"), rank=g.rank, world=g.world,
                         rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
-                        rank_state=rank_state)
+                        rank_state=rank_state, hints=hints)
         except BaseException as exc:  # heard by every rank below, so that all act alike
             own = exc
         said = g.gather(_describe(own), thread="main", what=f"restore(step={step}) read")
@@ -386,6 +415,8 @@ class RankSteps:
         try:
             if self._writer is not None:
                 self._writer.stop()
+            if self.fences is not None:
+                self.fences.close()
             if self.closing is not None:  # the tiers' background work (_tiered)
                 try:
                     self.closing()

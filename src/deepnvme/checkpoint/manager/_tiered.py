@@ -48,7 +48,7 @@ class Tiering:
         self.drainer = None if durable is None else Drainer(durable, source=directory, every=durable_every,
                                                             keep=keep_durable, group=group)
         used = len(self.layout.nodes) > 1 or durable is not None
-        self.tiers = Tiers(group, self.layout, directory, durable) if used else None
+        self.tiers = Tiers(group, self.layout, directory, durable, replicas) if used else None
         self._tidied: set[int] = set()
 
     def after_commit(self, step: int) -> None:
@@ -64,19 +64,23 @@ class Tiering:
 
 def open_tiers(ranks: RankGroup | None, directory: str, *, keep: int | None, config: IOConfig, rng_key: str,
                algorithm: str | None, replicas: int, durable: str | None, durable_every: int,
-               keep_durable: int | None) -> tuple[RankSteps | None, Drainer | None]:
+               keep_durable: int | None, fenced: tuple[int | None] | None = None
+               ) -> tuple[RankSteps | None, Drainer | None]:
     """A manager's steps over several ranks (``ranks``) with their tiers, or, for one process
-    (``ranks`` None), its durable drain (None without ``durable``). Collective with ranks."""
+    (``ranks`` None), its durable drain (None without ``durable``). Collective with ranks.
+    ``fenced``: ``(staging_bytes,)`` for fenced saves of each rank's share (None: snapshots)."""
     if ranks is None:
         if replicas != 1:
             raise ValueError("CheckpointManager(replicas=2) keeps copies on other nodes: it needs "
                              "torch.distributed ranks on at least two nodes")
         return None, None if durable is None else Drainer(durable, source=directory, every=durable_every,
                                                           keep=keep_durable, group=None)
+    from ._fenced_share import ShareFences
     from ._ranks import RankSteps  # imports torch.distributed.checkpoint
 
     tiering = Tiering(ranks, directory, keep=keep, replicas=replicas, durable=durable,
                       durable_every=durable_every, keep_durable=keep_durable)
     return RankSteps(directory, ranks, keep=keep, config=config, rng_key=rng_key, algorithm=algorithm,
                      layout=tiering.layout, tiers=tiering.tiers, after_commit=tiering.after_commit,
-                     closing=tiering.close), None
+                     closing=tiering.close,
+                     fences=None if fenced is None else ShareFences(staging_bytes=fenced[0])), None

@@ -10,32 +10,48 @@ every file its manifest names is on some node, or when the durable tier holds it
 step from the nodes (:meth:`Tiers.prepare`), each node whose own directory lacks some of the
 step's files gathers them in a hidden directory: hard links to what it holds, the rest received
 over the manager's gloo group from a node holding it (:mod:`._transfer`), so no shared storage
-is needed; DCP then reads that directory. Only where the nodes together lack some file does the
-durable tier serve the step (all ranks read it there; any world size).
+is needed; DCP then reads that directory. At the saving world size the ranks plan their reads
+first (each shared read to a rank whose node holds the file) and only the byte ranges a node's
+ranks read travel, into sparse files; a node whose own copy of the step was lost gets its ranks'
+files and its replicas' whole, and republishes them once the step is restored (it heals). Only
+where the nodes together lack some file does the durable tier serve the step (all ranks read it
+there; any world size).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import pickle
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+
 from ...errors import CheckpointCorruptError, FileNotFoundIOError
+from ...io import durable
+from ._dcp_step import ReadHints
 from ._group import RankGroup
 from ._nodes import Layout
-from ._replicas import REPLICAS
+from ._replicas import REPLICAS, replica_dir
 from ._steps import MANIFEST, list_steps, new_building, read_manifest, step_dir
-from ._transfer import Transfer, exchange, link_or_copy
+from ._transfer import Ranges, Transfer, exchange, link_or_copy
 from ._votes import describe, failed
 
-__all__ = ["Survey", "Tiers"]
+__all__ = ["Reads", "Source", "Survey", "Tiers"]
+
+Reads = Callable[[Metadata, dict[str, frozenset[int]]], "list[list[tuple[str, int, int]]] | None"]
+"""Collective: given a step's metadata and which ranks hold each data file locally, the
+``(file, offset, length)`` ranges each rank will read (None: unknown, whole files travel)."""
 
 log = logging.getLogger(__name__)
 
-Holding = dict[int, tuple[list[str], dict[str, int], bool]]  # step -> (required, present sizes, own dir whole)
+# step -> (required, present sizes, own dir whole, names in the node's own step-N)
+Holding = dict[int, tuple[list[str], dict[str, int], bool, list[str]]]
 
 
 @dataclass(frozen=True)
@@ -73,8 +89,10 @@ class Tiers:
     """The tiers of one rank's manager: its node's ``directory`` (with the replicas it keeps)
     and the optional ``durable`` path. The caller's thread only."""
 
-    def __init__(self, group: RankGroup, layout: Layout, directory: str, durable: str | None) -> None:
+    def __init__(self, group: RankGroup, layout: Layout, directory: str, durable: str | None,
+                 replicas: int = 1) -> None:
         self.group, self.layout, self.directory, self.durable = group, layout, directory, durable
+        self.replicas = replicas
         self._where: dict[int, dict[str, str]] = {}  # on a leader: step -> file name -> path here
 
     def survey(self) -> Survey:
@@ -104,91 +122,241 @@ class Tiers:
                     continue
                 required = sorted([*manifest.get("files", {manifest.get("file", ""): 0}), MANIFEST])
                 where = self._where.setdefault(step, {})
-                _, sizes, whole = out.get(step, (required, {}, False))
+                _, sizes, whole, mine = out.get(step, (required, {}, False, []))
                 for name in names:
                     where.setdefault(name, os.path.join(path, name))
                     sizes.setdefault(name, os.path.getsize(os.path.join(path, name)))
-                out[step] = (required, sizes, whole or (own and set(required) <= set(names)))
+                out[step] = (required, sizes, whole or (own and set(required) <= set(names)),
+                             sorted(names) if own else mine)
         return out
 
-    def sources(self, survey: Survey, step: int) -> Iterator[tuple[str, Callable[[], None]]]:
+    def sources(self, survey: Survey, step: int, reads: Reads | None = None) -> Iterator[Source]:
         """Collective, lazily: where to read ``step`` (:meth:`prepare`), then, if that copy turns
         out corrupt and the durable tier holds the step too, the durable copy (logged)."""
-        path, done = self.prepare(survey, step)
-        yield path, done
+        first = self.prepare(survey, step, reads)
+        yield first
         lasting = None if self.durable is None else step_dir(self.durable, step)
-        if lasting is not None and step in survey.durable and path != lasting:
+        if lasting is not None and step in survey.durable and first.path != lasting:
             log.warning("deepnvme.CheckpointManager.restore: step %d is corrupt on the nodes; trying its "
                         "durable copy %r", step, lasting)
-            yield lasting, _nothing
+            yield Source(lasting, _nothing)
 
-    def prepare(self, survey: Survey, step: int) -> tuple[str, Callable[[], None]]:
+    def prepare(self, survey: Survey, step: int, reads: Reads | None = None) -> Source:
         """Collective: the directory this rank reads ``step`` from, and what to call once read.
         Raises (on every rank) when no tier holds every file of the step, saying which tier to
-        configure, and when gathering the files fails on some rank."""
+        configure, and when gathering the files fails on some rank. ``reads``: the byte ranges
+        each rank will read (:func:`~._dcp_restore.plan_reads`), so that only those travel."""
         required, missing = survey.on_nodes(step)
         here = [h for h in survey.holdings if h is not None]
         if not missing and all(step in h and h[step][2] for h in here):
-            return step_dir(self.directory, step), _nothing
+            return Source(step_dir(self.directory, step), _nothing)
         if missing or not required:
             if step in survey.durable and self.durable is not None:
                 log.info("deepnvme.CheckpointManager: restoring step %d from the durable tier %r", step, self.durable)
-                return step_dir(self.durable, step), _nothing
+                return Source(step_dir(self.durable, step), _nothing)
             raise FileNotFoundIOError(f"checkpoint step {step} in {self.directory!r}{survey.explain(step)}",
                                       path=self.directory, offset=None, size=None, errno=2)
         lost = [i for i, h in enumerate(survey.holdings) if h is not None and step not in h]
         log.info("deepnvme.CheckpointManager: restoring step %d from the %s tier", step,
                  "replica" if lost else "local")
-        return self._gather(survey, step, required)
+        return self._gather(survey, step, required, reads)
 
-    def _gather(self, survey: Survey, step: int, required: list[str]) -> tuple[str, Callable[[], None]]:
-        """Collective: every node that lacks some of ``step``'s files in its own directory gets
-        them into a hidden directory (see the module)."""
+    def _describe_step(self, survey: Survey, step: int) -> tuple[dict[str, Any] | None, Metadata | None]:
+        """Collective: the step's manifest and DCP metadata, read by the first node holding
+        them and sent to every rank (None, None where it could not read them)."""
+        g = self.group
+        holder = next(r for r in self.layout.leaders if step in (survey.holdings[r] or {}))
+        payload: list[Any] = [None]
+        if g.rank == holder:
+            try:
+                where = self._where[step]
+                with open(where[MANIFEST], "rb") as f:
+                    manifest = json.load(f)
+                with open(where[".metadata"], "rb") as f:
+                    payload[0] = (manifest, f.read())
+            except (OSError, KeyError, ValueError) as exc:
+                log.warning("deepnvme.CheckpointManager: could not read the manifest or .metadata of step %d "
+                            "(%s): the nodes exchange whole files", step, exc)
+        dist.broadcast_object_list(payload, src=g.ranks[holder], group=g.group("main"))
+        if payload[0] is None:
+            return None, None
+        manifest, raw = payload[0]
+        try:
+            metadata = pickle.loads(raw)
+        except Exception as exc:  # noqa: BLE001 (the read itself reports a bad .metadata)
+            log.warning("deepnvme.CheckpointManager: .metadata of step %d does not unpickle (%s)", step, exc)
+            return manifest, None
+        return manifest, metadata if isinstance(metadata, Metadata) else None
+
+    def _plan(self, survey: Survey, step: int, required: list[str], reads: Reads | None) -> _Plan:
+        """Collective: what each node lacking some of ``step``'s files gets, and from where: the
+        byte ranges its ranks will read (at the saving world size, when every rank could plan its
+        load), whole files otherwise; whole files of its own ranks and of the ranks it keeps
+        replicas of when its own copy of the step is lost (it heals)."""
         g, layout = self.group, self.layout
-        moves: dict[tuple[int, int], list[tuple[str, int]]] = {}
-        building: str | None = None
+        manifest, metadata = self._describe_step(survey, step)
+        ranks_files: list[list[str]] = [] if manifest is None else [r["files"] for r in manifest.get("ranks", [])]
+        local: dict[str, frozenset[int]] = {}
+        for leader in layout.leaders:
+            node = layout.nodes[layout.node_of(leader)]
+            for name in (survey.holdings[leader] or {}).get(step, ([], {}, False, []))[1]:
+                local[name] = local.get(name, frozenset()) | frozenset(node)
+        per_rank = None
+        if reads is not None and metadata is not None and manifest is not None and \
+                int(manifest.get("world_size", 0)) == g.world:
+            per_rank = reads(metadata, local)  # collective: every rank calls it here
+        plan = _Plan(local=local, moves={}, ranges={}, heal={})
         for dst in layout.leaders:
-            held = survey.holdings[dst] or {}
-            if step in held and held[step][2]:
+            held = (survey.holdings[dst] or {}).get(step)
+            if held is not None and held[2]:
                 continue
-            have = held[step][1] if step in held else {}
+            node = layout.nodes[layout.node_of(dst)]
+            have = held[1] if held is not None else {}
+            own_dir = set(held[3]) if held is not None else set()
+            ours = {n for r in node if r < len(ranks_files) for n in ranks_files[r]}
+            whole: set[str] = set()
+            if ranks_files and not ours <= own_dir:  # this node's copy of the step is lost: heal it
+                sources = sorted({(r - layout.local_world) % g.world for r in node}) if self.replicas == 2 else []
+                plan.heal[dst] = (sorted(ours), {s: ranks_files[s] for s in sources if s < len(ranks_files)})
+                whole = ours | {n for files in plan.heal[dst][1].values() for n in files}
+            wanted: dict[str, Ranges] = {}
+            if per_rank is not None:
+                for r in node:
+                    for name, offset, length in per_rank[r]:
+                        wanted.setdefault(name, []).append((offset, length))
             for name in required:
-                if name not in have:
-                    src = next(r for r in layout.leaders if step in (survey.holdings[r] or {})
-                               and name in (survey.holdings[r] or {})[step][1])
-                    moves.setdefault((src, dst), []).append((name, (survey.holdings[src] or {})[step][1][name]))
+                if name in have:
+                    continue
+                src = next(r for r in layout.leaders if name in (survey.holdings[r] or {}).get(step, ([], {}))[1])
+                size = (survey.holdings[src] or {})[step][1][name]
+                partial = per_rank is not None and name not in whole and name not in (MANIFEST, ".metadata")
+                spans = _merged(wanted.get(name, [])) if partial else None
+                plan.ranges.setdefault(dst, {})[name] = (size, spans)
+                if spans is None or spans:
+                    plan.moves.setdefault((src, dst), []).append((name, size, spans))
+        return plan
+
+    def _gather(self, survey: Survey, step: int, required: list[str], reads: Reads | None) -> Source:
+        """Collective: every node that lacks some of ``step``'s files in its own directory gets
+        them into a hidden directory (see the module); a node whose copy was lost rebuilds it
+        (and the replicas it kept) once the step is read."""
+        g, layout = self.group, self.layout
+        plan = self._plan(survey, step, required, reads)
         own: BaseException | None = None
-        whole = layout.leader and step in (survey.holdings[g.rank] or {}) and (survey.holdings[g.rank] or {})[step][2]
+        building: str | None = None
+        held = (survey.holdings[g.rank] or {}).get(step) if layout.leader else None
+        whole = held is not None and held[2]
+        mine = plan.ranges.get(g.rank, {})
         if layout.leader and not whole:
             try:
                 os.makedirs(self.directory, exist_ok=True)
                 building = new_building(self.directory, step)
                 for name, path in self._where.get(step, {}).items():
                     link_or_copy(path, os.path.join(building, name))
+                for name, (size, kept) in mine.items():  # read in no range here: a sparse file
+                    if kept is not None and not kept:
+                        with open(os.path.join(building, name), "wb") as placeholder:
+                            placeholder.truncate(size)
             except BaseException as exc:  # the transfers below still run, so no rank waits for this one
                 own = exc
-        for (src, dst), files in sorted(moves.items()):
+        got = 0
+        for (src, dst), files in sorted(plan.moves.items()):
+            listed = [(n, size) for n, size, _ in files]
+            spans = [sp for _, _, sp in files]
             if g.rank == src:
-                out = [(self._where[step][n], size) for n, size in files]
-                own = exchange(g.group("main"), send=Transfer(g.ranks[dst], out), receive=None) or own
+                out = Transfer(g.ranks[dst], [(self._where[step][n], size) for n, size in listed], spans)
+                own = exchange(g.group("main"), send=out, receive=None) or own
             elif g.rank == dst:
-                into = [(os.devnull if building is None else os.path.join(building, n), s) for n, s in files]
-                own = exchange(g.group("main"), send=None, receive=Transfer(g.ranks[src], into)) or own
+                into = Transfer(g.ranks[src], [(os.devnull if building is None else os.path.join(building, n), s)
+                                               for n, s in listed], spans)
+                got += into.nbytes
+                own = exchange(g.group("main"), send=None, receive=into) or own
+        if layout.leader and not whole:
+            log.info("deepnvme.CheckpointManager: step %d: this node received %d bytes of %d files from the "
+                     "other nodes", step, got, sum(1 for _, sp in mine.values() if sp is None or sp))
         path = building if building is not None else step_dir(self.directory, step)
         views = g.gather((path if layout.leader else None, describe(own)), thread="main",
                          what=f"restore(step={step}) files")
-        mine: Any = views[layout.nodes[layout.node][0]][0]
+        leader = layout.nodes[layout.node][0]
+        chosen: Any = views[leader][0]
+        present = {n: sp for n, (_, sp) in plan.ranges.get(leader, {}).items() if sp is not None}
+        heal = plan.heal.get(g.rank) if building is not None else None
 
-        def done() -> None:
-            if building is not None:
+        def done(restored: bool) -> None:
+            if building is None:
+                return
+            try:
+                if restored and heal is not None:
+                    self._heal(building, step, *heal)
+            finally:
                 shutil.rmtree(building, ignore_errors=True)
 
         if any(v[1] for v in views):
-            done()
+            done(False)
             raise failed(f"gathering the files of checkpoint step {step} from the other nodes",
                          [v[1] for v in views], own)
-        return str(mine), done
+        return Source(str(chosen), done, ReadHints(local=plan.local, present=present))
+
+    def _heal(self, gathered: str, step: int, ours: list[str], sources: dict[int, list[str]]) -> None:
+        """This node's copy of ``step`` was lost and the step was restored from the others:
+        publish it again from the ``gathered`` files (its ranks' files, ``.metadata`` and the
+        manifest), and the replicas it kept of ``sources`` (rank -> files), each built under a
+        hidden name and renamed into place, so that losing another node is survivable. Failures
+        are logged (the restore itself succeeded)."""
+        shared = [".metadata", MANIFEST]
+        targets = [(self.directory, ours)] if not os.path.isdir(step_dir(self.directory, step)) else []
+        targets += [(replica_dir(self.directory, s), files) for s, files in sources.items()
+                    if not os.path.isdir(step_dir(replica_dir(self.directory, s), step))]
+        for folder, files in targets:
+            building: str | None = None
+            try:
+                os.makedirs(folder, exist_ok=True)
+                building = new_building(folder, step)
+                for name in [*files, *shared]:
+                    link_or_copy(os.path.join(gathered, name), os.path.join(building, name))
+                durable.publish_dir(building, step_dir(folder, step))
+                log.info("deepnvme.CheckpointManager: rebuilt step %d in %r from the other nodes", step, folder)
+            except OSError as exc:
+                log.error("deepnvme.CheckpointManager: could not rebuild step %d in %r after restoring it "
+                          "from the other nodes: %s", step, folder, exc)
+                if building is not None:
+                    shutil.rmtree(building, ignore_errors=True)
 
 
-def _nothing() -> None:
+@dataclass
+class _Plan:
+    """What a restore gathers: ``local`` (data file -> ranks whose node holds it), ``moves``
+    ((source leader, destination leader) -> (file, size, ranges or None for whole)), ``ranges``
+    (destination leader -> file -> (size, ranges or None)) and ``heal`` (destination leader ->
+    (its ranks' files, {source rank: files of the replicas it keeps}))."""
+
+    local: dict[str, frozenset[int]]
+    moves: dict[tuple[int, int], list[tuple[str, int, Ranges | None]]]
+    ranges: dict[int, dict[str, tuple[int, Ranges | None]]]
+    heal: dict[int, tuple[list[str], dict[int, list[str]]]]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a rank reads a step: ``path``, ``done(restored)`` to call once read (True: it was
+    restored from there) and, where the nodes gathered its files, the reader's ``hints``."""
+
+    path: str
+    done: Callable[[bool], None]
+    hints: ReadHints | None = None
+
+
+def _merged(spans: Ranges) -> Ranges:
+    """``spans`` sorted, with overlapping and touching ranges merged."""
+    out: Ranges = []
+    for offset, length in sorted(spans):
+        if out and offset <= out[-1][0] + out[-1][1]:
+            last = out[-1]
+            out[-1] = (last[0], max(last[0] + last[1], offset + length) - last[0])
+        else:
+            out.append((offset, length))
+    return out
+
+
+def _nothing(restored: bool = False) -> None:
     return None

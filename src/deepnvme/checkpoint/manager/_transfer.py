@@ -3,7 +3,9 @@
 Replication and restore need a rank's files on another node without shared storage: the sender
 reads a file chunk by chunk and sends each chunk (``torch.distributed.isend``); the receiver
 knows every file's size in advance (from the step's manifest), so both sides walk the same
-sequence of chunks and no header is exchanged. A local failure (a file that cannot be read or
+sequence of chunks and no header is exchanged. A file may travel in part: only the given byte
+ranges are sent, and the receiver's copy is a sparse file of the full size holding just them.
+A local failure (a file that cannot be read or
 written) does not break the sequence: the sender sends zeros, the receiver drops what it gets,
 and the error is returned for the ranks' vote, so no rank is left waiting. Memory: one send and
 one receive buffer of ``chunk`` bytes per call.
@@ -19,25 +21,39 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CHUNK", "Transfer", "exchange", "link_or_copy"]
+__all__ = ["CHUNK", "Ranges", "Transfer", "exchange", "link_or_copy"]
 
 CHUNK = 16 << 20  # bytes per message
 
 
+Ranges = list[tuple[int, int]]  # (offset, length) byte ranges of a file, ascending, disjoint
+
+
 class Transfer:
     """One direction of an exchange: ``peer`` (a global rank) and the ``(path, size)`` files it
-    sends or receives, in order."""
+    sends or receives, in order; ``ranges``: per file, the byte ranges that travel (None, or a
+    None entry: the whole file)."""
 
-    def __init__(self, peer: int, files: list[tuple[str, int]]) -> None:
+    def __init__(self, peer: int, files: list[tuple[str, int]], ranges: list[Ranges | None] | None = None) -> None:
         self.peer = peer
         self.files = files
+        self.ranges: list[Ranges | None] = ranges if ranges is not None else [None] * len(files)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes that travel."""
+        return sum(size if spans is None else sum(n for _, n in spans)
+                   for (_, size), spans in zip(self.files, self.ranges))
 
 
-def _chunks(files: list[tuple[str, int]], chunk: int) -> Iterator[tuple[int, int, int]]:
-    """``(file index, offset, length)`` of every chunk of ``files``, in order."""
-    for i, (_, size) in enumerate(files):
-        for offset in range(0, size, chunk):
-            yield i, offset, min(chunk, size - offset)
+def _chunks(transfer: Transfer | None, chunk: int) -> Iterator[tuple[int, int, int]]:
+    """``(file index, offset, length)`` of every chunk of ``transfer``'s files, in order."""
+    if transfer is None:
+        return
+    for i, ((_, size), spans) in enumerate(zip(transfer.files, transfer.ranges)):
+        for start, length in [(0, size)] if spans is None else spans:
+            for offset in range(start, start + length, chunk):
+                yield i, offset, min(chunk, start + length - offset)
 
 
 class _Reader:
@@ -68,16 +84,17 @@ class _Reader:
 
 
 class _Sink:
-    """Writes received chunks into the incoming files (created at their first chunk; empty
-    files at the start); after a failure, drops them (the error is kept)."""
+    """Writes received chunks into the incoming files (each created at the start, of its full
+    size: sparse where only ranges come); after a failure, drops them (the error is kept)."""
 
     def __init__(self, files: list[tuple[str, int]]) -> None:
         self.files, self._fd, self._at = files, -1, -1
         self.error: BaseException | None = None
         try:
             for path, size in files:
-                if size == 0:
-                    open(path, "wb").close()
+                if path != os.devnull:
+                    with open(path, "wb") as out:
+                        out.truncate(size)
         except OSError as exc:
             self.error = exc
 
@@ -87,7 +104,7 @@ class _Sink:
         try:
             if index != self._at:
                 self.close()
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                flags = os.O_WRONLY | os.O_CLOEXEC
                 self._fd, self._at = os.open(self.files[index][0], flags, 0o644), index
             view = data.numpy().data.cast("B")
             done = 0
@@ -109,8 +126,8 @@ def exchange(group: Any, *, send: Transfer | None, receive: Transfer | None,
     (either may be None), chunk by chunk; blocks until both are done. Returns this rank's
     local error (None: every byte read and written), never raising one, so that the ranks can
     vote on it; a peer that stops answering surfaces as the group's timeout (``RuntimeError``)."""
-    outgoing = list(_chunks(send.files, chunk)) if send is not None else []
-    incoming = list(_chunks(receive.files, chunk)) if receive is not None else []
+    outgoing = list(_chunks(send, chunk))
+    incoming = list(_chunks(receive, chunk))
     reader = _Reader(send.files if send is not None else [])
     sink = _Sink(receive.files if receive is not None else [])
     try:

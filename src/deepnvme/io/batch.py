@@ -88,7 +88,7 @@ def _plan(opener: Opener, block_size: int, batch: Batch, items: Items,
     transfer starts, so its cost per item is the batch's latency); also the batch's shape for
     the engine's choice of mover (``direct``, ``end``, ``largest``)."""
     first = batch.transfer
-    gather = alignment is not None and not validate
+    gather = alignment is not None
     edge = max(alignment.offset, PAGE_SIZE) if alignment is not None else PAGE_SIZE
     mem = alignment.memory if alignment is not None else 1
     addresses, sizes, offsets = items.addresses, items.sizes, items.offsets
@@ -116,7 +116,7 @@ def _plan(opener: Opener, block_size: int, batch: Batch, items: Items,
         _check_inside(first.name, items, end, opener.posix.file_size(fd))
     if ragged and batch.fd_buffered < 0 and alignment is not None:
         batch.fd_buffered = opener.reopen_buffered(batch)
-    ops = [_gathered(batch, items, gathered[i:i + GATHER])
+    ops = [_gathered(batch, items, gathered[i:i + GATHER], validate)
            for i in range(0, len(gathered), GATHER)]
     ops += [_member(block_size, batch, Transfer(write=first.write, address=addresses[j],
                                                 size=sizes[j], target=first.target,
@@ -137,13 +137,14 @@ def _member(block_size: int, batch: Batch, t: Transfer, validate: bool,
     return op
 
 
-def _gathered(batch: Batch, items: Items, index: list[int]) -> Op:
+def _gathered(batch: Batch, items: Items, index: list[int], validate: bool) -> Op:
     """One request over many single-chunk items: its chunks' ``buf_offset`` are absolute
-    addresses (the request's own address is 0); the batch keeps the buffers alive."""
+    addresses (the request's own address is 0); the batch keeps the buffers alive.
+    ``validate`` compares each item with the file once all have ended."""
     first = batch.transfer
     carrier = Transfer(write=first.write, address=0, size=sum(items.sizes[j] for j in index),
                        target=first.target, file_offset=items.offsets[index[0]])
-    op = Op(carrier, False, False, batch=batch)
+    op = Op(carrier, validate, False, batch=batch)
     op.chunks = Gathered(items.addresses, items.offsets, items.sizes, index)
     op.fd_direct, op.fd_buffered, op.remaining = batch.fd_direct, batch.fd_buffered, len(index)
     return op

@@ -35,19 +35,17 @@ SMALL_WRITE = "small direct writes"
 LARGE_READ = "large direct read"
 LARGE_WRITE = "large direct overwrite"
 
-_SYNC_AIO = "Linux AIO completes it inside io_submit (synchronous: depth 1 per worker)"
-_MEASURED = "the faster of the two in benchmarks/bench_engines.py (LOG.md, issue 28 item 3)"
+_MEASURED = "measured faster for it (benchmarks/bench_engines.py; LOG.md, issue 28)"
 
 #: transfer class -> (mover, why) in order of preference
 PREFERENCES: dict[str, tuple[tuple[str, str], ...]] = {
-    BUFFERED: (("io_uring", f"no O_DIRECT: {_SYNC_AIO}; io_uring queues it"),
+    BUFFERED: (("io_uring", "no O_DIRECT: Linux AIO runs it synchronously, io_uring queues it"),
                ("aio", "io_uring unavailable")),
-    EXTENDING: (("io_uring", f"ends past the file's size: {_SYNC_AIO}; io_uring queues it"),
+    EXTENDING: (("io_uring", "past the file's end: Linux AIO runs it synchronously, io_uring "
+                             "queues it"),
                 ("aio", "io_uring unavailable")),
-    SMALL_READ: (("aio", f"{_MEASURED}: less CPU per read"),
-                 ("io_uring", "Linux AIO unavailable")),
-    SMALL_WRITE: (("aio", f"{_MEASURED}: less CPU per write"),
-                  ("io_uring", "Linux AIO unavailable")),
+    SMALL_READ: (("aio", _MEASURED), ("io_uring", "Linux AIO unavailable")),
+    SMALL_WRITE: (("aio", _MEASURED), ("io_uring", "Linux AIO unavailable")),
     LARGE_READ: (("aio", _MEASURED), ("io_uring", "Linux AIO unavailable")),
     LARGE_WRITE: (("aio", _MEASURED), ("io_uring", "Linux AIO unavailable")),
 }

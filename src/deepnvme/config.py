@@ -94,10 +94,9 @@ SETTINGS: tuple[Setting, ...] = (
             "chunks in flight per worker thread; `threads` issues one blocking syscall per "
             "worker. `auto` picks the first of io_uring, aio, threads that this system runs "
             "(logging once why it fell back); where io_uring and aio both run, it gives each "
-            "request the one fast for it (io_uring for buffered and file-extending transfers, "
-            "where Linux AIO is synchronous; aio for direct reads, overwrites and small "
-            "transfers), with worker threads per mover in use. `deepnvme report` lists which "
-            "and why."),
+            "request the one fast for it (io_uring for buffered transfers and, with one worker, "
+            "file-extending writes, where Linux AIO is synchronous; aio for the rest), with "
+            "worker threads per mover in use. `deepnvme report` lists which and why."),
     Setting("block_size", "DEEPNVME_BLOCK_SIZE", _parse_int, 1 << 20,
             "Bytes per chunk: a request is cut into chunks of this size (rounded down to the "
             "file's O_DIRECT alignment), each one syscall.", minimum=1),

@@ -113,7 +113,8 @@ class Engine:
             fd = op.fd_direct if op.fd_direct >= 0 else op.fd_buffered
             extending = end > self.posix.file_size(fd)
         choice = choose(TransferShape(write=t.write, direct=direct, extending=extending,
-                                      largest=largest), self.movers)
+                                      largest=largest,
+                                      workers=self.config.intra_op_parallelism), self.movers)
         if self._last_choice.get(choice.transfer) is not choice:
             self._last_choice[choice.transfer] = choice
             log.debug("deepnvme: %s of %s goes to %s (%s)", choice.transfer, t.name,

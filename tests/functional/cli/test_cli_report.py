@@ -97,8 +97,9 @@ def test_report_says_which_mover_auto_gives_each_transfer_and_why(run_cli, monke
     if set(movers) != {"io_uring", "aio"}:
         assert rows == {} and "per transfer" not in checks["engine auto"]["value"]
         return
-    assert rows["file-extending write"]["mover"] == "io_uring"
-    assert "synchronous" in rows["file-extending write"]["why"]
+    assert rows["file-extending write, 1 worker"]["mover"] == "io_uring"
+    assert "synchronous" in rows["file-extending write, 1 worker"]["why"]
+    assert rows["file-extending write, 2+ workers"]["mover"] == "aio"
     assert rows["large direct read"]["mover"] in movers
     for transfer, row in rows.items():
         assert checks[f"engine auto: {transfer}"]["value"] == f"{row['mover']}: {row['why']}"

@@ -35,7 +35,7 @@ def preps(counted):
 
 
 def make(**cfg):
-    base = dict(block_size=256 << 10, queue_depth=8, intra_op_parallelism=2, engine="auto")
+    base = dict(block_size=256 << 10, queue_depth=8, intra_op_parallelism=1, engine="auto")
     base.update(cfg)
     return deepnvme.AioHandle(config=IOConfig(**base))
 
@@ -75,13 +75,28 @@ def test_each_class_goes_to_its_mover(tmp_path, counted):
         h.submit_write(src[:5000], path, offset=100).result()  # unaligned edges: buffered
         went(counted, n, "io_uring")
         choices = {k: c.mover for k, c in h._engine.choices().items()}
-    assert choices == {"file-extending write": "io_uring", "large direct overwrite": "aio",
+    assert choices == {"file-extending write, 1 worker": "io_uring", "large direct overwrite": "aio",
                        "large direct read": "aio", "small direct writes": "aio",
                        "small direct reads": "aio", "buffered": "io_uring"}
     with open(path, "rb") as f:
         whole = f.read()
     assert len(whole) == BIG + 64 * 4096
     assert whole[100:5100] == src[:5000].numpy().tobytes()
+
+
+def test_with_several_workers_file_extending_writes_go_to_aio(tmp_path, counted):
+    path = str(tmp_path / "f")
+    src = random_tensor(BIG, torch.uint8)
+    with make(intra_op_parallelism=2) as h:
+        n = preps(counted)
+        h.submit_write(src, path).result()
+        n = went(counted, n, "aio")
+        h.submit_write(src[:5000], path, offset=BIG + 100).result()  # buffered edges: io_uring
+        went(counted, n, "io_uring")
+        choices = {k: c.mover for k, c in h._engine.choices().items()}
+    assert choices == {"file-extending write, 2+ workers": "aio", "buffered": "io_uring"}
+    with open(path, "rb") as f:
+        assert f.read(BIG) == src.numpy().tobytes()
 
 
 def test_no_o_direct_goes_to_io_uring(tmp_path, counted):
@@ -120,7 +135,7 @@ def test_a_failure_on_either_mover_is_named(tmp_path, monkeypatch, mover):
     assert info.value.path == target and info.value.errno == errno.EIO
 
 
-def test_close_with_work_on_both_movers_loses_nothing(tmp_path):
+def test_close_with_work_on_both_movers_loses_nothing(tmp_path):  # one worker: both movers
     before = open_fds(rings=True)
     srcs = [random_tensor(BIG, torch.uint8, seed=i) for i in range(6)]
     paths = [str(tmp_path / f"f{i}") for i in range(6)]

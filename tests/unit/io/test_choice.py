@@ -17,15 +17,18 @@ ENGINE_SPECIFIC = True  # pure: not re-run per engine
 BOTH = ("io_uring", "aio")
 
 
-def shape(*, write=False, direct=True, extending=False, largest=1 << 20):
-    return TransferShape(write=write, direct=direct, extending=extending, largest=largest)
+def shape(*, write=False, direct=True, extending=False, largest=1 << 20, workers=1):
+    return TransferShape(write=write, direct=direct, extending=extending, largest=largest,
+                         workers=workers)
 
 
 @pytest.mark.parametrize(("s", "transfer", "mover"), [
     (shape(direct=False), "buffered", "io_uring"),
     (shape(write=True, direct=False, extending=True), "buffered", "io_uring"),
-    (shape(write=True, extending=True), "file-extending write", "io_uring"),
-    (shape(write=True, extending=True, largest=4096), "file-extending write", "io_uring"),
+    (shape(write=True, extending=True), "file-extending write, 1 worker", "io_uring"),
+    (shape(write=True, extending=True, largest=4096), "file-extending write, 1 worker", "io_uring"),
+    (shape(write=True, extending=True, workers=2), "file-extending write, 2+ workers", "aio"),
+    (shape(write=True, direct=False, extending=True, workers=4), "buffered", "io_uring"),
     (shape(largest=4096), "small direct reads", "aio"),
     (shape(write=True, largest=SMALL_BYTES - 1), "small direct writes", "aio"),
     (shape(largest=SMALL_BYTES), "large direct read", "aio"),

@@ -3,12 +3,15 @@
 Usage:
   python benchmarks/bench_engines.py --dir DIR [--size 1G] [--reps 5] [--parallelism 1,2,4]
       [--engines io_uring,aio,threads] [--block-size 1M] [--queue-depth 32] [--rand-ios 65536]
-      [--ds-python /work/venv-peers/bin/python] [--no-fio] [--no-randread] [--json out.json]
+      [--ds-python /work/venv-peers/bin/python] [--no-fio] [--no-randread] [--no-new-file]
+      [--json out.json]
 
 Measured, per tool, at the same block size, queue depth and intra_op_parallelism:
   * a sequential write of --size bytes from a page-locked buffer, timed until the data is on
     stable storage (deepnvme: submit_write(fsync=True); DeepSpeed: sync_pwrite then os.fsync of
     the file, both inside the timed region; fio: --end_fsync=1, which its runtime includes);
+  * the same write into a new file (the file deleted first, so every write extends it, as a
+    checkpoint's does; fio: --file_append=1 on the missing file, no layout), unless --no-new-file;
   * a cold sequential read of the same bytes (O_DIRECT for all three; page cache also dropped
     with posix_fadvise(DONTNEED) before every read);
   * 4 KiB reads at --rand-ios random 4096-aligned offsets over the file, queue depth 32, one
@@ -23,8 +26,8 @@ one), fio as itself, so all pay the same process model; buffer allocation and fi
 outside the timed region. Before it, a probe writes and reads 1 MiB with each deepnvme engine
 and with DeepSpeed: an engine this system cannot run, or a DeepSpeed that does not load, is left
 out with a note.
-All tools rewrite one preallocated file in --dir in place (same size, no truncation), so every
-tool reads back the blocks some tool wrote. Rounds interleave the tools and rotate their order.
+The overwrite rewrites one file in --dir in place (same size, no truncation), so every tool
+reads back the blocks some tool wrote. Rounds interleave the tools and rotate their order.
 fio runs one job (no intra_op_parallelism), so its row stands beside every parallelism.
 Results: medians over --reps [min-max]; GB = 1e9 bytes; ratios of medians are printed last.
 """
@@ -49,6 +52,8 @@ RAND_QUEUE_DEPTH = 32
 FIO_SEQ = "fio libaio 1 job"
 FIO_RAND = "fio libaio"
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+SEQ_OPS = ("write_new", "write", "read")
+SEQ_NAMES = {"write_new": "new-file write", "write": "write", "read": "read"}
 Samples = dict[str, dict[str, list[dict[str, Any]]]]   # label -> op -> samples
 Medians = dict[str, dict[str, dict[str, float]]]       # label -> op -> summary
 
@@ -82,7 +87,10 @@ def run_fio(path: str, op: str, args: argparse.Namespace) -> dict[str, Any]:
     """fio's own runtime (end_fsync included for writes) and CPU (usr%, sys% of its job runtime)."""
     cmd = ["fio", "--name=bench", f"--filename={path}", f"--size={args.size}", "--ioengine=libaio",
            "--direct=1", "--numjobs=1", "--output-format=json"]
-    if op == "randread":
+    if op == "write_new":
+        cmd += ["--rw=write", f"--bs={args.block_size}", f"--iodepth={args.queue_depth}",
+                "--end_fsync=1", "--file_append=1", "--fallocate=none"]
+    elif op == "randread":
         cmd += ["--rw=randread", f"--bs={RAND_BLOCK}", f"--iodepth={RAND_QUEUE_DEPTH}",
                 f"--number_ios={args.rand_ios}", "--norandommap", "--randrepeat=0"]
     else:
@@ -92,7 +100,7 @@ def run_fio(path: str, op: str, args: argparse.Namespace) -> dict[str, Any]:
     if proc.returncode != 0:
         raise WorkerFailed(f"fio {op} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
     job = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0]
-    side = job["write" if op == "write" else "read"]
+    side = job["read" if op in ("read", "randread") else "write"]
     seconds = side["runtime"] / 1e3
     if seconds <= 0:
         raise WorkerFailed(f"fio {op} finished within its 1 ms clock: use a larger --size/--rand-ios")
@@ -250,7 +258,9 @@ def measure(op: str, spec: dict[str, Any], args: argparse.Namespace, path: str, 
     """One sample; reads start with the file's pages dropped from the page cache."""
     spec = {**spec, "op": op, "path": path, "size": args.size, "file_size": args.size,
             "ios": args.rand_ios, "seed": seed}
-    if op != "write":
+    if op == "write_new":
+        os.unlink(path)
+    elif op != "write":
         evict(path)
     if spec["tool"] == "fio":
         return run_fio(path, op, args)
@@ -271,7 +281,8 @@ def run_rounds(args: argparse.Namespace, items: list[tuple[str, str, dict[str, A
         for label, kind, spec in items[shift:] + items[:shift]:
             if label in dropped:
                 continue
-            for op in ("write", "read") if kind == "seq" else ("randread",):
+            seq = ("write_new", "write", "read") if args.new_file else ("write", "read")
+            for op in seq if kind == "seq" else ("randread",):
                 try:
                     sample = measure(op, spec, args, path, seed=rnd)
                 except WorkerFailed as exc:
@@ -318,13 +329,15 @@ def report(args: argparse.Namespace, machine: dict[str, str], notes: list[str], 
     print(f"\nsequential: {size} per op, block {args.block_size >> 10} KiB, queue depth "
           f"{args.queue_depth} (fio: one job), {args.reps} rounds; median GB/s [min-max]; CPU s/GB = "
           "user+sys CPU seconds of the process doing the I/O per GB moved; GB = 1e9 B\n")
-    print("| tool | write GB/s | read GB/s | write CPU s/GB | read CPU s/GB |")
-    print("|---|---|---|---|---|")
+    seq_ops = [op for op in SEQ_OPS if any(op in ops for ops in med.values())]
+    print("| tool | " + " | ".join(f"{SEQ_NAMES[op]} GB/s" for op in seq_ops) + " | "
+          + " | ".join(f"{SEQ_NAMES[op]} CPU s/GB" for op in seq_ops) + " |")
+    print("|---" * (1 + 2 * len(seq_ops)) + "|")
     for label, ops in med.items():
         if "write" in ops:
-            w, r = ops["write"], ops["read"]
-            print(f"| {label} | {cell(w)} | {cell(r)} | {cell(w, 'cpu_per_gb', 'cpu_min', 'cpu_max', '.3f')} "
-                  f"| {cell(r, 'cpu_per_gb', 'cpu_min', 'cpu_max', '.3f')} |")
+            have = [ops[op] for op in seq_ops]
+            print(f"| {label} | " + " | ".join(cell(m) for m in have) + " | "
+                  + " | ".join(cell(m, 'cpu_per_gb', 'cpu_min', 'cpu_max', '.3f') for m in have) + " |")
     rand = {label: ops["randread"] for label, ops in med.items() if "randread" in ops}
     if rand:
         print(f"\nrandom reads: {args.rand_ios} x 4 KiB at random 4 KiB-aligned offsets of the file, "
@@ -345,6 +358,7 @@ def print_ratios(med: Medians) -> None:
     seq: list[str] = []
     rand: list[str] = []
     fio = med.get(FIO_SEQ)
+    seq_ops = [op for op in SEQ_OPS if all(op in ops for ops in med.values() if "write" in ops)]
     for label, ops in med.items():
         if not label.startswith("deepnvme"):
             continue
@@ -353,11 +367,10 @@ def print_ratios(med: Medians) -> None:
             p = label.rsplit(" ", 1)[1]
             for peer_name, peer in ((f"DeepSpeed {p}", med.get(f"DeepSpeed aio {p}")), ("fio", fio)):
                 if peer:
-                    seq.append(f"| {name} / {peer_name} "
-                               f"| {ops['write']['median'] / peer['write']['median']:.2f} "
-                               f"| {ops['read']['median'] / peer['read']['median']:.2f} "
-                               f"| {_cpu_ratio(ops['write'], peer['write'])} "
-                               f"| {_cpu_ratio(ops['read'], peer['read'])} |")
+                    have = [op for op in seq_ops if op in ops and op in peer]
+                    seq.append(f"| {name} / {peer_name} | "
+                               + " | ".join(f"{ops[op]['median'] / peer[op]['median']:.2f}" for op in have)
+                               + " | " + " | ".join(_cpu_ratio(ops[op], peer[op]) for op in have) + " |")
         if "randread" in ops:
             for peer_label in ("DeepSpeed aio", FIO_RAND):
                 rpeer = med.get(peer_label, {}).get("randread")
@@ -369,8 +382,10 @@ def print_ratios(med: Medians) -> None:
         print("\nratios of medians, deepnvme / peer (GB/s and IOPS: above 1 = deepnvme faster; "
               "CPU: below 1 = deepnvme spends less per byte)")
     if seq:
-        print("\n| sequential, deepnvme / peer | write GB/s | read GB/s | write CPU/GB | read CPU/GB |")
-        print("|---|---|---|---|---|")
+        print("\n| sequential, deepnvme / peer | "
+              + " | ".join(f"{SEQ_NAMES[op]} GB/s" for op in seq_ops) + " | "
+              + " | ".join(f"{SEQ_NAMES[op]} CPU/GB" for op in seq_ops) + " |")
+        print("|---" * (1 + 2 * len(seq_ops)) + "|")
         print("\n".join(seq))
     if rand:
         print("\n| random 4 KiB, deepnvme / peer | IOPS | CPU/IO |")
@@ -395,6 +410,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-randread", action="store_true", help="leave out the random reads")
     ap.add_argument("--ds-python", help="python of a venv with DeepSpeed (benchmarks/setup_peers.sh)")
     ap.add_argument("--no-fio", action="store_true", help="leave out fio")
+    ap.add_argument("--no-new-file", dest="new_file", action="store_false",
+                    help="leave out the writes into a new file")
     ap.add_argument("--json", help="write the machine, notes, medians and every sample here")
     args = ap.parse_args(argv)
     args.parallelism = [int(p) for p in args.parallelism.split(",") if p.strip()]

@@ -3,7 +3,7 @@
 Usage: python benchmarks/bench_engines_worker.py SPEC_JSON   (run by bench_engines.py, not by hand)
 
 Prints one line, RESULT_TAG + JSON: {seconds, bytes, cpu_user, cpu_sys, engine} for a "write",
-"read" or "randread" op; what the tool offers for a "probe". Imports only the standard library,
+"write_new", "read" or "randread" op; what the tool offers for a "probe". Imports only the standard library,
 torch and the tool measured: DeepSpeed's interpreter (a side venv) has no deepnvme. Allocating
 and filling the buffer happen before the timed region; CPU is getrusage(RUSAGE_SELF) of this
 process (every thread, the tool's native threads included) around it.
@@ -187,7 +187,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             result = timed(lambda: tool.read_at(items, path))
         else:
             buf = tool.alloc(spec["size"])
-            if op == "write":
+            if op in ("write", "write_new"):
                 fill(buf)
                 result = timed(lambda: tool.write(buf, path))
             else:

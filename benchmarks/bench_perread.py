@@ -1,4 +1,5 @@
-"""CPU per small read of the engine, A/B between source trees in one run.
+"""CPU per small read (or, with ``--write``, small write) of the engine, A/B between source
+trees in one run.
 
 Shuffled reads of ``--size`` bytes (O_DIRECT, aligned) through ``AioHandle.read_many_into``,
 one worker, ``--depth`` in flight. Each repetition runs in a fresh process with PYTHONPATH set
@@ -6,7 +7,9 @@ to one of the ``--src`` trees, the trees interleaved; each process reports the C
 (getrusage, user + sys, the whole process: the submitting and the I/O threads) and the wall
 time of the reads only. The buffer is touched first, as a loader's reused buffers are. ``--fio`` adds fio (the same
 reads: randread, O_DIRECT, one job, the same depth, ``--fio-engine``) as a reference, its CPU
-from its own usr/sys figures. Prints medians and the ratio of each tree to the first; writes
+from its own usr/sys figures. ``--write``: the same ranges written over the existing file with
+``AioHandle.write_many`` (one (tensor, offset) item each, as callers give them), fio randwrite
+beside. Prints medians and the ratio of each tree to the first; writes
 JSON.
 
   python benchmarks/bench_perread.py FILE --src A=/work/main/src --src B=src --out r.json
@@ -25,7 +28,7 @@ _CHILD = r"""
 import json, os, resource, sys, time
 import torch
 from deepnvme import AioHandle
-path, engine = sys.argv[1], sys.argv[5]
+path, engine, write = sys.argv[1], sys.argv[5], sys.argv[7] == "1"
 size, count, depth, seed = (int(sys.argv[i]) for i in (2, 3, 4, 6))
 blocks = os.path.getsize(path) // size
 g = torch.Generator().manual_seed(seed)
@@ -38,11 +41,15 @@ buf = buf[shift:shift + count * size]
 buf.fill_(1)  # touched: time the reads, not the first faults of new memory
 h = AioHandle(queue_depth=depth, intra_op_parallelism=1, engine=engine)
 h.read_many_into(path, buf, buffer_offsets=at[:64], file_offsets=offs[:64], sizes=sizes[:64]).result()
+items = [(buf[i * size:(i + 1) * size], o) for i, o in enumerate(offs.tolist())] if write else None
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 c0, t0 = cpu(), time.perf_counter()
-n = h.read_many_into(path, buf, buffer_offsets=at, file_offsets=offs, sizes=sizes).result()
+if write:
+    n = h.write_many(path, items, fsync=False).result()
+else:
+    n = h.read_many_into(path, buf, buffer_offsets=at, file_offsets=offs, sizes=sizes).result()
 t1, c1 = time.perf_counter(), cpu()
 assert n == count * size, n
 h.close()
@@ -51,14 +58,16 @@ print(json.dumps({"seconds": t1 - t0, "cpu_seconds": c1 - c0, "reads": count}))
 
 
 def _fio(a: argparse.Namespace, rep: int) -> dict[str, float]:
-    out = subprocess.run(["fio", "--name=perread", f"--filename={a.file}", "--rw=randread",
+    out = subprocess.run(["fio", "--name=perread", f"--filename={a.file}",
+                          f"--rw={'randwrite' if a.write else 'randread'}",
                           f"--bs={a.size}", f"--iodepth={a.depth}", f"--ioengine={a.fio_engine}",
                           "--direct=1", f"--number_ios={a.count}", f"--randseed={rep + 1}",
                           "--norandommap", "--output-format=json"],
                          check=True, capture_output=True, text=True, timeout=600).stdout
     job = json.loads(out)["jobs"][0]
-    seconds = job["read"]["runtime"] / 1000
-    reads = job["read"]["total_ios"]
+    side = job["write" if a.write else "read"]
+    seconds = side["runtime"] / 1000
+    reads = side["total_ios"]
     return {"seconds": seconds, "cpu_seconds": (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds,
             "reads": reads}
 
@@ -73,6 +82,7 @@ def main() -> None:
     p.add_argument("--engine", default="auto")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--fio", action="store_true")
+    p.add_argument("--write", action="store_true", help="small writes over the file instead")
     p.add_argument("--fio-engine", default="io_uring")
     p.add_argument("--out")
     a = p.parse_args()
@@ -86,7 +96,7 @@ def main() -> None:
         for name, src in trees:
             env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
             out = subprocess.run([sys.executable, "-c", _CHILD, a.file, str(a.size), str(a.count),
-                                  str(a.depth), a.engine, str(rep)], env=env, check=True,
+                                  str(a.depth), a.engine, str(rep), str(int(a.write))], env=env, check=True,
                                  capture_output=True, text=True, timeout=600).stdout
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
     summary = {}

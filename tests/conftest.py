@@ -10,7 +10,7 @@ from hypothesis import settings
 
 import deepnvme
 from deepnvme.io import engine as _engine_module
-from deepnvme.io.movers import probe_engines, select_engine
+from deepnvme.io.movers import probe_engines, select_engine, select_movers
 
 settings.register_profile("deepnvme", deadline=None, max_examples=100)
 settings.load_profile("deepnvme")
@@ -31,16 +31,23 @@ def pytest_generate_tests(metafunc):
     if getattr(metafunc.module, "ENGINE_SPECIFIC", False):  # the module picks its engines
         return
     if "io_engine" in metafunc.fixturenames and any(p in path for p in _PER_ENGINE):
-        metafunc.parametrize("io_engine", AVAILABLE_ENGINES, indirect=True)
+        engines = AVAILABLE_ENGINES
+        if "tests/conformance/" in path and len(select_movers("auto")) > 1:
+            engines += ("auto",)  # and auto itself, several movers picked per transfer
+        metafunc.parametrize("io_engine", engines, indirect=True)
 
 
 @pytest.fixture(autouse=True)
 def io_engine(request, monkeypatch):
     """The engine that ``auto`` means for this test (parametrized for the paths above)."""
     chosen = getattr(request, "param", None)
+    if chosen == "auto":
+        return chosen
     if chosen is not None:
         monkeypatch.setattr(_engine_module, "select_engine",
                             lambda requested: chosen if requested == "auto" else select_engine(requested))
+        monkeypatch.setattr(_engine_module, "select_movers",
+                            lambda requested: (chosen,) if requested == "auto" else select_movers(requested))
     return chosen or select_engine("auto")
 
 

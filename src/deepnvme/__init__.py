@@ -56,6 +56,7 @@ from .errors import (
     VolumeLayoutError,
 )
 from .handles import AioHandle, GdsHandle, gds_status
+from .io.choice import Choice, auto_choices
 from .io.movers import EngineProbe, probe_engines
 from .io.volume import Volume, VolumePath
 from .memory.pinned import BufferPool, free_cpu_locked_tensor, is_pinned, new_cpu_locked_tensor
@@ -117,6 +118,7 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointManager",
     "CheckpointMismatchError",
+    "Choice",
     "ConfigError",
     "DatasetFormatError",
     "DeepNVMeError",
@@ -146,6 +148,7 @@ __all__ = [
     "VolumePath",
     "__version__",
     "async_save",
+    "auto_choices",
     "cast_to_byte_tensor",
     "clean_temp_files",
     "free_cpu_locked_tensor",

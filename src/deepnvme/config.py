@@ -5,9 +5,9 @@ Precedence, highest first: an explicit argument, a scoped :func:`override`, the 
 construction, so worker threads never read mutable process state.
 
 Memory bound of one handle: bounce buffers, allocated only when a transfer's memory address is
-not aligned for O_DIRECT: ``intra_op_parallelism x min(queue_depth, 4) x block_size`` bytes with a
-kernel engine (io_uring, aio), ``intra_op_parallelism x block_size`` with ``threads``; plus the
-caller's own buffers.
+not aligned for O_DIRECT: ``intra_op_parallelism x min(queue_depth, 4) x block_size`` bytes per
+kernel mover in use (io_uring, aio: ``auto`` may use both), ``intra_op_parallelism x
+block_size`` with ``threads``; plus the caller's own buffers.
 """
 
 from __future__ import annotations
@@ -93,7 +93,10 @@ SETTINGS: tuple[Setting, ...] = (
             "How chunks reach the kernel: `io_uring` or `aio` (Linux AIO) keep `queue_depth` "
             "chunks in flight per worker thread; `threads` issues one blocking syscall per "
             "worker. `auto` picks the first of io_uring, aio, threads that this system runs "
-            "(logging once why it fell back)."),
+            "(logging once why it fell back); where io_uring and aio both run, it gives each "
+            "request the one fast for it (io_uring for buffered transfers and, with one worker, "
+            "file-extending writes, where Linux AIO is synchronous; aio for the rest), with "
+            "worker threads per mover in use. `deepnvme report` lists which and why."),
     Setting("block_size", "DEEPNVME_BLOCK_SIZE", _parse_int, 1 << 20,
             "Bytes per chunk: a request is cut into chunks of this size (rounded down to the "
             "file's O_DIRECT alignment), each one syscall.", minimum=1),

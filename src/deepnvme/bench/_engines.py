@@ -7,8 +7,10 @@ import dataclasses
 
 from ..config import ENGINE_NAMES, IOConfig
 from ..errors import ConfigError, DeepNVMeError
+from ..io.choice import Choice, auto_choices
 
-__all__ = ["EngineStatus", "engine_statuses", "parse_engines", "require_engines", "in_flight"]
+__all__ = ["EngineStatus", "engine_statuses", "parse_engines", "require_engines", "in_flight",
+           "auto_per_transfer", "describe_choices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,18 @@ def engine_statuses() -> tuple[EngineStatus, ...]:
     probes = probe_engines()
     picked = next((p.name for p in probes if p.available), None)
     return tuple(EngineStatus(p.name, p.available, p.detail, p.name == picked) for p in probes)
+
+
+def auto_per_transfer(statuses: tuple[EngineStatus, ...]) -> tuple[Choice, ...]:
+    """The mover ``engine="auto"`` gives each class of transfer with the engines that run
+    here (:func:`~deepnvme.io.choice.auto_choices`); empty when it uses one for all."""
+    choices = auto_choices(tuple(s.name for s in statuses if s.available))
+    return choices if len({c.mover for c in choices}) > 1 else ()
+
+
+def describe_choices(choices: tuple[Choice, ...]) -> str:
+    """``"large direct read: aio (why); ..."``: one line for the report and tune."""
+    return "; ".join(f"{c.transfer}: {c.mover} ({c.why})" for c in choices)
 
 
 def parse_engines(text: str) -> tuple[str, ...]:

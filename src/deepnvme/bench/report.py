@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..io.durable import create_temp
-from ._engines import EngineStatus, engine_statuses
+from ._engines import EngineStatus, auto_per_transfer, engine_statuses
 from ._storage_facts import probe_o_direct
 from ._system import block_device, mount_of
 from ._units import GB, fmt_size
@@ -65,7 +65,9 @@ class Report:
         auto = next((e.name for e in self.engines if e.auto), None)
         return {"directory": self.directory, "ok": self.ok, "facts": self.facts,
                 "checks": [dataclasses.asdict(c) for c in self.checks],
-                "engines": [e.to_dict() for e in self.engines], "auto_engine": auto}
+                "engines": [e.to_dict() for e in self.engines], "auto_engine": auto,
+                "auto_per_transfer": [dataclasses.asdict(c)
+                                      for c in auto_per_transfer(self.engines)]}
 
 
 def _software(directory: str) -> list[Check]:
@@ -175,7 +177,12 @@ def _engine_checks(engines: tuple[EngineStatus, ...]) -> list[Check]:
     env = os.environ.get("DEEPNVME_ENGINE")
     if env:
         value += f"; DEEPNVME_ENGINE={env} sets handles' engine instead"
+    per_transfer = auto_per_transfer(engines)
+    if per_transfer:
+        value += ", per transfer as below"
     checks.append(Check("engine auto", OK, value))
+    checks += [Check(f"engine auto: {c.transfer}", OK, f"{c.mover}: {c.why}")
+               for c in per_transfer]
     return checks
 
 

@@ -30,7 +30,7 @@ from ..config import IOConfig, resolve_config
 from ..errors import ConfigError, DeepNVMeError
 from ..io.durable import create_temp, write_json
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
-from ._engines import engine_statuses
+from ._engines import EngineStatus, auto_per_transfer, describe_choices, engine_statuses
 from ._files import check_writable, remove_leftovers
 from ._measure import Measurer, fill_pattern, remove
 from ._search import Point, coordinate_search, grid
@@ -208,7 +208,8 @@ def run_tune(directory: str = ".", *, space: TuneSpace | None = None, io_size: i
     finally:
         remove(path)
         free_cpu_locked_tensor(buf)
-    result = _result(directory, space, trials, objective, output, interrupted)
+    result = _result(directory, space, trials, objective, output, interrupted,
+                     _auto_note(statuses))
     if output is not None:
         _write_config(result, output)
     if interrupted:
@@ -216,9 +217,19 @@ def run_tune(directory: str = ".", *, space: TuneSpace | None = None, io_size: i
     return result
 
 
+def _auto_note(statuses: tuple[EngineStatus, ...]) -> str | None:
+    """What ``engine="auto"`` does per transfer here, for the notes (None: one engine)."""
+    choices = auto_per_transfer(statuses)
+    if not choices:
+        return None
+    return ("each trial runs one engine for all its transfers; engine auto instead picks per "
+            "transfer: " + describe_choices(choices))
+
+
 def _result(directory: str, space: TuneSpace, trials: _Trials, objective: str,
-            output: str | None, interrupted: bool) -> TuneResult:
-    """The winners among the trials measured, with notes on why the sweep stopped."""
+            output: str | None, interrupted: bool, auto_note: str | None = None) -> TuneResult:
+    """The winners among the trials measured, with notes on why the sweep stopped (and
+    ``auto_note``)."""
     done = tuple(trials.cache.values())
     if not done:
         raise DeepNVMeError("no configuration could be measured")
@@ -227,6 +238,8 @@ def _result(directory: str, space: TuneSpace, trials: _Trials, objective: str,
     if trials.exhausted:
         notes.append(f"the {trials.budget:g} s budget ran out after {len(done)} configurations; "
                      "raise --budget to search further")
+    if auto_note is not None:
+        notes.append(auto_note)
     if interrupted:
         notes.append(f"interrupted (Ctrl-C) after {len(done)} configurations: the winners are "
                      "the best found so far")

@@ -12,6 +12,7 @@ heap several times, a large share of a batch's time.
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +24,14 @@ if TYPE_CHECKING:
     from .opening import Opener
     from .window import Window
 
-__all__ = ["submit_many", "GATHER", "Items"]
+__all__ = ["submit_many", "GATHER", "Items", "Route"]
 
 GATHER = 256  # single-chunk items gathered into one request
+
+
+#: ``route(batch, direct=, end=, largest=)``: the window that runs a planned batch (the engine's
+#: :meth:`~deepnvme.io.engine.Engine.mover_for`); it may raise (the batch's error)
+Route = Callable[..., "Window"]
 
 
 class Items:
@@ -45,15 +51,14 @@ class Items:
         return len(self.addresses)
 
 
-def submit_many(opener: Opener, window: Window, block_size: int, write: bool, target: str,
+def submit_many(opener: Opener, route: Route, block_size: int, write: bool, target: str,
                 items: Items, *, validate: bool, fsync: bool,
                 keep_open: bool = False) -> Future[int]:
     """Start the batch: open ``target`` with ``opener``, plan chunks of at most ``block_size``
-    bytes, admit them to ``window``. The future's result is the total byte count, or the first
+    bytes, admit them to the window ``route`` gives. The future's result is the total byte count, or the first
     failure once every item has ended. ``fsync`` (writes) runs once, after the last item.
     ``keep_open`` uses the opener's kept descriptors of ``target`` (see
     :meth:`Engine.submit <deepnvme.io.engine.Engine.submit>`)."""
-    window.check_open()
     if not len(items):
         done: Future[int] = Future()
         done.set_result(0)
@@ -64,7 +69,8 @@ def submit_many(opener: Opener, window: Window, block_size: int, write: bool, ta
     batch.future.set_running_or_notify_cancel()
     try:
         alignment = opener.open(batch, keep_open)
-        ops = _plan(opener, block_size, batch, items, alignment, validate)
+        ops, shape = _plan(opener, block_size, batch, items, alignment, validate)
+        window = route(batch, **shape)
     except BaseException as exc:  # every failure goes to the future
         batch.close_fds(opener.posix)
         batch.future.set_exception(exc)
@@ -77,17 +83,18 @@ def submit_many(opener: Opener, window: Window, block_size: int, write: bool, ta
 
 
 def _plan(opener: Opener, block_size: int, batch: Batch, items: Items,
-          alignment: Alignment | None, validate: bool) -> list[Op]:
+          alignment: Alignment | None, validate: bool) -> tuple[list[Op], dict[str, Any]]:
     """Check every item and plan the batch's requests in one pass (this runs before the first
-    transfer starts, so its cost per item is the batch's latency)."""
+    transfer starts, so its cost per item is the batch's latency); also the batch's shape for
+    the engine's choice of mover (``direct``, ``end``, ``largest``)."""
     first = batch.transfer
-    gather = alignment is not None and not validate
+    gather = alignment is not None
     edge = max(alignment.offset, PAGE_SIZE) if alignment is not None else PAGE_SIZE
     mem = alignment.memory if alignment is not None else 1
     addresses, sizes, offsets = items.addresses, items.sizes, items.offsets
     gathered: list[int] = []
     single: list[int] = []
-    end, ragged = 0, False
+    end, largest, ragged = 0, 0, False
     for j in range(len(addresses)):
         size, offset = sizes[j], offsets[j]
         if offset < 0:
@@ -95,6 +102,8 @@ def _plan(opener: Opener, block_size: int, batch: Batch, items: Items,
                                   size=size, errno=errno.EINVAL)
         if offset + size > end:
             end = offset + size
+        if size > largest:
+            largest = size
         if offset % edge or size % edge:
             ragged = True
             single.append(j)
@@ -107,14 +116,16 @@ def _plan(opener: Opener, block_size: int, batch: Batch, items: Items,
         _check_inside(first.name, items, end, opener.posix.file_size(fd))
     if ragged and batch.fd_buffered < 0 and alignment is not None:
         batch.fd_buffered = opener.reopen_buffered(batch)
-    ops = [_gathered(batch, items, gathered[i:i + GATHER])
+    ops = [_gathered(batch, items, gathered[i:i + GATHER], validate)
            for i in range(0, len(gathered), GATHER)]
     ops += [_member(block_size, batch, Transfer(write=first.write, address=addresses[j],
                                                 size=sizes[j], target=first.target,
                                                 file_offset=offsets[j],
                                                 keepalive=items.keepalive),
                     validate, alignment) for j in single]
-    return ops
+    shape = {"direct": alignment is not None and not ragged, "end": end,
+             "largest": min(largest, block_size)}
+    return ops, shape
 
 
 def _member(block_size: int, batch: Batch, t: Transfer, validate: bool,
@@ -126,13 +137,14 @@ def _member(block_size: int, batch: Batch, t: Transfer, validate: bool,
     return op
 
 
-def _gathered(batch: Batch, items: Items, index: list[int]) -> Op:
+def _gathered(batch: Batch, items: Items, index: list[int], validate: bool) -> Op:
     """One request over many single-chunk items: its chunks' ``buf_offset`` are absolute
-    addresses (the request's own address is 0); the batch keeps the buffers alive."""
+    addresses (the request's own address is 0); the batch keeps the buffers alive.
+    ``validate`` compares each item with the file once all have ended."""
     first = batch.transfer
     carrier = Transfer(write=first.write, address=0, size=sum(items.sizes[j] for j in index),
                        target=first.target, file_offset=items.offsets[index[0]])
-    op = Op(carrier, False, False, batch=batch)
+    op = Op(carrier, validate, False, batch=batch)
     op.chunks = Gathered(items.addresses, items.offsets, items.sizes, index)
     op.fd_direct, op.fd_buffered, op.remaining = batch.fd_direct, batch.fd_buffered, len(index)
     return op

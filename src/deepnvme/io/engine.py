@@ -10,11 +10,15 @@ report completions: the ``threads`` mover runs one blocking syscall per worker
 worker. A :class:`~deepnvme.io.movers.Mover` given as ``mover=`` (cuFile) runs its own call per
 chunk on the worker threads instead.
 
-Concurrency: ``intra_op_parallelism`` worker threads (started on first use). Window: at most
+``engine="auto"`` where both io_uring and Linux AIO run gives each request (or batch) the mover
+that is fast for it (:mod:`deepnvme.io.choice`: Linux AIO is synchronous for buffered and
+file-extending transfers); each mover has its own window and workers, started on first use.
+
+Concurrency: ``intra_op_parallelism`` worker threads per mover in use (started on first use). Window: at most
 ``queue_depth`` chunks handed out per handle with ``threads``, ``queue_depth x
 intra_op_parallelism`` with a kernel engine. Bounce memory (only for buffers whose address
 O_DIRECT cannot use): at most ``intra_op_parallelism x block_size`` bytes with ``threads``,
-``intra_op_parallelism x min(queue_depth, 4) x block_size`` with a kernel engine.
+``intra_op_parallelism x min(queue_depth, 4) x block_size`` per kernel mover in use.
 Descriptors: each request opens and closes its file, except ``keep_open`` requests, which share
 the engine's kept descriptors (:mod:`deepnvme.io.kept`: at most its limit of files, closed by
 :meth:`Engine.close_files` or :meth:`Engine.close`).
@@ -33,8 +37,9 @@ from ..config import IOConfig
 from ..errors import ConfigError, DeepNVMeIOError, ShortTransferError
 from .batch import Items
 from .batch import submit_many as _submit_batch
+from .choice import Choice, TransferShape, choose
 from .kernel import KernelQueue, kernel_worker
-from .movers import EngineProbe, Mover, probe_engines, queue_factory, select_engine
+from .movers import EngineProbe, Mover, probe_engines, queue_factory, select_engine, select_movers
 from .op import Op, Transfer
 from .opening import Opener
 from .plan import Kind, plan_transfer
@@ -64,28 +69,61 @@ class Engine:
         self.config = config
         self.posix = posix
         self.mover = mover
-        #: the engine in use (``auto`` resolved): "io_uring", "aio" or "threads", or the mover's
-        self.name = mover.name if mover is not None else self._choose(config.engine, posix)
-        make_queue = queue_factory(self.name) if mover is None else None
+        #: the movers in use: one, or (``auto`` with io_uring and Linux AIO) one per transfer
+        #: as :func:`~deepnvme.io.choice.choose` says; the first is the default
+        self.movers: tuple[str, ...] = ((mover.name,) if mover is not None
+                                        else self._choose(config.engine, posix))
+        #: the engine in use (``auto`` resolved): "io_uring", "aio" or "threads", or the mover's;
+        #: with several :attr:`movers`, the first (the others take the transfers it is slow at)
+        self.name = self.movers[0]
         self._bounces = Bounces(config.block_size, config.intra_op_parallelism)
         self._opener = Opener(config, posix)  # also keeps the files of ``keep_open`` requests
-        self._window = Window(
-            config.queue_depth * (config.intra_op_parallelism if make_queue is not None else 1),
-            posix, _starter(config, posix, mover, make_queue, self._bounces),
-            closed_message=_CLOSED, span=config.queue_depth if make_queue is not None else 0)
+        self._windows = {name: _window(config, posix, mover, name, self._bounces)
+                         for name in self.movers}
+        self._window = self._windows[self.name]
+        self._last_choice: dict[str, Choice] = {}
         _live_engines.add(self)
 
     @staticmethod
-    def _choose(requested: str, posix: Posix) -> str:
+    def _choose(requested: str, posix: Posix) -> tuple[str, ...]:
         """A ``posix`` that replaces the transfer syscalls (fault injection) is only called by
         the thread mover: ``auto`` then means ``threads``, and a kernel engine is refused."""
         kind = type(posix)
         if kind.preadv is Posix.preadv and kind.pwritev is Posix.pwritev:
-            return select_engine(requested)
+            movers = select_movers(requested)
+            select_engine(requested)  # the one place that logs why auto passed a mover over
+            return movers
         if requested not in ("auto", "threads"):
             raise ConfigError(f"engine {requested!r} cannot use {kind.__name__}, which replaces "
                               "preadv/pwritev: only engine 'threads' calls them")
-        return "threads"
+        return ("threads",)
+
+    def mover_for(self, op: Op, *, direct: bool, end: int, largest: int) -> Window:
+        """The window of the mover for request (or batch) ``op``, opened and planned:
+        ``direct`` if every chunk is on its O_DIRECT descriptor, ``end`` the file offset its
+        last byte reaches, ``largest`` its largest chunk in bytes.
+        With one mover, its window; else :func:`~deepnvme.io.choice.choose`'s (one fstat for
+        a write, to see whether it extends the file). The choice is kept per class for
+        :meth:`choices`."""
+        if len(self.movers) == 1:
+            return self._window
+        t = op.transfer
+        extending = False
+        if t.write:
+            fd = op.fd_direct if op.fd_direct >= 0 else op.fd_buffered
+            extending = end > self.posix.file_size(fd)
+        choice = choose(TransferShape(write=t.write, direct=direct, extending=extending,
+                                      largest=largest,
+                                      workers=self.config.intra_op_parallelism), self.movers)
+        if self._last_choice.get(choice.transfer) is not choice:
+            self._last_choice[choice.transfer] = choice
+            log.debug("deepnvme: %s of %s goes to %s (%s)", choice.transfer, t.name,
+                      choice.mover, choice.why)
+        return self._windows[choice.mover]
+
+    def choices(self) -> dict[str, Choice]:
+        """The mover each class of transfer went to so far (with several :attr:`movers`)."""
+        return dict(self._last_choice)
 
     # --- submission ----------------------------------------------------------------------
 
@@ -99,6 +137,7 @@ class Engine:
         raised here.
         """
         self._window.check_open()
+        t = transfer
         op = Op(transfer, validate, self.config.fsync if fsync is None else fsync)
         op.future.set_running_or_notify_cancel()  # the transfer cannot be cancelled once started
         try:
@@ -110,7 +149,18 @@ class Engine:
         if not op.chunks:
             op.finish(self.posix)
             return op.future
-        self._window.admit([op], op)
+        window = self._window
+        if len(self.movers) > 1:
+            try:
+                window = self.mover_for(
+                    op, direct=op.fd_direct >= 0 and all(c.kind is not Kind.BUFFERED
+                                                         for c in op.chunks),
+                    end=t.file_offset + t.size, largest=max(c.length for c in op.chunks))
+            except BaseException as exc:  # the fstat failed: the request's error
+                op.close_fds(self.posix)
+                op.future.set_exception(exc)
+                return op.future
+        window.admit([op], op)
         return op.future
 
     def submit_many(self, write: bool, target: str, items: Items, *, validate: bool = False,
@@ -119,7 +169,8 @@ class Engine:
         as :meth:`submit`); see :mod:`deepnvme.io.batch`."""
         if self.mover is not None:
             raise ValueError(f"submit_many is not supported by the {self.name} mover")
-        return _submit_batch(self._opener, self._window, self.config.block_size, write, target,
+        self._window.check_open()
+        return _submit_batch(self._opener, self.mover_for, self.config.block_size, write, target,
                              items, validate=validate,
                              fsync=self.config.fsync if fsync is None else fsync,
                              keep_open=keep_open)
@@ -159,18 +210,30 @@ class Engine:
 
     def drain(self) -> None:
         """Block until every submitted request has completed (errors stay on their futures)."""
-        self._window.drain()
+        for window in self._windows.values():
+            window.drain()
 
     def close(self) -> None:
         """Refuse new requests, finish the admitted ones, stop the workers and free bounce
         buffers. Idempotent. Not callable from a worker thread (a future's done-callback)."""
-        if not self._window.close():
+        closed = [window.close() for window in self._windows.values()]
+        if not closed[0]:
             return
         try:
             self._opener.close()
         except DeepNVMeIOError as exc:
             log.error("deepnvme: %s", exc)
         self._bounces.close()
+
+
+def _window(config: IOConfig, posix: Posix, mover: Mover | None, name: str,
+            bounces: Bounces) -> Window:
+    """The dispatch window of mover ``name`` (its workers start on first use)."""
+    make_queue = queue_factory(name) if mover is None else None
+    kernel = make_queue is not None
+    return Window(config.queue_depth * (config.intra_op_parallelism if kernel else 1), posix,
+                  _starter(config, posix, mover, make_queue, bounces), closed_message=_CLOSED,
+                  span=config.queue_depth if kernel else 0)
 
 
 def _starter(config: IOConfig, posix: Posix, mover: Mover | None,

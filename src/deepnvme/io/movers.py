@@ -19,12 +19,14 @@ from typing import Protocol
 from ..config import ENGINE_NAMES
 from ..errors import ConfigError
 from .aio import AioQueue, probe_aio
+from .choice import KERNEL_MOVERS
 from .kernel import KernelQueue
 from .op import Op, Session
 from .plan import Chunk
 from .uring import UringQueue, probe_io_uring
 
-__all__ = ["EngineProbe", "probe_engines", "select_engine", "queue_factory", "Mover"]
+__all__ = ["EngineProbe", "probe_engines", "select_engine", "select_movers", "queue_factory",
+           "Mover"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,18 @@ def select_engine(requested: str) -> str:
             return probe.name
         passed.append(f"{probe.name} unavailable ({probe.detail})")
     raise ConfigError("no I/O engine is available")  # threads always is; kept for clarity
+
+
+def select_movers(requested: str) -> tuple[str, ...]:
+    """The movers an engine with the setting ``requested`` uses: the one named, or for
+    ``auto`` every kernel mover that runs here when there are several (each transfer then
+    goes to the one :func:`~deepnvme.io.choice.choose` names), else the one
+    :func:`select_engine` picks. The first is the engine's name."""
+    first = select_engine(requested)
+    if requested != "auto" or first not in KERNEL_MOVERS:
+        return (first,)
+    kernel = tuple(p.name for p in probe_engines() if p.available and p.name in KERNEL_MOVERS)
+    return (first,) + tuple(m for m in kernel if m != first)
 
 
 def queue_factory(name: str) -> Callable[[int], KernelQueue] | None:

@@ -198,25 +198,39 @@ class Op:
                 self.fail(exc)
 
     def _validate(self, posix: Posix) -> None:
-        """Re-read the range through a fresh buffered descriptor and compare byte for byte."""
+        """Re-read the range (a gathered request: each item's) through a fresh buffered
+        descriptor and compare byte for byte."""
         t = self.transfer
         path = t.target if isinstance(t.target, str) else f"/proc/self/fd/{t.target}"
         fd = posix.open(path, write=False, direct=False, offset=t.file_offset, size=t.size)
         try:
+            g = self.chunks
+            if type(g) is Gathered:
+                for j in g.order:
+                    address, size = g.addresses[j], g.sizes[j]
+                    memory = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+                    _compare(posix, fd, t.name, g.offsets[j], memory)
+                return
             for start in range(0, t.size, _VALIDATE_BLOCK):
                 n = min(_VALIDATE_BLOCK, t.size - start)
-                back = bytearray(n)
-                try:
-                    posix.read_fully(fd, memoryview(back), t.file_offset + start, path=t.name)
-                except ShortTransferError as exc:
-                    raise ValidationError("validation failed: the file ends before the buffer",
-                                          path=t.name, offset=t.file_offset + start,
-                                          size=n) from exc
-                if t.buffer_bytes(start, n) != back:
-                    raise ValidationError("validation failed: file bytes differ from the buffer",
-                                          path=t.name, offset=t.file_offset + start, size=n)
+                _compare(posix, fd, t.name, t.file_offset + start, t.buffer_bytes(start, n))
         finally:
             posix.close(fd)
+
+
+def _compare(posix: Posix, fd: int, name: str, offset: int,
+             memory: bytes | bytearray | memoryview) -> None:
+    """Read ``len(memory)`` bytes at ``offset`` of ``fd``; ValidationError unless equal."""
+    n = len(memory)
+    back = bytearray(n)
+    try:
+        posix.read_fully(fd, memoryview(back), offset, path=name)
+    except ShortTransferError as exc:
+        raise ValidationError("validation failed: the file ends before the buffer",
+                              path=name, offset=offset, size=n) from exc
+    if memory != back:
+        raise ValidationError("validation failed: file bytes differ from the buffer",
+                              path=name, offset=offset, size=n)
 
 
 _NO_FUTURE: Future[int] = Future()  # placeholder for batch members, never completed

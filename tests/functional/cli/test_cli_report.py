@@ -79,9 +79,40 @@ def test_report_names_every_engine_and_auto_s_pick(run_cli, monkeypatch, tmp_pat
     assert checks["engine auto"]["status"] == "OK" and checks["engine auto"]["value"].startswith(auto)
     code, out, _ = run_cli("report", "--dir", str(tmp_path))
     lines = [line for line in out.splitlines() if line.strip().split()[1:2] == ["engine"]]
-    assert [line.split()[2] for line in lines] == [*ENGINE_NAMES, "auto"]
+    per_transfer = len(data["auto_per_transfer"])
+    assert [line.split()[2] for line in lines] == [*ENGINE_NAMES, "auto"] + ["auto:"] * per_transfer
     assert [line.split()[0] for line in lines[:3]] == [
         "OK" if p.available else "WARN" for p in probes]
+
+
+def test_report_says_which_mover_auto_gives_each_transfer_and_why(run_cli, monkeypatch,
+                                                                  tmp_path) -> None:
+    monkeypatch.delenv("DEEPNVME_ENGINE", raising=False)
+    code, out, _ = run_cli("report", "--dir", str(tmp_path), "--json")
+    data = json.loads(out)
+    with AioHandle(engine="auto") as h:
+        movers = h._engine.movers
+    rows = {r["transfer"]: r for r in data["auto_per_transfer"]}
+    checks = {c["name"]: c for c in data["checks"]}
+    if set(movers) != {"io_uring", "aio"}:
+        assert rows == {} and "per transfer" not in checks["engine auto"]["value"]
+        return
+    assert rows["file-extending write, 1 worker"]["mover"] == "io_uring"
+    assert "synchronous" in rows["file-extending write, 1 worker"]["why"]
+    assert rows["file-extending write, 2+ workers"]["mover"] == "aio"
+    assert rows["large direct read"]["mover"] in movers
+    for transfer, row in rows.items():
+        assert checks[f"engine auto: {transfer}"]["value"] == f"{row['mover']}: {row['why']}"
+    # without io_uring, auto has one mover and no per-transfer lines
+    import dataclasses
+
+    import deepnvme.io.engine as engine_mod
+
+    fake = tuple(dataclasses.replace(p, available=False, detail="faked")
+                 if p.name == "io_uring" else p for p in probe_engines())
+    monkeypatch.setattr(engine_mod, "probe_engines", lambda: fake)
+    code, out, _ = run_cli("report", "--dir", str(tmp_path), "--json")
+    assert json.loads(out)["auto_per_transfer"] == []
 
 
 def test_report_shows_an_unavailable_engine_with_why_and_a_hint(run_cli, monkeypatch,

@@ -28,6 +28,9 @@ def test_tune_writes_a_config_that_aiohandle_consumes(run_cli, leftovers, tmp_pa
     # the engine is the first dimension: every engine that runs here is measured
     assert sorted({t["engine"] for t in data["trials"]}) == sorted(available)
     with AioHandle(engine="auto") as h:
+        if len(h._engine.movers) > 1:  # auto picks per transfer: the notes say how and why
+            note = next(n for n in data["notes"] if "engine auto instead picks" in n)
+            assert "file-extending write, 1 worker: io_uring" in note and "synchronous" in note
         assert data["trials"][0]["engine"] == h.engine  # the search starts at auto's pick
     assert set(data["best"]) == {"combined", "read", "write"}
     raw = out_file.read_text()

@@ -92,6 +92,9 @@ class UringQueue:
         self._fixed_lock = threading.RLock()
         self._fixed: dict[Any, int] | None = None
         self._free_slots: list[int] = []
+        # regions freed while another thread held this ring's lock: dropped at the next
+        # fixed_slot (see region_released); list.append and pop are atomic
+        self._released: list[Any] = []
         self._init_fixed()
 
     def _map(self, p: tuple[int, ...]) -> None:
@@ -164,6 +167,7 @@ class UringQueue:
             return -1
         region, base, size = found
         with self._fixed_lock:
+            self._drop_released()
             slot = self._fixed.get(region)
             if slot is not None or not self._free_slots:
                 return -1 if slot is None else slot
@@ -206,20 +210,37 @@ class UringQueue:
                 del _holders[region]
 
     def region_released(self, region: object) -> None:
-        """A locked allocation was freed: drop its registration (any thread)."""
-        with self._fixed_lock:
+        """A locked allocation was freed: drop its registration (any thread). Never waits for
+        this ring's lock: the finalizer that calls it can run inside another ring's
+        registration (a syscall's allocation starting the GC) on a thread that holds
+        ``_holders_lock``, while a third thread holds this ring's lock and waits for
+        ``_holders_lock``. When the lock is taken, the region waits for the next
+        :meth:`fixed_slot` (its pages stay pinned until then; its address is not reused by
+        this table, which is keyed by region)."""
+        self._released.append(region)
+        if not self._fixed_lock.acquire(blocking=False):
+            return
+        try:
+            self._drop_released()
+        finally:
+            self._fixed_lock.release()
+
+    def _drop_released(self) -> None:
+        """Unregister the regions freed so far (caller holds ``_fixed_lock``)."""
+        while self._released:
+            region = self._released.pop()
             if self._fixed is None or self.fd < 0:
-                return
+                continue
             slot = self._fixed.pop(region, None)
             if slot is None:
-                return
+                continue
             with _holders_lock:
                 self._forget(region)
             try:
                 self._set_slot(slot, 0, 0)
             except OSError as exc:
                 log.error("deepnvme: io_uring could not drop a registered buffer: %s", exc)
-                return
+                continue
             self._free_slots.append(slot)
 
     # --- submission ------------------------------------------------------------------------

@@ -178,3 +178,45 @@ def test_a_second_ring_clones_the_registration_instead_of_pinning_again(tmp_path
         for q in rings:
             q.close()
     assert not uring._holders.get(pinned.locked_region(buf.data_ptr(), 1)[0])
+
+
+def test_a_release_never_waits_for_a_ring_lock_held_elsewhere(tmp_path):
+    """Regression (a deadlock seen in the suite): a finalizer freed a registered allocation
+    inside ring X's registration, on a thread holding ``_holders_lock``, and waited for ring Y's
+    lock, held by a thread waiting for ``_holders_lock``. region_released must not wait: the
+    region is dropped at the ring's next fixed_slot instead."""
+    import threading
+
+    from ...concurrency import call_in_thread
+
+    path = str(tmp_path / "f")
+    data = random_tensor(1 << 20, torch.uint8)
+    h = deepnvme.AioHandle(block_size=1 << 20, engine="io_uring")
+    h.sync_pwrite(data, path)
+    old = deepnvme.new_cpu_locked_tensor(1 << 20, torch.uint8)
+    h.sync_pread(old, path)  # registers `old` in the worker's ring
+    rings = [r for r in pinned._release_listeners if isinstance(r, uring.UringQueue) and r._fixed]
+    assert rings, "no ring registered the locked buffer"
+    ring = rings[0]
+    region = next(iter(ring._fixed))
+    holding, done = threading.Event(), threading.Event()
+
+    def hold():
+        with ring._fixed_lock:
+            holding.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(10)
+    with uring._holders_lock:
+        assert call_in_thread(lambda: ring.region_released(region) or True, 10,
+                              "region_released waited for a ring lock held by another thread") is True
+    assert region in ring._fixed  # deferred, not dropped
+    done.set()
+    holder.join(10)
+    new = deepnvme.new_cpu_locked_tensor(1 << 20, torch.uint8)
+    h.sync_pread(new, path)  # the next fixed_slot drops the released region first
+    assert region not in ring._fixed and same_bytes(new, data)
+    h.close()
+    del old

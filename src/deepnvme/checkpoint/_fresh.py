@@ -19,7 +19,7 @@ import torch
 from ..config import IOConfig
 from ..formats.safetensors import StoredTensor
 from ..handles.aio import AioHandle, wait_all
-from ..io.mapped import map_private, populate
+from ..io.mapped import check_span, map_private, populate
 from ..memory.views import aligned_empty, storage_bytes
 from ._load_path import Path
 
@@ -76,6 +76,7 @@ def read_fresh(sources: Mapping[str, StoredTensor], path: Path, cfg: IOConfig) -
             mapping = maps.get(file)
             if mapping is None:
                 mapping = maps[file] = map_private(file)
+            check_span(mapping, path=file, offset=start, size=end - start)
             lo = start & ~4095  # madvise takes page-aligned addresses
             populate(mapping[lo:end], path=file, threads=cfg.intra_op_parallelism, offset=lo)
             region = storage_bytes(mapping[start:end])

@@ -36,10 +36,10 @@ from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.mapped import map_private, populate, release
 from ..io.posix import evict_page_cache
-from ..memory.views import aligned_empty
+from ..memory.views import aligned_empty, storage_bytes
 
 __all__ = ["LoadPaths", "Path", "PROBE_SLICE", "MARGIN", "choose", "measure", "load_paths",
-           "cache_file", "cached_paths", "forget", "device_of"]
+           "cache_file", "cached_paths", "forget", "device_of", "lookup", "remeasure", "measure_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,9 @@ def remeasure(path: str, cfg: IOConfig) -> LoadPaths:
 
 def measure(path: str, cfg: IOConfig) -> dict[str, float] | None:
     """GB/s of each path on cold slices of ``path``: ``fresh_direct`` (O_DIRECT into new
-    memory), ``fresh_mapped`` (populate a range of a private mapping), ``into_direct``
+    memory), ``fresh_mapped`` (populate a range of a private mapping, then read one byte of
+    each page: on some virtual machines the first access of a page the device filled costs
+    more than the read, and a caller would pay it later), ``into_direct``
     (O_DIRECT into touched memory), ``into_mapped`` (populate, then copy into touched memory).
     Rounds alternate the order; medians. Evicts ``path`` from the page cache first (its next
     read is cold). None if the file is smaller than one round (four slices). Blocks; holds
@@ -248,9 +250,44 @@ def measure(path: str, cfg: IOConfig) -> dict[str, float] | None:
                 else:
                     part = mapping[offset:offset + PROBE_SLICE]
                     populate(part, path=path, threads=threads, chunk=chunk, offset=offset)
+                    data = storage_bytes(part)
                     if kind == "into_mapped":
-                        touched.copy_(torch.empty(0, dtype=torch.uint8).set_(part))
+                        touched.copy_(data)
+                    else:  # the first access of each page, which a caller pays later otherwise
+                        data[::4096].sum()
                 times[kind].append(time.perf_counter() - t0)
                 if not kind.endswith("direct"):
                     release(part)  # at most one slice of the file mapped at a time
     return {k: PROBE_SLICE / statistics.median(v) / 1e9 for k, v in times.items()}
+
+
+def lookup(path: str) -> LoadPaths | None:
+    """The choice already made for the device holding ``path`` (a file or directory): this
+    process's, else the cache file's; None if not measured yet. Measures nothing."""
+    key, _ = device_of(path)
+    entry = _entry_key(key)
+    with _lock:
+        if entry in _memo:
+            return _memo[entry]
+    return cached_paths().get(entry)
+
+
+def measure_dir(directory: str, cfg: IOConfig) -> LoadPaths:
+    """Measure the load paths of ``directory``'s device on a new temporary file there
+    (``PROBE_ROUNDS x 4 x PROBE_SLICE`` bytes, written and fsynced first, removed after), and
+    cache the choice. Blocks (seconds)."""
+    size = PROBE_ROUNDS * 4 * PROBE_SLICE
+    path = durable.create_temp(directory, "deepnvme-load-probe")
+    try:
+        block = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        with open(path, "wb") as f:
+            for _ in range(size // block.numel()):
+                f.write(block.numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        return remeasure(path, cfg)
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..io.mapped import map_private, populate, release
+from ..io.mapped import check_span, map_private, populate, release
 from ._fill_plan import Fill
 
 __all__ = ["WINDOW", "windows", "fill_mapped"]
@@ -53,6 +53,8 @@ def fill_mapped(fills: Sequence[Fill], tensors: Mapping[str, torch.Tensor], *, t
     with ThreadPoolExecutor(1, thread_name_prefix="deepnvme-map-ahead") as ahead:
         for file, group in by_file.items():
             mapping = map_private(file)
+            for fill in group:
+                check_span(mapping, path=file, offset=fill.source.offset, size=fill.source.nbytes)
             steps = windows(group)
 
             def read(i: int, file: str = file, mapping: torch.UntypedStorage = mapping,

@@ -22,7 +22,7 @@ from ..errors import DeepNVMeIOError
 from ..memory.views import storage_bytes
 from .posix import MADV_DONTNEED, MADV_POPULATE_READ, madvise
 
-__all__ = ["POPULATE_CHUNK", "map_private", "populate", "release"]
+__all__ = ["POPULATE_CHUNK", "map_private", "populate", "release", "check_span"]
 
 log = logging.getLogger(__name__)
 
@@ -83,3 +83,12 @@ def release(storage: torch.UntypedStorage) -> None:
     hi = (storage.data_ptr() + storage.nbytes()) // page * page
     if hi > lo:
         madvise(lo, hi - lo, MADV_DONTNEED)
+
+
+def check_span(mapping: torch.UntypedStorage, *, path: str, offset: int, size: int) -> None:
+    """Raise :class:`DeepNVMeIOError` naming ``path`` and the range if bytes ``[offset, offset +
+    size)`` lie past the end of ``mapping`` (the file is shorter than its index says)."""
+    if offset + size > mapping.nbytes():
+        raise DeepNVMeIOError(f"short read: the file ends at byte {mapping.nbytes()}, before the end "
+                              f"of the {size} bytes wanted at offset {offset} (truncated?)",
+                              path=path, offset=offset, size=size)

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from ..errors import DeepNVMeIOError, ShortTransferError
 from .plan import Alignment
 
-__all__ = ["MADV_DONTNEED", "MADV_POPULATE_READ", "Posix", "POSIX", "O_DIRECT", "evict_page_cache", "madvise", "resident_bytes",
-           "syscall"]
+__all__ = ["MADV_DONTNEED", "MADV_POPULATE_READ", "Posix", "POSIX", "O_DIRECT", "evict_page_cache", "madvise",
+           "resident_bytes", "syscall"]
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _AT_FDCWD = -100

@@ -47,11 +47,14 @@ Path = Literal["direct", "mapped"]
 
 PROBE_SLICE = 32 << 20
 """Bytes per timed read of the first-use measurement (each one a cold slice of the file)."""
-PROBE_ROUNDS = 2
-"""Rounds of the four timings; a file too small for one round is not measured."""
-MARGIN = 1.10
+PROBE_ROUNDS = 3
+"""Rounds of the four timings (fewer where the file is small); a file too small for one round
+is not measured."""
+MARGIN = 1.5
 """The mapped path is chosen only when at least this much faster than ``direct``: ``direct``
-gives the caller memory of its own, not views of the page cache."""
+gives the caller memory of its own, not views of the page cache, and the slices overstate
+the mapped path (benchmarks/LOG.md, 2026-11-28: 1.25x in the probe on the development disk,
+0.56x in whole-file loads there the same hour)."""
 _FORMAT = "deepnvme-load-paths"
 _VERSION = 1
 

@@ -103,6 +103,19 @@ def write_model(directory: str, layers: int, hidden: int, dtype_name: str, shard
     os.sync()
 
 
+def _choose_load_path(folder: str) -> dict[str, Any]:
+    """The device's load-path choice (measured on the largest shard unless cached), made here so
+    that no timed worker measures; the workers read it from the same cache."""
+    from deepnvme.checkpoint._load_path import load_paths
+    from deepnvme.config import checkpoint_config
+    shard = max((os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors")),
+                key=os.path.getsize)
+    choice = load_paths(shard, checkpoint_config(None)).to_dict()
+    print(f"load path on {choice['device']}: fresh {choice['fresh']}, into {choice['into']} "
+          f"({choice['source']}: {choice['reason']})", file=sys.stderr)
+    return choice
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None)
@@ -124,6 +137,8 @@ def main() -> int:
         args.layers, args.hidden = 2, 64
     os.makedirs(args.dir, exist_ok=True)
     write_model(args.dir, args.layers, args.hidden, args.dtype, args.shard_size)
+    load_path = _choose_load_path(args.dir)
+    load_start = os.getloadavg()
     runs: dict[str, list[dict[str, Any]]] = {r: [] for r in READERS}
     for rep in range(args.reps):
         for reader in (READERS if rep % 2 == 0 else READERS[::-1]):
@@ -158,7 +173,8 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "dir": args.dir, "bytes": nbytes, "layers": args.layers,
                        "hidden": args.hidden, "dtype": args.dtype, "shard_size": args.shard_size,
-                       "reps": args.reps, "torch": torch.__version__,
+                       "reps": args.reps, "torch": torch.__version__, "load_path": load_path,
+                       "load_average_start": load_start, "load_average_end": os.getloadavg(),
                        "transformers": __import__("transformers").__version__,
                        "medians": med, "summary": summary, "runs": runs}, f, indent=1)
     return 0

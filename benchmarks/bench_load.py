@@ -43,19 +43,32 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 ST_FILE, PT_FILE, ST_DIR, PT_DIR = "model.safetensors", "model.pt", "st_shards", "pt_shards"
 
-# case -> (path under --dir, readers); deepnvme first, then the peers. deepnvme_mmap is
-# ``mmap=True`` (a private mapping populated by parallel MADV_POPULATE_READ before returning);
-# deepnvme_buffered is ``load_into`` with ``config={"o_direct": False}`` (page-cache reads).
+# case -> (path under --dir, readers); deepnvme first, then the peers. ``deepnvme`` is the
+# default call: the load path the device's measured choice names (load_path="auto", chosen
+# in the driver before the runs and recorded in the JSON); deepnvme_direct and
+# deepnvme_mmap force ``mmap=False`` / ``mmap=True`` (a private mapping populated by
+# parallel MADV_POPULATE_READ before returning); for ``into_*``, deepnvme_direct and
+# deepnvme_mapped force ``load_path`` and deepnvme_buffered is ``config={"o_direct": False}``.
 CASES: dict[str, tuple[str, list[str]]] = {
-    "st": (ST_FILE, ["deepnvme", "deepnvme_mmap", "safetensors", "fastsafetensors", "runai"]),
-    "pt": (PT_FILE, ["deepnvme", "deepnvme_mmap", "torch_load", "torch_mmap"]),
-    "st_dir": (ST_DIR, ["deepnvme", "deepnvme_mmap", "safetensors", "fastsafetensors", "runai"]),
-    "pt_dir": (PT_DIR, ["deepnvme", "deepnvme_mmap", "torch_load", "torch_mmap"]),
-    "into_st": (ST_FILE, ["deepnvme", "deepnvme_buffered", "safetensors", "fastsafetensors", "runai"]),
-    "into_pt": (PT_FILE, ["deepnvme", "deepnvme_buffered", "torch_load", "torch_mmap"]),
-    "into_st_dir": (ST_DIR, ["deepnvme", "deepnvme_buffered", "safetensors", "fastsafetensors", "runai"]),
-    "into_pt_dir": (PT_DIR, ["deepnvme", "deepnvme_buffered", "torch_load", "torch_mmap"]),
+    "st": (ST_FILE, ["deepnvme", "deepnvme_direct", "deepnvme_mmap", "safetensors", "fastsafetensors",
+                     "runai"]),
+    "pt": (PT_FILE, ["deepnvme", "deepnvme_direct", "deepnvme_mmap", "torch_load", "torch_mmap"]),
+    "st_dir": (ST_DIR, ["deepnvme", "deepnvme_direct", "deepnvme_mmap", "safetensors", "fastsafetensors",
+                        "runai"]),
+    "pt_dir": (PT_DIR, ["deepnvme", "deepnvme_direct", "deepnvme_mmap", "torch_load", "torch_mmap"]),
+    "into_st": (ST_FILE, ["deepnvme", "deepnvme_direct", "deepnvme_mapped", "deepnvme_buffered",
+                          "safetensors", "fastsafetensors", "runai"]),
+    "into_pt": (PT_FILE, ["deepnvme", "deepnvme_direct", "deepnvme_mapped", "deepnvme_buffered",
+                          "torch_load", "torch_mmap"]),
+    "into_st_dir": (ST_DIR, ["deepnvme", "deepnvme_direct", "deepnvme_mapped", "deepnvme_buffered",
+                             "safetensors", "fastsafetensors", "runai"]),
+    "into_pt_dir": (PT_DIR, ["deepnvme", "deepnvme_direct", "deepnvme_mapped", "deepnvme_buffered",
+                             "torch_load", "torch_mmap"]),
 }
+_MMAP = {"deepnvme": None, "deepnvme_direct": False, "deepnvme_mmap": True}
+_INTO_CONFIG: dict[str, dict[str, Any] | None] = {
+    "deepnvme": None, "deepnvme_direct": {"load_path": "direct"},
+    "deepnvme_mapped": {"load_path": "mapped"}, "deepnvme_buffered": {"o_direct": False}}
 
 
 # ---- worker side: one reader, one case, one process ----------------------------------------
@@ -80,7 +93,7 @@ def _read_safetensors(path: str, reader: str) -> dict[str, torch.Tensor]:
     files = _files(path, ".safetensors")
     if reader.startswith("deepnvme"):
         import deepnvme
-        return deepnvme.load_safetensors(path, mmap=reader == "deepnvme_mmap")
+        return deepnvme.load_safetensors(path, mmap=_MMAP[reader])
     if reader == "safetensors":
         from safetensors.torch import load_file
         for f in files:
@@ -107,7 +120,7 @@ def _read_torch(path: str, reader: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     if reader.startswith("deepnvme"):
         import deepnvme
-        return deepnvme.load(path, mmap=reader == "deepnvme_mmap")  # type: ignore[no-any-return]
+        return deepnvme.load(path, mmap=_MMAP[reader])  # type: ignore[no-any-return]
     for f in _files(path, ".bin") if os.path.isdir(path) else [path]:
         out.update(torch.load(f, weights_only=True, mmap=reader == "torch_mmap"))
     return out
@@ -162,8 +175,7 @@ def run_worker(case: str, path: str, reader: str) -> dict[str, Any]:
     if target is not None:
         if reader.startswith("deepnvme"):
             import deepnvme
-            deepnvme.load_into(target, path,
-                               config={"o_direct": False} if reader == "deepnvme_buffered" else None)
+            deepnvme.load_into(target, path, config=_INTO_CONFIG[reader])
         else:
             loaded = _read(case, path, reader)
             for k, v in loaded.items():
@@ -198,20 +210,21 @@ def _available(reader: str) -> str | None:
     return None
 
 
-def write_inputs(directory: str, layers: int, shards: int) -> int:
-    """Write the four inputs once (skipped when present); returns the state dict's bytes."""
+def write_inputs(directory: str, layers: int, shards: int, needed: set[str] | None = None) -> int:
+    """Write the inputs ``needed`` (names under ``directory``; default all four) once (skipped
+    when present); returns the state dict's bytes."""
     from safetensors.torch import save_file
     sd = _model(layers)
     nbytes = sum(t.nbytes for t in sd.values())
     st, pt = os.path.join(directory, ST_FILE), os.path.join(directory, PT_FILE)
-    if not os.path.exists(st):
+    if not os.path.exists(st) and (needed is None or ST_FILE in needed):
         save_file(sd, st)
-    if not os.path.exists(pt):
+    if not os.path.exists(pt) and (needed is None or PT_FILE in needed):
         torch.save(sd, pt)
     for sub, prefix, ext, index in ((ST_DIR, "model", "safetensors", "model.safetensors.index.json"),
                                     (PT_DIR, "pytorch_model", "bin", "pytorch_model.bin.index.json")):
         out = os.path.join(directory, sub)
-        if os.path.exists(os.path.join(out, index)):
+        if os.path.exists(os.path.join(out, index)) or (needed is not None and sub not in needed):
             continue
         os.makedirs(out, exist_ok=True)
         weight_map: dict[str, str] = {}
@@ -257,8 +270,10 @@ def main() -> int:
     os.makedirs(args.dir, exist_ok=True)
     if args.tiny:
         os.environ["BENCH_LOAD_TINY"] = "1"
-    nbytes = write_inputs(args.dir, args.layers, args.shards)
     cases = [c for c in args.cases.split(",") if c]
+    nbytes = write_inputs(args.dir, args.layers, args.shards, {CASES[c][0] for c in cases})
+    load_path = _choose_load_path(os.path.join(args.dir, CASES[cases[0]][0]))
+    load_start = os.getloadavg()
     only = set(args.readers.split(",")) if args.readers else None
     plan: list[tuple[str, str]] = []
     notes: list[str] = []
@@ -273,7 +288,7 @@ def main() -> int:
             plan.append((case, reader))
     results: dict[str, list[dict[str, Any]]] = {f"{c}/{r}": [] for c, r in plan}
     env = {**os.environ, "BENCH_LOAD_LAYERS": str(args.layers)}
-    print(describe_machine(args.dir), file=sys.stderr)
+    print(describe_machine(args.dir), f"load average {os.getloadavg()}", file=sys.stderr)
     for rep in range(args.reps):
         for case, reader in (plan[i] for i in _rotated_index(len(plan), rep)):
             _drop_caches()
@@ -293,10 +308,25 @@ def main() -> int:
         print(f"note: {n}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bytes": nbytes, "layers": args.layers, "shards": args.shards, "reps": args.reps,
+            json.dump({"bytes": nbytes, "layers": args.layers, "load_path": load_path,
+                       "load_average_start": load_start, "load_average_end": os.getloadavg(),
+                       "shards": args.shards, "reps": args.reps,
                        "dir": args.dir, "machine": describe_machine(args.dir), "notes": sorted(set(notes)),
                        "results": results}, f, indent=1)
     return 0
+
+
+def _choose_load_path(path: str) -> dict[str, Any]:
+    """The device's load-path choice, made here (measured on ``path`` unless cached) so that no
+    timed worker measures; the workers read it from the same cache (``DEEPNVME_CACHE_DIR``)."""
+    from deepnvme.checkpoint._load_path import load_paths
+    from deepnvme.config import checkpoint_config
+    file = path if os.path.isfile(path) else max(
+        (os.path.join(path, f) for f in os.listdir(path)), key=os.path.getsize)
+    choice = load_paths(file, checkpoint_config(None)).to_dict()
+    print(f"load path on {choice['device']}: fresh {choice['fresh']}, into {choice['into']} "
+          f"({choice['source']}: {choice['reason']})", file=sys.stderr)
+    return choice
 
 
 def _rotated_index(n: int, rep: int) -> list[int]:

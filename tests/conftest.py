@@ -51,6 +51,22 @@ def io_engine(request, monkeypatch):
     return chosen or select_engine("auto")
 
 
+@pytest.fixture(scope="session")
+def _load_path_cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("deepnvme-cache"))
+
+
+@pytest.fixture(autouse=True)
+def load_path_cache(_load_path_cache_dir, monkeypatch):
+    """Load-path choices (deepnvme.checkpoint._load_path) cached in a scratch folder, never the
+    user's ~/.cache, and forgotten by the process between tests."""
+    from deepnvme.checkpoint import _load_path
+    monkeypatch.setenv("DEEPNVME_CACHE_DIR", _load_path_cache_dir)
+    _load_path.forget()
+    yield _load_path_cache_dir
+    _load_path.forget()
+
+
 @pytest.fixture
 def handle():
     h = deepnvme.AioHandle(block_size=64 * 1024, queue_depth=8, intra_op_parallelism=2)

@@ -24,7 +24,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["IOConfig", "Setting", "SETTINGS", "ENGINE_NAMES", "resolve_config", "override",
+__all__ = ["IOConfig", "Setting", "SETTINGS", "ENGINE_NAMES", "LOAD_PATHS", "resolve_config", "override",
            "CHECKPOINT_DEFAULTS", "checkpoint_config",
            "parse_size", "settings_markdown"]
 
@@ -73,6 +73,20 @@ def _parse_engine(value: str) -> str:
     if name not in ("auto",) + ENGINE_NAMES:
         raise ConfigError(f"unknown engine {value!r}; choose one of: auto, "
                           + ", ".join(ENGINE_NAMES))
+    return name
+
+
+#: how the loaders read a checkpoint: ``direct`` (the engine, O_DIRECT), ``mapped`` (a private
+#: mapping populated through the page cache); ``auto`` measures the device on first use
+LOAD_PATHS: tuple[str, ...] = ("direct", "mapped")
+
+
+def _parse_load_path(value: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"expected a load path, got {value!r}")
+    name = value.strip().lower()
+    if name not in ("auto",) + LOAD_PATHS:
+        raise ConfigError(f"unknown load path {value!r}; choose one of: auto, " + ", ".join(LOAD_PATHS))
     return name
 
 
@@ -126,6 +140,12 @@ SETTINGS: tuple[Setting, ...] = (
             "handles do not, hence off by default."),
     Setting("use_gds", "DEEPNVME_USE_GDS", _parse_bool, False,
             "Use GPUDirect Storage (cuFile) for CUDA tensors where available."),
+    Setting("load_path", "DEEPNVME_LOAD_PATH", _parse_load_path, "auto",
+            "How `load`, `load_safetensors`, `load_into` and `from_pretrained` read CPU tensors: "
+            "`direct` (the engine, O_DIRECT), `mapped` (a private mapping of the file read in "
+            "through the page cache by parallel `MADV_POPULATE_READ`; fresh loads return views of "
+            "it). `auto` measures both on the file's device at first use and keeps the faster "
+            "per device (see `deepnvme tune --load`)."),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -147,6 +167,7 @@ class IOConfig:
     alignment: int = 4096
     fsync: bool = False
     use_gds: bool = False
+    load_path: str = "auto"
 
     def __post_init__(self) -> None:
         for s in SETTINGS:
@@ -160,6 +181,8 @@ class IOConfig:
                     raise ConfigError(f"setting {s.name!r} must be >= {s.minimum}, got {value}")
         if self.engine not in ("auto",) + ENGINE_NAMES:
             _parse_engine(self.engine)  # raises with the list of names
+        if self.load_path not in ("auto",) + LOAD_PATHS:
+            _parse_load_path(self.load_path)
         if self.alignment & (self.alignment - 1):
             raise ConfigError(f"setting 'alignment' must be a power of two, got {self.alignment}")
 

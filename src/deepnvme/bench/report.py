@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint._load_path import lookup
 from ..io.durable import create_temp
 from ._engines import EngineStatus, auto_per_transfer, engine_statuses
 from ._storage_facts import probe_o_direct
@@ -309,8 +310,24 @@ def _device_checks(dev: str | None) -> list[Check]:
     return checks
 
 
+def _load_path_check(directory: str) -> Check:
+    """How the loaders read on ``directory``'s device, and why (measured on first load)."""
+    try:
+        choice = lookup(directory)
+    except OSError as exc:
+        return Check("load path", WARN, f"cannot stat {directory!r}: {exc.strerror}",
+                     "pass an existing directory with --dir")
+    if choice is None:
+        return Check("load path", OK, "not measured on this device yet: the first load of a file "
+                     "of 128 MiB or more measures it, or run `deepnvme tune --load --dir "
+                     f"{directory}`")
+    return Check("load path", OK, f"{choice.device}: fresh loads {choice.fresh}, load_into "
+                 f"{choice.into} ({choice.reason})", data=choice.to_dict())
+
+
 def run_report(directory: str = ".") -> Report:
     """Collect every check for the environment and for ``directory``; blocking, a few ms."""
     engines = engine_statuses()
-    checks = _software(directory) + _engine_checks(engines) + _memlock_checks() + _dir_checks(directory)
+    checks = (_software(directory) + _engine_checks(engines) + _memlock_checks() + _dir_checks(directory)
+              + [_load_path_check(directory)])
     return Report(os.path.abspath(directory), tuple(checks), engines)

@@ -23,6 +23,8 @@ from ..handles.aio import AioHandle, wait_all
 from ..memory import pinned
 from ..memory.views import aligned_empty, cast_to_byte_tensor
 from ._fill_plan import Fill, FillPlan, TargetSpec, chunks, mismatch_error, plan_fill
+from ._load_path import load_paths
+from ._mapped_fill import fill_mapped
 from ._paths import as_path
 
 __all__ = ["LoadResult", "load_into", "BOUNCE_SLOTS", "BOUNCE_CHUNK"]
@@ -77,9 +79,15 @@ def load_into(target: torch.nn.Module | MutableMapping[str, torch.Tensor],
             missing and unexpected name at once, before any destination byte changes.
         DeepNVMeIOError: a read failed; the target can then be partly filled.
 
-    Memory: a CPU contiguous target of the file's dtype is read into directly (no copy); a CUDA
-    one through the handle's pinned staging pipeline; any other (dtype conversion,
-    non-contiguous) through bounce buffers and ``Tensor.copy_``. Peak extra memory:
+    Path: CPU targets are filled the way the file's device is fastest with (the ``load_path``
+    setting, measured per device on first use, see :mod:`deepnvme.checkpoint._load_path`):
+    ``direct`` or ``mapped`` (copied from a private mapping of the file, window by window,
+    with dtype conversion; no bounce buffers; at most ``2 x 32 MiB`` or two of the largest
+    tensor of page-cache pages mapped at once).
+
+    Memory (``direct``): a CPU contiguous target of the file's dtype is read into directly (no
+    copy); a CUDA one through the handle's pinned staging pipeline; any other (dtype
+    conversion, non-contiguous) through bounce buffers and ``Tensor.copy_``. Peak extra memory:
     ``BOUNCE_SLOTS x max(BOUNCE_CHUNK, largest dim-0 row, largest strided stored span)`` bytes
     of bounce (only if a tensor needs it) + the handle's staging for CUDA targets
     (``3 x (max(8 MiB, block_size x intra_op_parallelism) + alignment)``) + headers and
@@ -138,13 +146,21 @@ def _spec(t: torch.Tensor) -> TargetSpec:
 
 
 def _run(plan: FillPlan, tensors: Mapping[str, torch.Tensor], cfg: IOConfig) -> None:
-    """Start every direct and staged read, then pump the bounce reads; wait for all."""
+    """CPU targets by the device's path (:mod:`._load_path`): mapped, or with the rest: start
+    every direct and staged read, then pump the bounce reads; wait for all."""
+    fills = [f for f in plan.fills if f.source.nbytes]
+    on_cpu = [f for f in fills if tensors[f.name].device.type == "cpu"]
+    if on_cpu and load_paths(on_cpu[0].source.file, cfg).into == "mapped":
+        fill_mapped(on_cpu, tensors, threads=cfg.intra_op_parallelism)
+        fills = [f for f in fills if tensors[f.name].device.type != "cpu"]
+        if not fills:
+            return
     direct: dict[str, list[tuple[torch.Tensor, int]]] = {}
     bounce: list[Fill] = []
     futures: list[Future[int]] = []
     with AioHandle(config=cfg) as handle:
         try:
-            for fill in plan.fills:
+            for fill in fills:
                 src, dst = fill.source, tensors[fill.name]
                 if src.nbytes == 0:
                     continue

@@ -36,6 +36,7 @@ from ..io.volume import Volume, VolumePath
 from ..io.volume_files import striped_size
 from ..memory.views import aligned_empty, storage_bytes
 from ._folders import load_folder
+from ._load_path import load_paths
 from ._paths import as_path
 from ._placed import is_placed, load_placed_folder
 from ._striped import StripedReader
@@ -111,7 +112,10 @@ def load(path: str | os.PathLike[str] | IO[bytes] | Volume | VolumePath, map_loc
     share one (like ``mmap=True``, such storages cannot be resized). Not checked: record CRCs
     (``torch.load`` does not check them either), so flipped bytes inside tensor data go unseen.
 
-    ``mmap=True`` maps the file as ``torch.load(..., mmap=True)`` does (storages are
+    ``mmap=None`` (the default) reads by the path the file's device is fastest with (the
+    ``load_path`` setting, measured per device on first use, see
+    :mod:`deepnvme.checkpoint._load_path`): ``mmap=False`` (the parallel O_DIRECT reads above)
+    or ``mmap=True``. ``mmap=True`` maps the file as ``torch.load(..., mmap=True)`` does (storages are
     copy-on-write views of the page cache, see :mod:`deepnvme.io.mapped`), then, unless
     ``populate=False``, reads every page in before returning with ``intra_op_parallelism``
     threads: the fastest fresh load on a fast device, since new memory is never zeroed.
@@ -158,6 +162,9 @@ def load(path: str | os.PathLike[str] | IO[bytes] | Volume | VolumePath, map_loc
     except FileNotFoundError as exc:
         raise DeepNVMeIOError.from_oserror(exc, op="open for load", path=path, offset=0,
                                            size=0) from None
+    if mmap is None:
+        mmap = load_paths(path, cfg).fresh == "mapped"
+        log.debug("deepnvme.load: %s read %s", path, "mapped" if mmap else "direct")
     if mmap:
         mapping = map_private(path)
         populate_mapping(mapping, path=path, threads=cfg.intra_op_parallelism)

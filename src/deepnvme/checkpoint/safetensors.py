@@ -7,6 +7,7 @@ O_DIRECT-aligned. This module checks tensors, plans the transfers and runs them.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -14,20 +15,23 @@ from typing import Any
 import torch
 
 from ..config import IOConfig, checkpoint_config
-from ..formats.safetensors import SafetensorsHeader, build_header, dtype_name, read_header
+from ..formats.safetensors import SafetensorsHeader, build_header, dtype_name, locate, read_header
 from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.file import reserve
 from ..io.mapped import map_private
-from ..io.mapped import populate as populate_mapping
 from ..io.volume import Volume, VolumePath
-from ..memory.views import aligned_empty, storage_bytes
+from ..memory.views import storage_bytes
 from ._folders import load_folder
+from ._fresh import read_fresh
+from ._load_path import load_paths
 from ._paths import as_path
 from ._placed import load_placed_folder
 from .inplace import load_into
 
 __all__ = ["save_safetensors", "load_safetensors"]
+
+log = logging.getLogger(__name__)
 
 
 def _layout(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
@@ -79,20 +83,20 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLik
 
 def load_safetensors(path: str | os.PathLike[str] | Volume | VolumePath,
                      device: str | torch.device = "cpu", *,
-                     mmap: bool = False, populate: bool = True,
+                     mmap: bool | None = None, populate: bool = True,
                      config: IOConfig | Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Read a ``.safetensors`` file (the package's or ours) into a dict of tensors on ``device``.
 
-    Blocks. Reads run in parallel with O_DIRECT into aligned CPU buffers, then move to
-    ``device`` if it is not the CPU. Truncated or inconsistent files raise
+    Blocks. The tensors are views of one region per file, read by the path the device is
+    fastest with (the ``load_path`` setting, measured per device on first use, see
+    :mod:`deepnvme.checkpoint._load_path`): ``mmap=False`` reads with O_DIRECT into new aligned
+    memory; ``mmap=True`` gives copy-on-write views of a mapping of the file, as
+    ``safetensors.torch.load_file`` does (see :mod:`deepnvme.io.mapped` for what that implies),
+    read in before returning by ``intra_op_parallelism`` threads unless ``populate=False``
+    (pages read on first use). ``mmap=None`` (the default) takes the device's path. Then the
+    tensors move to ``device`` if it is not the CPU. Truncated or inconsistent files raise
     :class:`CheckpointFormatError`. A folder holding ``model.safetensors``, or shards named by
     ``model.safetensors.index.json``, gives one dict of every file's tensors.
-
-    ``mmap=True`` gives copy-on-write views of a mapping of the file, as
-    ``safetensors.torch.load_file`` does (see :mod:`deepnvme.io.mapped` for what that implies),
-    and, unless ``populate=False``, reads every page in before returning with
-    ``intra_op_parallelism`` threads: the fastest fresh load on a fast device, since new memory
-    is never zeroed. ``populate=False`` leaves pages to be read on first use.
 
     A :class:`~deepnvme.Volume` or a folder on one (``vol / "name"``) is a folder saved there by
     :func:`deepnvme.save_safetensors_sharded`: each shard is read on its drive, the drives at once.
@@ -107,22 +111,13 @@ def load_safetensors(path: str | os.PathLike[str] | Volume | VolumePath,
             file, device, mmap=mmap, populate=populate, config=config))
     cfg = checkpoint_config(config)
     header = read_header(path)
-    if mmap:
-        return _mapped(path, header, device, populate=populate, threads=cfg.intra_op_parallelism)
-    if torch.device(device).type == "cuda":
+    if not mmap and torch.device(device).type == "cuda":
         return _to_cuda(path, header, torch.device(device), cfg)
-    out: dict[str, torch.Tensor] = {}
-    items = []
-    for name, e in header.tensors.items():
-        if e.nbytes:
-            buf = aligned_empty(e.nbytes, header.data_start + e.begin)
-            items.append((buf, header.data_start + e.begin))
-            out[name] = buf.view(e.dtype).reshape(e.shape)
-        else:
-            out[name] = torch.empty(e.shape, dtype=e.dtype)
-    with AioHandle(config=cfg) as handle:
-        handle.read_many(path, items).result()
-    return _to_device(out, device)
+    how = ("mapped" if mmap else "direct") if mmap is not None else load_paths(path, cfg).fresh
+    if how == "mapped" and not populate:
+        return _mapped(path, header, device)
+    log.debug("deepnvme.load_safetensors: %s read %s", path, how)
+    return _to_device(read_fresh(locate(header, path), how, cfg), device)
 
 
 def _to_cuda(path: str, header: SafetensorsHeader, device: torch.device,
@@ -135,11 +130,9 @@ def _to_cuda(path: str, header: SafetensorsHeader, device: torch.device,
     return out
 
 
-def _mapped(path: str, header: SafetensorsHeader, device: str | torch.device, *, populate: bool,
-            threads: int) -> dict[str, torch.Tensor]:
+def _mapped(path: str, header: SafetensorsHeader, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Views of a lazily read mapping (``mmap=True, populate=False``)."""
     mapping = map_private(path)
-    if populate:
-        populate_mapping(mapping, path=path, threads=threads)
     out: dict[str, torch.Tensor] = {}
     for name, e in header.tensors.items():
         start = header.data_start + e.begin

@@ -17,6 +17,8 @@ from rich.table import Table
 from ..bench import Trial, TuneInterrupted, TuneResult, TuneSpace, default_space, load_space, run_tune
 from ..bench._files import check_writable
 from ..bench.tune import OBJECTIVES
+from ..checkpoint._load_path import cache_file, measure_dir
+from ..config import checkpoint_config
 from ..errors import DeepNVMeError
 from ._args import positive_float, positive_int, positive_size
 from ._render import fmt_size, print_json, progress_bar, stdout_console
@@ -47,10 +49,29 @@ def add_tune_parser(subparsers: Any) -> None:
     t.add_argument("--force", action="store_true",
                    help="overwrite an existing --output or --plot file (default: refuse)")
     t.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    t.add_argument("--load", action="store_true",
+                   help="measure only how loaders read on --dir's device (O_DIRECT or a mapping "
+                        "through the page cache) and keep the faster for later loads")
     t.set_defaults(func=_cmd_tune)
 
 
+def _cmd_load(args: Any) -> int:
+    """``tune --load``: measure the load paths on --dir's device, cache and print the choice."""
+    choice = measure_dir(args.dir, checkpoint_config(None))
+    if args.json:
+        print_json({**choice.to_dict(), "cache": cache_file()})
+        return 0
+    console = stdout_console()
+    console.print(f"load paths on {choice.device} ({args.dir}): fresh loads {choice.fresh}, "
+                  f"load_into {choice.into}")
+    console.print(f"  {choice.reason}")
+    console.print(f"  kept in {cache_file()} (the load_path setting overrides it)")
+    return 0
+
+
 def _cmd_tune(args: Any) -> int:
+    if args.load:
+        return _cmd_load(args)
     output = None if args.output == "-" else args.output
     if output is not None:  # fail before a long sweep, not after it
         check_writable(output, "--output", force=args.force)

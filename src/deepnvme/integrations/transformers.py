@@ -24,9 +24,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..checkpoint._fill_plan import TargetSpec, mismatch_error, plan_fill
+from ..checkpoint._fresh import read_fresh
+from ..checkpoint._load_path import load_paths
 from ..checkpoint.inplace import load_into
-from ..config import IOConfig
+from ..config import IOConfig, checkpoint_config
 from ..formats.index import tensor_index
+from ..formats.safetensors import StoredTensor
 from ._hf_save import writes_through_deepnvme
 
 try:
@@ -97,18 +101,50 @@ def _empty_model(cls: Any, config: Any, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _materialise(model: nn.Module) -> None:
-    """Give every meta parameter uninitialised CPU memory of its dtype; a parameter shared by
-    several modules (tied weights) gets one tensor, so the tie holds."""
-    fresh: dict[int, nn.Parameter] = {}
+def _fresh_parameters(model: nn.Module, rename: Mapping[str, str], sources: Mapping[str, StoredTensor],
+                      cfg: IOConfig) -> dict[int, torch.Tensor]:
+    """Read every meta parameter that the checkpoint stores as it is (same dtype and shape,
+    row-major) into new memory by the device's fresh-load path: one region per shard, no
+    bounce buffers, no copy. Keyed by ``id`` of the parameter (tied ones are read once)."""
+    wanted: dict[int, tuple[str, StoredTensor]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        src = sources.get(rename.get(name, name))
+        if param.device.type != "meta" or id(param) in wanted or src is None:
+            continue
+        if src.dtype == param.dtype and src.shape == tuple(param.shape) and src.stride is None:
+            wanted[id(param)] = (name, src)
+    if not wanted:
+        return {}
+    how = load_paths(next(iter(wanted.values()))[1].file, cfg).fresh
+    got = read_fresh(dict(wanted.values()), how, cfg)
+    log.debug("from_pretrained: %d parameters read %s", len(got), how)
+    return {key: got[name] for key, (name, _) in wanted.items()}
+
+
+def _check_shapes(model: nn.Module, rename: Mapping[str, str], sources: Mapping[str, StoredTensor]) -> None:
+    """Every shape mismatch and unconvertible dtype at once, before any byte is read."""
+    specs = {rename[n]: TargetSpec(t.dtype, tuple(t.shape), True, "cpu")
+             for n, t in model.state_dict().items()}
+    error = mismatch_error(plan_fill(specs, sources), strict=False)
+    if error is not None:
+        raise error
+
+
+def _materialise(model: nn.Module, fresh: Mapping[int, torch.Tensor]) -> None:
+    """Give every meta parameter its memory: read in ``fresh`` (by ``id``), else uninitialised
+    CPU memory of its dtype; a parameter shared by several modules (tied weights) gets one
+    tensor, so the tie holds."""
+    made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is None or param.device.type != "meta":
                 continue
-            new = fresh.get(id(param))
+            new = made.get(id(param))
             if new is None:
-                new = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad)
-                fresh[id(param)] = new
+                data = fresh.get(id(param))
+                new = nn.Parameter(torch.empty_like(param, device="cpu") if data is None else data,
+                                   requires_grad=param.requires_grad)
+                made[id(param)] = new
             module._parameters[name] = new
 
 
@@ -188,24 +224,34 @@ def from_pretrained(model_class_or_name: Any, path: str | os.PathLike[str], *, d
     model = _empty_model(cls, config, dtype)
     names = list(model.state_dict())
     rename = _file_names(model, names, stored)
-    _materialise(model)
+    _check_shapes(model, rename, index.tensors)
+    cfg = checkpoint_config(io_config)
+    fresh = _fresh_parameters(model, rename, index.tensors, cfg)
+    _materialise(model, fresh)
     tie = getattr(model, "tie_weights", None)
     if callable(tie):
         tie()  # ties made in __init__ under the meta device are made again
     target = {rename[n]: t for n, t in model.state_dict().items()}
     missing = _missing(target, stored)
     _init_missing(model, [n for n in names if rename[n] in missing])
-    result = load_into(target, folder, strict=False, config=io_config)
-    if result.missing_keys:
+    read = {t.data_ptr() for t in fresh.values() if t.numel()}
+    reinit = {n.rpartition(".")[0] for n in names if rename[n] in missing}  # _init_missing's modules
+    rest = {rename[n]: t for n, t in model.state_dict().items()
+            if not (t.numel() and t.data_ptr() in read) or n.rpartition(".")[0] in reinit}
+    if rest:
+        load_into(rest, folder, strict=False, config=cfg)
+    missing_keys = [n for n in target if n in missing]
+    unexpected_keys = [n for n in index.tensors if n not in target]
+    if missing_keys:
         log.warning("from_pretrained: %s: weights not in the checkpoint, newly initialised: %s",
-                    folder, result.missing_keys)
-    if result.unexpected_keys:
+                    folder, missing_keys)
+    if unexpected_keys:
         log.warning("from_pretrained: %s: checkpoint weights the model does not use: %s",
-                    folder, result.unexpected_keys)
+                    folder, unexpected_keys)
     _load_generation_config(model, folder)
     model.eval()
     if output_loading_info:
-        return model, {"missing_keys": list(result.missing_keys), "unexpected_keys": list(result.unexpected_keys),
+        return model, {"missing_keys": missing_keys, "unexpected_keys": unexpected_keys,
                        "mismatched_keys": [], "error_msgs": []}
     return model
 

@@ -20,9 +20,9 @@ import torch
 
 from ..errors import DeepNVMeIOError
 from ..memory.views import storage_bytes
-from .posix import MADV_POPULATE_READ, madvise
+from .posix import MADV_DONTNEED, MADV_POPULATE_READ, madvise
 
-__all__ = ["POPULATE_CHUNK", "map_private", "populate"]
+__all__ = ["POPULATE_CHUNK", "map_private", "populate", "release", "check_span"]
 
 log = logging.getLogger(__name__)
 
@@ -41,25 +41,28 @@ def map_private(path: str) -> torch.UntypedStorage:
     return cast(torch.UntypedStorage, mapping)  # from_file on UntypedStorage gives one
 
 
-def populate(storage: torch.UntypedStorage, *, path: str, threads: int) -> None:
-    """Read every page of a mapping of ``path`` into memory, ``threads`` ranges at a time.
+def populate(storage: torch.UntypedStorage, *, path: str, threads: int,
+             chunk: int = POPULATE_CHUNK, offset: int = 0) -> None:
+    """Read every page of a mapping of ``path`` into memory, ``threads`` ranges of ``chunk``
+    bytes (a multiple of the page size) at a time; ``offset``: the file offset of the
+    storage's first byte (a slice of a whole-file mapping), for error messages.
 
     Blocks. A page past the end of the file (the file shrank) or a device error raises
     :class:`DeepNVMeIOError` naming the file and the range; a kernel without
     ``MADV_POPULATE_READ`` (before Linux 5.14) gets one read per page instead, said once in the log.
     """
     base, size = storage.data_ptr(), storage.nbytes()
-    starts = range(0, size, POPULATE_CHUNK)
+    starts = range(0, size, chunk)
 
     def one(start: int) -> bool:
-        length = min(POPULATE_CHUNK, size - start)
+        length = min(chunk, size - start)
         try:
             madvise(base + start, length, MADV_POPULATE_READ)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 return False
-            raise DeepNVMeIOError.from_oserror(exc, op="populate mapping", path=path, offset=start,
-                                               size=length) from None
+            raise DeepNVMeIOError.from_oserror(exc, op="populate mapping", path=path,
+                                               offset=offset + start, size=length) from None
         return True
 
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="deepnvme-populate") as pool:
@@ -69,3 +72,23 @@ def populate(storage: torch.UntypedStorage, *, path: str, threads: int) -> None:
                  "a page at a time", path)
         page = os.sysconf("SC_PAGE_SIZE")
         storage_bytes(storage)[::page].sum()
+
+
+def release(storage: torch.UntypedStorage) -> None:
+    """Unmap the whole pages of ``storage`` (a slice of a private file mapping, never written)
+    from this process (``MADV_DONTNEED``): its resident size drops, the pages stay in the page
+    cache, and a later access reads them in again. Blocks briefly."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo = -(-storage.data_ptr() // page) * page
+    hi = (storage.data_ptr() + storage.nbytes()) // page * page
+    if hi > lo:
+        madvise(lo, hi - lo, MADV_DONTNEED)
+
+
+def check_span(mapping: torch.UntypedStorage, *, path: str, offset: int, size: int) -> None:
+    """Raise :class:`DeepNVMeIOError` naming ``path`` and the range if bytes ``[offset, offset +
+    size)`` lie past the end of ``mapping`` (the file is shorter than its index says)."""
+    if offset + size > mapping.nbytes():
+        raise DeepNVMeIOError(f"short read: the file ends at byte {mapping.nbytes()}, before the end "
+                              f"of the {size} bytes wanted at offset {offset} (truncated?)",
+                              path=path, offset=offset, size=size)

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from ..errors import DeepNVMeIOError, ShortTransferError
 from .plan import Alignment
 
-__all__ = ["MADV_POPULATE_READ", "Posix", "POSIX", "O_DIRECT", "evict_page_cache", "madvise", "resident_bytes",
-           "syscall"]
+__all__ = ["MADV_DONTNEED", "MADV_POPULATE_READ", "Posix", "POSIX", "O_DIRECT", "evict_page_cache", "madvise",
+           "resident_bytes", "syscall"]
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _AT_FDCWD = -100
@@ -43,6 +43,7 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 MADV_POPULATE_READ = 22  # Linux 5.14+: fault in a range as reads would, with an error instead of SIGBUS
+MADV_DONTNEED = 4  # drop a range's pages from this mapping (a file's stay in the page cache)
 
 
 def syscall(number: int, *args: object) -> int:

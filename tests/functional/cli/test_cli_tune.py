@@ -290,3 +290,24 @@ def test_tune_unparsable_space_files_are_one_line(run_cli, tmp_path) -> None:
         code, out, err = run_cli("tune", "--dir", str(tmp_path), "--space", str(tmp_path / name))
         assert code == 2 and out == "" and err.count("\n") == 1, err
         assert "not valid " + name.split(".")[1].upper() in err
+
+
+def test_tune_load_measures_caches_and_report_shows_it(run_cli, leftovers, tmp_path, monkeypatch) -> None:
+    from deepnvme.checkpoint import _load_path
+    monkeypatch.setenv("DEEPNVME_CACHE_DIR", str(tmp_path / "cache"))
+    _load_path.forget()
+    code, out, err = run_cli("report", "--dir", str(tmp_path), "--json")
+    check = next(c for c in json.loads(out)["checks"] if c["name"] == "load path")
+    assert check["status"] == "OK" and "not measured" in check["value"] and "tune --load" in check["value"]
+    code, out, err = run_cli("tune", "--load", "--dir", str(tmp_path), "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["fresh"] in ("direct", "mapped") and data["into"] in ("direct", "mapped")
+    assert set(data["rates"]) == {"fresh_direct", "fresh_mapped", "into_direct", "into_mapped"}
+    assert "GB/s" in data["reason"] and data["cache"] == str(tmp_path / "cache" / "load-paths.json")
+    assert not [p for p in tmp_path.iterdir() if "load-probe" in p.name]  # the probe file is gone
+    _load_path.forget()  # another process: the report reads the cache file
+    code, out, err = run_cli("report", "--dir", str(tmp_path), "--json")
+    check = next(c for c in json.loads(out)["checks"] if c["name"] == "load path")
+    assert check["status"] == "OK" and check["data"]["fresh"] == data["fresh"]
+    assert data["reason"] in check["value"]

@@ -491,8 +491,8 @@ TABLES: dict[str, Table] = {
     # two runs of one session on the same machine: the disk's speed moved between them
     "offload_ranks": Table(offload_ranks, (Source(DISK, "2026-11-27-offload-ranks-disk.json"),
                                            Source(RAM, "2026-11-27-offload-ranks-ramdev.json"))),
-    "hf_load": Table(hf_load, (Source(DISK, "2026-11-27-hf-load-disk.json"),
-                               Source(RAM, "2026-11-27-hf-load-ramdev.json"))),
+    "hf_load": Table(hf_load, (Source(DISK, "2026-11-28-hf-load-r28-disk.json"),
+                               Source(RAM, "2026-11-28-hf-load-r28-ramdev.json"))),
     "gpu_io": Table(gpu_io, (Source("H200", "2026-11-27-gpu-io-h200-run2.json", "run 2"),
                              Source("H200", "2026-11-27-gpu-io-h200-run3.json", "run 3"))),
     "gpu_load": Table(gpu_load, (Source("H200", "2026-11-27-gpu-load-h200-run3.json", "run 3"),)),

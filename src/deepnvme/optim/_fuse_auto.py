@@ -6,7 +6,8 @@ passes per step), or that reads or changes them between ``backward()`` and ``ste
 clipping, unscaling, a DDP all-reduce after the hooks ran). ``"auto"`` runs the first step unfused
 while :class:`StepObserver` watches every parameter: how many gradients it got before ``step()``
 and, for a gradient in memory, whether that tensor was replaced or changed in place afterwards
-(its version counter), and whether a module ran its forward with a parameter that had its
+(its version counter), whether the param groups' options (``lr``, ...) changed after the
+first gradient, and whether a module ran its forward with a parameter that had its
 gradient already (an evaluation between ``backward()`` and ``step()`` must see the parameters
 from before the update). Only a clean step (one gradient each, none touched, no such forward,
 one process) turns fusing on from the next step. Once fused, :func:`forward_guard` refuses a
@@ -19,7 +20,7 @@ nothing.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,18 @@ from torch.utils.hooks import RemovableHandle
 from ._protocol import offload_of
 
 __all__ = ["ConsumedGradient", "StepObserver", "clear_consumed", "forward_guard", "mark_consumed",
-           "multi_rank"]
+           "multi_rank", "options_of"]
+
+Options = list[list[tuple[str, Any]]]
+
+
+def options_of(groups: Sequence[dict[str, Any]]) -> Options:
+    """The param groups' options (not their parameters), comparable with ``==``: a tensor
+    option (a tensor ``lr``) by identity and version counter."""
+    def key(v: Any) -> Any:
+        return ("tensor", id(v), v._version) if isinstance(v, torch.Tensor) else v
+    return [sorted(((k, key(v)) for k, v in g.items() if k != "params"), key=lambda kv: kv[0])
+            for g in groups]
 
 _FIX = ("between backward() and step() a gradient fused into the backward can be neither read, "
         "clipped, scaled nor accumulated (a second backward); create the NVMeOptimizer with "
@@ -111,7 +123,9 @@ def forward_guard(updated: set[int]) -> RemovableHandle:
 class StepObserver:
     """Hooks that watch one unfused step (see the module doc); :meth:`verdict` at ``step()``."""
 
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], groups: Sequence[dict[str, Any]]) -> None:
+        self.groups = groups
+        self.options: Options | None = None     # at the step's first gradient
         self.counts: dict[int, int] = {}
         self.seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.shapes: dict[int, list[int]] = {}
@@ -133,6 +147,8 @@ class StepObserver:
 
     def _hook(self, p: torch.Tensor) -> None:
         key = id(p)
+        if not self.counts:
+            self.options = options_of(self.groups)
         self.counts[key] = self.counts.get(key, 0) + 1
         self.shapes[key] = list(p.shape)
         grad = p.grad
@@ -154,6 +170,9 @@ class StepObserver:
             return (f"{self.late_forward}.forward ran between backward() and step() (an "
                     "evaluation or a further micro-batch: it must see the parameters as before "
                     "the update)")
+        if options_of(self.groups) != self.options:
+            return ("the optimizer's options (lr, ...) changed between backward() and step() "
+                    "(a fused update would have used the old ones)")
         by_id = {id(p): p for p in self.params}
         for key, (ref, version) in self.seen.items():
             grad = by_id[key].grad

@@ -10,7 +10,8 @@ Refused, loudly: a used gradient's ``.grad`` holds a :class:`~._fuse_auto.Consum
 until ``step()``, so clipping or reading it, or a second backward before ``step()`` (gradient
 accumulation), raises instead of seeing nothing; so does ``zero_grad()`` once a sub-group was
 updated, and a gradient found on a parameter at ``step()`` that did not come through the
-hooks, and a module's forward with a parameter already updated before ``step()``
+hooks, options of the param groups (``lr``) changed after the first fused update of a step,
+and a module's forward with a parameter already updated before ``step()``
 (:func:`~._fuse_auto.forward_guard`). Use ``fuse_backward=False`` for such loops.
 Memory: the gradients of the sub-groups not yet complete (at most about one sub-group in the
 usual reverse order), beside the optimizer's buffers and the offload's budget.
@@ -21,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ._fuse_auto import ConsumedGradient, clear_consumed, forward_guard, mark_consumed
+from ._fuse_auto import (ConsumedGradient, Options, clear_consumed, forward_guard, mark_consumed,
+                         options_of)
 from ._protocol import offload_of
 from ._state import Writes
 from ._updating import Updating
@@ -41,6 +43,7 @@ class FusedBackward:
         self.hooks: list[RemovableHandle] = []
         self.subs_of: dict[int, list[int]] = {}
         self.consumed: list[torch.Tensor] = []        # parameters whose .grad is a stand-in
+        self.options: Options | None = None           # at this step's first fused gradient
         self.attach()
 
     def attach(self) -> None:
@@ -83,11 +86,14 @@ class FusedBackward:
             return False
         if key in self.pending or key in self.updated:
             raise RuntimeError(
-                f"NVMeOptimizer(fuse_backward=True) got a second gradient for a parameter of "
-                f"shape {list(p.shape)} before step(): with the update fused into the backward "
-                "gradients cannot be accumulated (nor clipped); call step() after each backward, "
-                "or create the NVMeOptimizer with fuse_backward=False")
+                "NVMeOptimizer with the update fused into the backward got a second gradient "
+                f"for a parameter of shape {list(p.shape)} before step(): gradients cannot be "
+                "accumulated (nor clipped); call step() after each backward, or create the "
+                "NVMeOptimizer with fuse_backward=False")
+        if not self.active():
+            self.options = options_of(self.opt.optimizer.param_groups)
         self.pending[key] = grad
+        self._consume(p)
         members = self.opt._subs.members[subs[0]]
         if all(id(q) in self.pending for _, q in members if q.requires_grad):
             self.update(subs)
@@ -188,6 +194,12 @@ class FusedBackward:
         the next step's bookkeeping."""
         opt = self.opt
         self._check_unexpected()
+        if options_of(opt.optimizer.param_groups) != self.options:
+            raise RuntimeError(
+                "NVMeOptimizer.step(): the optimizer's options (lr, ...) changed between "
+                "backward() and step(), after the update fused into the backward used the old "
+                "ones; change them before the forward, or create the NVMeOptimizer with "
+                "fuse_backward=False")
         waiting = sorted({self.subs_of[k][0] for k in self.pending}, reverse=True)
         for first in waiting:
             self.update(self.subs_of[id(opt._subs.params(first)[0])])

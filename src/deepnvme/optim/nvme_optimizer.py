@@ -152,7 +152,8 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         self._fused = FusedBackward(self) if fuse_backward is True else None
         self._observer: StepObserver | None = None
         if fuse_backward == "auto" and fusable and not multi_rank():
-            self._observer = StepObserver(p for _, p in self._all_params())
+            self._observer = StepObserver((p for _, p in self._all_params()),
+                                          self.optimizer.param_groups)
 
     # --- the torch.optim.Optimizer surface -------------------------------------------------
 

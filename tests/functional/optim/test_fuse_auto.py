@@ -43,8 +43,9 @@ def build(tmp_path, model, where, **kw):
     off = None
     if where == "offload":
         off = offload_parameters(model, tmp_path / "p", max_in_memory_bytes=4 * BIG)
+    kw.setdefault("sub_group_bytes", BIG // 4)
     opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=tmp_path / "s",
-                                 sub_group_bytes=BIG // 4, lr=1e-2, weight_decay=0.1, **kw)
+                                 lr=1e-2, weight_decay=0.1, **kw)
     return off, opt
 
 
@@ -187,10 +188,18 @@ def test_bad_fuse_backward_value(tmp_path):
 
 def test_observer_verdicts():
     p = nn.Parameter(torch.ones(3))
-    obs = StepObserver([p])
+    groups = [{"params": [p], "lr": 0.1, "lr_t": torch.tensor(0.1)}]
+    obs = StepObserver([p], groups)
     assert obs.verdict() == ""                      # no gradient yet
     (p * 2).sum().backward()
     assert obs.verdict() is None                    # one gradient, untouched
+    groups[0]["lr_t"].fill_(0.2)                    # a tensor option changed in place
+    assert "options" in obs.verdict()
+    groups[0]["lr_t"] = torch.tensor(0.1)
+    obs.reset()
+    p.grad = None
+    (p * 2).sum().backward()
+    assert obs.verdict() is None
     p.grad.mul_(0.5)
     assert "changed" in obs.verdict()
     obs.reset()
@@ -256,3 +265,54 @@ def test_a_step_without_a_backward_runs_unfused_with_the_gradients_present(tmp_p
     finally:
         close(off, opt)
 
+
+
+def test_auto_stays_unfused_when_the_lr_changes_between_backward_and_step(tmp_path, caplog):
+    ref, model = models()
+    off, opt = build(tmp_path, model, "memory")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    try:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            g = torch.Generator().manual_seed(3)
+            for step in range(3):
+                o.zero_grad()
+                m(torch.randn(5, 256, generator=g)).pow(2).sum().backward()
+                for group in o.param_groups:
+                    group["lr"] = 1e-2 / (step + 2)     # warm-up code placed before step()
+                with caplog.at_level("INFO", logger="deepnvme.optim.nvme_optimizer"):
+                    o.step()
+        assert not opt.fuses_backward and "options (lr, ...) changed" in caplog.text
+        for name, value in ref.state_dict().items():
+            assert torch.equal(value, model.state_dict()[name]), name
+    finally:
+        close(off, opt)
+
+
+def test_a_fused_step_whose_lr_changed_after_the_backward_raises(tmp_path):
+    _, model = models()
+    off, opt = build(tmp_path, model, "offload", fuse_backward=True)
+    try:
+        model(torch.randn(5, 256)).pow(2).sum().backward()
+        opt.param_groups[0]["lr"] = 0.5
+        with pytest.raises(RuntimeError, match=r"options \(lr, ...\) changed.*fuse_backward=False"):
+            opt.step()
+    finally:
+        close(off, opt)
+
+
+def test_a_pending_gradient_is_a_stand_in_too(tmp_path):
+    """A gradient kept until its sub-group is complete is marked at once, so clipping every
+    parameter's gradient fails even before any update ran."""
+    _, model = models()
+    off, opt = build(tmp_path, model, "memory", fuse_backward=True, sub_group_bytes=1 << 30)
+    try:
+        out = model[4](torch.randn(5, 32)).sum()      # only the last layer: its sub-group waits
+        out.backward()
+        assert opt._fused.pending and not opt._fused.updated
+        assert isinstance(model[4].weight.grad, ConsumedGradient)
+        with pytest.raises(RuntimeError, match="clipped"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        assert model[4].weight.grad is None
+    finally:
+        close(off, opt)

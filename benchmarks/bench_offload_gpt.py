@@ -346,6 +346,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "args": {k: v for k, v in vars(args).items()
                                                             if k != "child"},
+                       "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
                        "runs": runs, "summary": rows}, f, indent=1)
 
 

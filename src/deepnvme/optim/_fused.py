@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ._fuse_auto import (ConsumedGradient, Options, clear_consumed, forward_guard, mark_consumed,
-                         options_of)
+from ._fuse_auto import ConsumedGradient, Options, clear_consumed, forward_guard, mark_consumed, options_of
 from ._protocol import offload_of
 from ._state import Writes
 from ._updating import Updating

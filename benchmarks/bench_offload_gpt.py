@@ -11,9 +11,11 @@ torch and a warm-up step, reset after the first step), ``--reps`` interleaved re
 
 - ``memory``: the model and AdamW in memory;
 - ``defaults``: ``offload_parameters(model, dir, max_in_memory_bytes=budget, source=init)`` and
-  ``NVMeOptimizer(model.parameters(), AdamW, swap_dir=dir, lr=...)``, nothing else set;
+  ``NVMeOptimizer(model.parameters(), AdamW, swap_dir=dir, lr=...)``, nothing else set
+  (``fuse_backward="auto"``: the untimed first step is watched, the timed ones fused);
+- ``unfused``: the defaults with ``fuse_backward=False`` (the update after the backward);
 - ``keepgrads``: the same with ``offload_gradients=False`` (gradients in memory, as ZeRO-3);
-- ``fused``: the defaults with the update fused into the backward (``fuse_backward=True``);
+- ``fused``: the defaults with ``fuse_backward=True`` (fused from the first step);
 - ``deepspeed`` (with ``--ds-python``): ZeRO-3, ``offload_param`` and ``offload_optimizer`` on
   nvme under ``dir``, one parameter buffer of the largest parameter's size per parameter it swaps
   (fewer fail with "Not enough buffers": DeepSpeed's buffers are fixed-size, so it holds more than
@@ -50,7 +52,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 from offload_bench import status  # noqa: E402  (same folder)
 
-OFFLOADED = ("defaults", "keepgrads", "fused")
+OFFLOADED = ("defaults", "unfused", "keepgrads", "fused")
 
 
 class Block(nn.Module):
@@ -163,7 +165,8 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         extra: dict[str, Any] = {"offload_gradients": False} if args.mode == "keepgrads" else {}
         offload = deepnvme.offload_parameters(model, args.dir, max_in_memory_bytes=budget,
                                               source=init, **extra)
-        fused = {"fuse_backward": True} if args.mode == "fused" else {}
+        fused = {"fused": {"fuse_backward": True},
+                 "unfused": {"fuse_backward": False}}.get(args.mode, {})
         opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.AdamW, swap_dir=args.dir,
                                      lr=1e-4, **fused)
 
@@ -174,13 +177,15 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
 
     out = {"mode": args.mode, "n_params": sum(p.numel() for p in model.parameters()),
            **time_steps(step, args.steps, baseline,
-                        after_first=offload.reset_stats if offload is not None else None)}
+                        after_first=offload.reset_stats if offload is not None else None),
+           "torch_threads_after": torch.get_num_threads()}
     if offload is not None:
         s = offload.stats()
         out.update(param_grad_read_per_step=s.bytes_read / args.steps,
                    param_grad_written_per_step=s.bytes_written / args.steps)
         assert isinstance(opt, deepnvme.NVMeOptimizer)
         out.update(budget=s.budget_bytes, peak_held=s.peak_bytes, sub_groups=opt.num_sub_groups,
+                   fuses_backward=opt.fuses_backward,
                    sliced_params=opt.num_sliced_params, sub_group_bytes=opt.sub_group_bytes,
                    opt_buffers=3 * opt.buffer_bytes, state_bytes=opt.swapped_bytes)
         offload.close()
@@ -236,7 +241,7 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
         engine.step()
 
     return {"mode": "deepspeed", "n_params": n_params, "deepspeed": deepspeed.__version__,
-            **time_steps(step, args.steps, baseline)}
+            **time_steps(step, args.steps, baseline), "torch_threads_after": torch.get_num_threads()}
 
 
 def make_model_meta(args: argparse.Namespace) -> GPT:
@@ -244,17 +249,33 @@ def make_model_meta(args: argparse.Namespace) -> GPT:
         return make_model(args)
 
 
+def ds_env(ds_python: str) -> dict[str, str]:
+    """The DeepSpeed child's environment: the side venv's bin first on PATH (its ninja), its
+    torch_extensions directory (where setup_peers.sh built async_io: no rebuild), the CPU
+    accelerator, and no PYTHONPATH (the venv's own packages)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bindir = os.path.dirname(os.path.abspath(ds_python))
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    ext_dir = os.path.join(os.path.dirname(bindir), "torch_extensions")
+    if "TORCH_EXTENSIONS_DIR" not in env and os.path.isdir(ext_dir):
+        env["TORCH_EXTENSIONS_DIR"] = ext_dir
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
 def spawn(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     python = args.ds_python if mode == "deepspeed" else sys.executable
     cmd = [python, os.path.abspath(__file__), "--child", mode, "--dir", os.path.join(args.dir, mode)]
     for k in ("vocab", "dim", "layers", "heads", "seq", "batch", "budget_frac", "steps", "threads"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = ds_env(python) if mode == "deepspeed" else None
+    load = os.getloadavg()[0]   # a shared machine: the 1-minute load average as each run starts
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     shutil.rmtree(os.path.join(args.dir, mode), ignore_errors=True)
     if proc.returncode:   # a failed run is a result (named in the table), not the end
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        return {"mode": mode, "error": lines[-1] if lines else f"exit {proc.returncode}"}
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+        return {"mode": mode, "error": lines[-1] if lines else f"exit {proc.returncode}", "load": load}
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "load": load}
 
 
 def parse() -> argparse.Namespace:
@@ -270,7 +291,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per run (after one untimed)")
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions of each mode")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--modes", default="memory,defaults,keepgrads,fused",
+    ap.add_argument("--modes", default="memory,defaults,unfused,keepgrads",
                     help="comma-separated (deepspeed is added by --ds-python)")
     ap.add_argument("--ds-python", default=None, help="python of a side environment with DeepSpeed")
     ap.add_argument("--json", default=None)
@@ -325,6 +346,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "args": {k: v for k, v in vars(args).items()
                                                             if k != "child"},
+                       "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
                        "runs": runs, "summary": rows}, f, indent=1)
 
 

@@ -82,6 +82,8 @@ class DeviceParameterOffload(parameters.ParameterOffload):
     doc); :func:`offload_parameters` builds one for a CUDA model. ``device`` is the
     :class:`~._device.ComputeDevice` to train on (tests pass a CPU stand-in)."""
 
+    fused_gradients = False   # gradients come back from the device apart from the consumer
+
     def __init__(self, model: torch.nn.Module, directory: str | os.PathLike[str], *,
                  device: ComputeDevice, max_in_memory_bytes: int, prefetch: int = 2,
                  dtype: torch.dtype | None = None, config: IOConfig | None = None,

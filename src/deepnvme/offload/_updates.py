@@ -44,6 +44,9 @@ class _Slice:
 class UpdateSide(OffloadedParameters):
     """Mixed into :class:`~deepnvme.offload.ParameterOffload` (which sets both attributes)."""
 
+    #: every gradient reaches :meth:`set_gradient_consumer`'s consumer (``fuse_backward`` works)
+    fused_gradients = True
+
     _store: TensorStore
     _entries: dict[int, tuple[Entry, Entry]]   # id(param) -> (data, grad)
     # made on first use (the offload's constructor does not know of slices)

@@ -6,9 +6,13 @@ storing it): an offloaded gradient is then never written and read back, and an o
 parameter is updated while the backward has it in memory. ``step()`` updates the sub-groups
 still waiting (a member that got no gradient) and waits for the writes.
 
-Refused: a second gradient for a parameter before ``step()`` (gradient accumulation) raises;
-gradient clipping cannot work either (the gradients are consumed one by one, so
-``clip_grad_norm_`` would see none): use ``fuse_backward=False`` for both.
+Refused, loudly: a used gradient's ``.grad`` holds a :class:`~._fuse_auto.ConsumedGradient`
+until ``step()``, so clipping or reading it, or a second backward before ``step()`` (gradient
+accumulation), raises instead of seeing nothing; so does ``zero_grad()`` once a sub-group was
+updated, and a gradient found on a parameter at ``step()`` that did not come through the
+hooks, options of the param groups (``lr``) changed after the first fused update of a step,
+and a module's forward with a parameter already updated before ``step()``
+(:func:`~._fuse_auto.forward_guard`). Use ``fuse_backward=False`` for such loops.
 Memory: the gradients of the sub-groups not yet complete (at most about one sub-group in the
 usual reverse order), beside the optimizer's buffers and the offload's budget.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ._fuse_auto import ConsumedGradient, Options, clear_consumed, forward_guard, mark_consumed, options_of
 from ._protocol import offload_of
 from ._state import Writes
 from ._updating import Updating
@@ -36,6 +41,8 @@ class FusedBackward:
         self.prefetched: int | None = None            # the sub-group whose state is read ahead
         self.hooks: list[RemovableHandle] = []
         self.subs_of: dict[int, list[int]] = {}
+        self.consumed: list[torch.Tensor] = []        # parameters whose .grad is a stand-in
+        self.options: Options | None = None           # at this step's first fused gradient
         self.attach()
 
     def attach(self) -> None:
@@ -47,9 +54,14 @@ class FusedBackward:
                 self.subs_of.setdefault(id(p), []).append(i)
         if opt._offload is not None:
             opt._offload.set_gradient_consumer(self.take)
+        self.hooks.append(forward_guard(self.updated))
         for _, p in opt._all_params():
             if p.requires_grad and offload_of(p) is None:
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    def active(self) -> bool:
+        """Whether a gradient came through the hooks since the last ``step()``."""
+        return bool(self.pending or self.updated)
 
     def detach(self) -> None:
         for h in self.hooks:
@@ -73,11 +85,14 @@ class FusedBackward:
             return False
         if key in self.pending or key in self.updated:
             raise RuntimeError(
-                f"NVMeOptimizer(fuse_backward=True) got a second gradient for a parameter of "
-                f"shape {list(p.shape)} before step(): with the update fused into the backward "
-                "gradients cannot be accumulated (nor clipped); call step() after each backward, "
-                "or create the NVMeOptimizer with fuse_backward=False")
+                "NVMeOptimizer with the update fused into the backward got a second gradient "
+                f"for a parameter of shape {list(p.shape)} before step(): gradients cannot be "
+                "accumulated (nor clipped); call step() after each backward, or create the "
+                "NVMeOptimizer with fuse_backward=False")
+        if not self.active():
+            self.options = options_of(self.opt.optimizer.param_groups)
         self.pending[key] = grad
+        self._consume(p)
         members = self.opt._subs.members[subs[0]]
         if all(id(q) in self.pending for _, q in members if q.requires_grad):
             self.update(subs)
@@ -117,7 +132,40 @@ class FusedBackward:
             q.grad = None
         if offload is not None:
             offload.end_update(held)
+        for q in params:
+            if id(q) in grads:
+                self._consume(q)
         self.updated.update(grads)
+
+    def _consume(self, p: torch.Tensor) -> None:
+        mark_consumed(p)
+        self.consumed.append(p)
+
+    def clear(self) -> None:
+        """``zero_grad()``: forget the pending gradients; refused once a sub-group was updated
+        in this backward (the update cannot be undone)."""
+        if self.updated:
+            raise RuntimeError(
+                "NVMeOptimizer.zero_grad() after a backward whose update was fused into it: "
+                f"{len(self.updated)} parameters were already updated and cannot be restored; "
+                "call step() after each backward, or create the NVMeOptimizer with "
+                "fuse_backward=False to discard gradients")
+        self.pending.clear()
+        clear_consumed(self.consumed)
+        self.consumed.clear()
+
+    def _check_unexpected(self) -> None:
+        """A gradient on an in-memory parameter at ``step()`` that the hooks did not take (set
+        by hand, or produced with the hooks off) would be skipped: raise instead."""
+        for _, p in self.opt._all_params():
+            g = p.grad
+            if g is not None and offload_of(p) is None and id(p) not in self.pending \
+                    and id(p) not in self.updated and not isinstance(g, ConsumedGradient):
+                raise RuntimeError(
+                    f"NVMeOptimizer.step() found a gradient on a parameter of shape "
+                    f"{list(p.shape)} that did not come through the backward's hooks (the "
+                    "update is fused into the backward, so it would be skipped); assign no "
+                    ".grad by hand, or create the NVMeOptimizer with fuse_backward=False")
 
     def _prefetch(self, i: int) -> None:
         self.prefetched = i
@@ -144,12 +192,21 @@ class FusedBackward:
         """``step()``: update the sub-groups still waiting, wait for every write, and start
         the next step's bookkeeping."""
         opt = self.opt
+        self._check_unexpected()
+        if options_of(opt.optimizer.param_groups) != self.options:
+            raise RuntimeError(
+                "NVMeOptimizer.step(): the optimizer's options (lr, ...) changed between "
+                "backward() and step(), after the update fused into the backward used the old "
+                "ones; change them before the forward, or create the NVMeOptimizer with "
+                "fuse_backward=False")
         waiting = sorted({self.subs_of[k][0] for k in self.pending}, reverse=True)
         for first in waiting:
             self.update(self.subs_of[id(opt._subs.params(first)[0])])
         writes, self.writes = self.writes, []
         self.prefetched = None
         self.updated.clear()
+        clear_consumed(self.consumed)
+        self.consumed.clear()
         failed = opt._state.settle(writes, installed=None)
         if opt._offload is not None:
             try:

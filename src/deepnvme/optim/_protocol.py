@@ -31,6 +31,8 @@ class OffloadedParameters(Protocol):
     sub-group, updated in slices (contiguous ranges of its flattened elements), goes through
     :meth:`prefetch_slice`, :meth:`begin_slice` and :meth:`end_slice` (or :meth:`abort_slice`)
     instead, slice by slice; only its slices are in memory, never the whole parameter.
+    An offload whose every gradient reaches the consumer of :meth:`set_gradient_consumer` says
+    so with a class attribute ``fused_gradients = True`` (``fuse_backward`` needs it).
     """
 
     def update_bytes(self) -> int:

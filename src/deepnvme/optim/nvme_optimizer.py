@@ -31,6 +31,7 @@ from ..io.volume import Volume
 from ..memory.heap import trim_heap
 from ..swap import TensorSwapper
 from ._checks import check_arguments, check_cpu, raise_failed_writes
+from ._fuse_auto import StepObserver, multi_rank
 from ._fused import FusedBackward
 from ._protocol import OffloadedParameters, find_offload, offload_of
 from ._sharded import local_parameters
@@ -89,9 +90,16 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
             handle's threads (at least 1); for any other optimizer, None.
         fuse_backward: update each sub-group inside the backward pass, as soon as all its
             parameters have their gradients (post-accumulate-grad hooks; an offloaded
-            gradient is then never written and read back); ``step()`` finishes the step. Not
-            with gradient accumulation (a second gradient before ``step()`` raises) nor
-            gradient clipping (the gradients are consumed one by one).
+            gradient is then never written and read back); ``step()`` finishes the step.
+            Wrong for loops that accumulate gradients or read or change them between
+            ``backward()`` and ``step()`` (clipping, scaling): with it on, a used gradient's
+            ``.grad`` raises on any use until ``step()``, and a second backward raises.
+            ``"auto"`` (default): the first step that has gradients runs unfused and is
+            watched; fusing starts from the next step only if each parameter got one gradient
+            that nothing changed before ``step()`` and no forward used before ``step()``, in a
+            single-process job on the CPU (else never, logged once). True: fused from the
+            first step; False: never. A ``step()`` with no gradient from the backward since
+            the last one (gradients set by hand) runs unfused.
         **optimizer_kwargs: the options of ``optimizer_cls`` (``lr``, ``betas``, ...).
 
     Raises:
@@ -103,11 +111,13 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
                  *, swap_dir: str | os.PathLike[str] | Volume, sub_group_bytes: int = 256 << 20,
                  buffer_count: int = 3, config: IOConfig | None = None, stale: str = "warn",
                  handle: AioHandle | None = None, update_threads: int | str | None = "auto",
-                 fuse_backward: bool = False, **optimizer_kwargs: Any) -> None:
+                 fuse_backward: bool | str = "auto", **optimizer_kwargs: Any) -> None:
         check_arguments(params, optimizer_cls)
         if update_threads not in ("auto", None) and (
                 isinstance(update_threads, bool) or not isinstance(update_threads, int) or update_threads < 1):
             raise ValueError(f"update_threads must be an int >= 1, 'auto' or None, got {update_threads!r}")
+        if fuse_backward not in (True, False, "auto"):
+            raise ValueError(f"fuse_backward must be True, False or 'auto', got {fuse_backward!r}")
         if buffer_count < 2:
             raise ValueError(f"buffer_count must be >= 2 (3 overlaps read, update and write), "
                              f"got {buffer_count}")
@@ -133,7 +143,17 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
             io_threads = swapper.io_config.intra_op_parallelism
             self.update_threads = max(1, torch.get_num_threads() - io_threads)
         self._current, self._done = None, -1
-        self._fused = FusedBackward(self) if fuse_backward else None
+        fusable = self._offload is None or getattr(self._offload, "fused_gradients", False)
+        if fuse_backward is True and not fusable:
+            raise ValueError(f"fuse_backward=True: the parameter offload "
+                             f"({type(self._offload).__name__}) does not hand its gradients to the "
+                             "optimizer in the backward (a model on a device); use "
+                             "fuse_backward=False or 'auto'")
+        self._fused = FusedBackward(self) if fuse_backward is True else None
+        self._observer: StepObserver | None = None
+        if fuse_backward == "auto" and fusable and not multi_rank():
+            self._observer = StepObserver((p for _, p in self._all_params()),
+                                          self.optimizer.param_groups)
 
     # --- the torch.optim.Optimizer surface -------------------------------------------------
 
@@ -174,11 +194,21 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         """Bytes of each of the ``buffer_count`` pinned buffers of one sub-group's state."""
         return self._state.swapper.buffer_bytes
 
+    @property
+    def fuses_backward(self) -> bool:
+        """Whether the update runs inside the backward now (see ``fuse_backward``)."""
+        return self._fused is not None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the wrapped optimizer's gradients, and those of offloaded parameters."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        """Zero the wrapped optimizer's gradients, and those of offloaded parameters.
+
+        Raises:
+            RuntimeError: the update is fused and some parameters were updated in the backward
+                since the last ``step()`` (discarding their gradients cannot undo that).
+        """
         if self._fused is not None:
-            self._fused.pending.clear()
+            self._fused.clear()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
         if self._offload is not None:
             self._offload.zero_grad()
 
@@ -240,6 +270,24 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
             raise
         if self._fused is not None:
             self._fused.attach()
+        if self._observer is not None:
+            self._observer.watch(p for _, p in fresh)
+
+    def _decide_fusing(self) -> bool:
+        """``fuse_backward="auto"``, at ``step()``: whether fusing starts after this step."""
+        observer = self._observer
+        if observer is None:
+            return False
+        reason = observer.verdict()
+        if reason == "":
+            return False   # no gradient yet: watch the next step
+        observer.remove()
+        self._observer = None
+        if reason is not None:
+            log.info("NVMeOptimizer: the update stays after the backward (fuse_backward='auto'): "
+                     "%s", reason)
+            return False
+        return True
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -252,9 +300,10 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._fused is not None:
+        if self._fused is not None and self._fused.active():
             self._fused.finish()
             return loss
+        fuse_next = self._decide_fusing()
         writes: Writes = []
         self._current, self._done = None, -1
         state = self._state
@@ -281,6 +330,12 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
                 failed = failed or exc
         if failed is not None:
             raise self._step_error(failed, self._done) from failed
+        if fuse_next:
+            self._fused = FusedBackward(self)
+            log.info("NVMeOptimizer: the update is fused into the backward from the next step "
+                     "(fuse_backward='auto': one gradient per parameter, unchanged before step())")
+        elif self._observer is not None:
+            self._observer.reset()
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -313,6 +368,9 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         holding them, and ``swap_dir`` if this optimizer created it and it is empty. Idempotent."""
         if self._fused is not None:
             self._fused.detach()
+        if self._observer is not None:
+            self._observer.remove()
+            self._observer = None
         self._state.swapper.close()
 
     def __enter__(self) -> NVMeOptimizer:

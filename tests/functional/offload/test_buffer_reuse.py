@@ -140,7 +140,7 @@ def test_gradients_are_written_from_reused_buffers_within_the_budget(tmp_path, m
     budget = 3 * MAPPED_MIN + 3 * 4 * DIM
     off = offload_parameters(model, tmp_path, max_in_memory_bytes=budget, prefetch=1)
     opt = deepnvme.NVMeOptimizer(model.parameters(), torch.optim.SGD, swap_dir=tmp_path,
-                                 sub_group_bytes=MAPPED_MIN, lr=1e-2)
+                                 sub_group_bytes=MAPPED_MIN, lr=1e-2, fuse_backward=False)  # grads written
     x = torch.randn(8, DIM)
     for step in range(3):
         if step == 1:

@@ -228,3 +228,28 @@ def test_models_on_several_devices_or_not_cuda_are_refused():
     fake = nn.Linear(2, 2)
     fake.weight = nn.Parameter(torch.empty(2, 2, device="meta"))
     assert model_device(fake) is None
+
+
+def test_the_update_is_not_fused_on_the_device_path(tmp_path, device):
+    """Gradients come back from the device apart from the optimizer's consumer: fuse_backward=True
+    is refused, and "auto" (the default) keeps the update after the backward."""
+    a, b = make_pair()
+    off = offload(b, tmp_path, device)
+    try:
+        with pytest.raises(ValueError, match="does not hand its gradients"):
+            deepnvme.NVMeOptimizer(b.parameters(), torch.optim.SGD, swap_dir=tmp_path / "s",
+                                   fuse_backward=True, lr=0.1)
+        opt = deepnvme.NVMeOptimizer(b.parameters(), torch.optim.SGD, swap_dir=tmp_path / "s", lr=0.1)
+        ref = torch.optim.SGD(a.parameters(), lr=0.1)
+        x, y = batches(1)[0]
+        for _ in range(3):
+            for model, o in ((a, ref), (b, opt)):
+                o.zero_grad()
+                loss_of(model, x, y).backward()
+                o.step()
+        assert not opt.fuses_backward
+        with torch.no_grad():
+            assert torch.equal(a(x), b(x))
+        opt.close()
+    finally:
+        off.close()

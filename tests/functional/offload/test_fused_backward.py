@@ -67,7 +67,12 @@ def test_gradient_accumulation_is_refused(tmp_path):
     try:
         x = torch.randn(2, 256)
         model(x).sum().backward()
-        with pytest.raises(RuntimeError, match="second gradient.*fuse_backward=False"):
-            model(x).sum().backward()
+        with pytest.raises(RuntimeError, match="accumulation.*fuse_backward=False"):
+            model(x).sum().backward()               # its forward sees updated parameters
+        opt.step()
+        first, second = (model[4](torch.randn(2, 32)).sum() for _ in range(2))  # both forwards first
+        first.backward()
+        with pytest.raises(RuntimeError, match="accumulated.*fuse_backward=False"):
+            second.backward()                       # a second gradient before step()
     finally:
         opt.close()

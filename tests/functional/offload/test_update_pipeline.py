@@ -80,8 +80,8 @@ def test_update_of_group_i_overlaps_reading_i_plus_1_and_writing_i_minus_1(tmp_p
     model = nn.Sequential(*[nn.Linear(DIM, DIM) for _ in range(8)])
     # room for four layers' parameters and gradients: half the model; sub-groups of one layer
     off = offload_parameters(model, tmp_path, max_in_memory_bytes=8 * LAYER, prefetch=1)
-    opt = deepnvme.NVMeOptimizer(model.parameters(), TimedSGD, swap_dir=tmp_path,
-                                 sub_group_bytes=LAYER, lr=0.1, momentum=0.9)
+    opt = deepnvme.NVMeOptimizer(model.parameters(), TimedSGD, swap_dir=tmp_path,   # the step's pipeline
+                                 sub_group_bytes=LAYER, lr=0.1, momentum=0.9, fuse_backward=False)
     assert opt.num_sub_groups == 8
     x = torch.randn(4, DIM)
 

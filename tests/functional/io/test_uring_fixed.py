@@ -195,10 +195,12 @@ def test_a_release_never_waits_for_a_ring_lock_held_elsewhere(tmp_path):
     h.sync_pwrite(data, path)
     old = deepnvme.new_cpu_locked_tensor(1 << 20, torch.uint8)
     h.sync_pread(old, path)  # registers `old` in the worker's ring
-    rings = [r for r in pinned._release_listeners if isinstance(r, uring.UringQueue) and r._fixed]
-    assert rings, "no ring registered the locked buffer"
+    found = pinned.locked_region(old.data_ptr(), 1)
+    assert found is not None
+    region = found[0]
+    rings = [r for r in pinned._release_listeners if isinstance(r, uring.UringQueue) and region in (r._fixed or {})]
+    assert len(rings) == 1, "the handle's one ring registered the locked buffer"
     ring = rings[0]
-    region = next(iter(ring._fixed))
     holding, done = threading.Event(), threading.Event()
 
     def hold():

@@ -250,15 +250,11 @@ def make_model_meta(args: argparse.Namespace) -> GPT:
 
 
 def ds_env(ds_python: str) -> dict[str, str]:
-    """The DeepSpeed child's environment: the side venv's bin first on PATH (its ninja), its
-    torch_extensions directory (where setup_peers.sh built async_io: no rebuild), the CPU
-    accelerator, and no PYTHONPATH (the venv's own packages)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    bindir = os.path.dirname(os.path.abspath(ds_python))
-    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    ext_dir = os.path.join(os.path.dirname(bindir), "torch_extensions")
-    if "TORCH_EXTENSIONS_DIR" not in env and os.path.isdir(ext_dir):
-        env["TORCH_EXTENSIONS_DIR"] = ext_dir
+    """The DeepSpeed child's environment: bench_engines' (the side venv's bin and torch
+    extensions, no PYTHONPATH) with the CPU accelerator."""
+    from bench_engines import ds_env as venv_env
+
+    env = venv_env(ds_python)
     env.setdefault("DS_ACCELERATOR", "cpu")
     return env
 

@@ -3,7 +3,6 @@ fusing starts only after a clean step (one gradient per parameter, unchanged bef
 process), bitwise as the unfused update. Once fused, a consumed gradient raises on any use until
 step(), and zero_grad() after fused updates or a hand-set gradient at step() raise."""
 
-import copy
 
 import pytest
 import torch
@@ -14,14 +13,7 @@ from deepnvme.offload import offload_parameters
 from deepnvme.optim import _fuse_auto
 from deepnvme.optim._fuse_auto import ConsumedGradient, StepObserver
 
-BIG = 256 * 256 * 4
-
-
-def models():
-    torch.manual_seed(0)
-    a = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Tanh(), nn.Linear(256, 32), nn.Tanh(),
-                      nn.Linear(32, 4))
-    return a, copy.deepcopy(a)
+from ..offload.test_fused_backward import BIG, models
 
 
 def loop(model, opt, steps=3, micro=1, clip=None, scale=None, g=None):

@@ -20,7 +20,11 @@ drive GB/s)``. One figure per drive serves reads and writes (give the write spee
 
 DeepSpeed's swap buffers are pinned host memory, not NVMe, per rank: parameters
 ``buffer_count x buffer_size`` elements of ``d`` bytes (defaults 5 x 1e8); optimizer
-``buffer_count x min(sub_group_size, 4 P / R / 4)`` fp32 elements (defaults 4 and 1e9).
+``buffer_count x min(sub_group_size, P / R)`` fp32 elements (defaults 4 and 1e9): DeepSpeed's
+optimizer swapper pins ``buffer_count`` buffers of its largest sub-group's partition, in the
+master-weight dtype (fp32). A sub-group closes at the first parameter that brings it to
+``sub_group_size``, so with partitions as large as a sub-group the largest can exceed it by up
+to one partition: the figure is then a lower bound (checked against DeepSpeed 0.19.8's stage 3).
 Not counted: activations, activation checkpoints, fp16 gradients in GPU memory, file padding.
 """
 

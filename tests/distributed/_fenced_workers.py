@@ -50,13 +50,14 @@ def _at_step(opt: torch.optim.Optimizer) -> tuple[threading.Event, Any]:
 
 
 def _writes_after(event: threading.Event, times: dict[str, float]) -> Any:
-    """``_ranks.write_share`` that starts once ``event`` is set, 0.3 s later (when it starts:
-    ``times["write"]``), so the step finds the whole share waiting."""
+    """``_ranks.write_share`` that starts once ``event`` is set, 2 s later (when it starts:
+    ``times["write"]``), so the step finds the whole share waiting (and its copies end before
+    the write starts even on a loaded machine: 0.3 s was too short in one CI run)."""
     real = _ranks.write_share
 
     def held(*args: Any, **kwargs: Any) -> Any:
         assert event.wait(30)
-        time.sleep(0.3)
+        time.sleep(2.0)
         times["write"] = time.perf_counter()
         return real(*args, **kwargs)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import os
-import secrets
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -16,7 +15,7 @@ from ..config import IOConfig
 from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.volume import VolumePath
-from ..io.volume_files import remove, rename, striped_size
+from ..io.volume_files import remove, rename, striped_size, temp_path
 from ..memory.views import aligned_empty
 
 __all__ = ["StripedReader", "join_file", "split_file"]
@@ -75,8 +74,7 @@ def split_file(src: str, vpath: VolumePath, cfg: IOConfig) -> int:
     """Copy the plain file ``src`` into the striped file ``vpath`` (written under a temporary
     name, then renamed over it). Returns the byte count. Blocks."""
     size = os.path.getsize(src)
-    tmp = VolumePath(vpath.volume,
-                     f"{vpath.name}.deepnvme-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = temp_path(vpath)
     try:
         with AioHandle(config=cfg) as handle:
             _copy(handle, size, lambda buf, off: handle.submit_read(buf, src, offset=off),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import secrets
 import types
 from collections.abc import Mapping
 from typing import IO, Any
@@ -34,7 +33,7 @@ from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.file import read_buffered, reserve
 from ..io.volume import VolumePath
-from ..io.volume_files import remove, rename
+from ..io.volume_files import remove, rename, temp_path
 from ..memory.views import aligned_empty, storage_bytes
 from ._paths import as_path
 
@@ -199,8 +198,7 @@ def save_striped(obj: object, vpath: VolumePath, cfg: IOConfig) -> None:
     first = os.path.join(vpath.volume.paths[0], os.path.dirname(vpath.name))
     os.makedirs(first, exist_ok=True)
     skeleton = durable.create_temp(first, os.path.basename(vpath.name) + ".skeleton")
-    tmp = VolumePath(vpath.volume,
-                     f"{vpath.name}.deepnvme-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = temp_path(vpath)
     try:
         layout = write_skeleton(obj, skeleton)
         items = file_items(skeleton, layout)

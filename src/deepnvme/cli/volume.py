@@ -16,7 +16,7 @@ from typing import Any
 from ..checkpoint._placed import gather_folder
 from ..checkpoint._striped import join_file, split_file
 from ..config import checkpoint_config
-from ..io.volume import Volume
+from ..io.volume import Volume, env_stripe
 
 __all__ = ["add_volume_parser"]
 
@@ -30,7 +30,7 @@ def _volume(args: argparse.Namespace) -> Volume:
             raise SystemExit("deepnvme volume: give the drives with --drives DIR [DIR ...] or set "
                              "DEEPNVME_VOLUME (directories joined by ':')")
         args.drives = list(named.paths)
-    args.stripe = args.stripe or os.environ.get("DEEPNVME_VOLUME_STRIPE", "").strip() or "1M"
+    args.stripe = args.stripe or env_stripe()
     return Volume(args.drives, stripe=args.stripe)
 
 

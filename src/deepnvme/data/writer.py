@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import array
 import os
-import secrets
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -22,7 +21,7 @@ from ..formats.megatron_index import DTYPES, TokenDType, dtype_by_name, encode_i
 from ..handles.aio import AioHandle
 from ..io import durable
 from ..io.volume import VolumePath
-from ..io.volume_files import remove, rename
+from ..io.volume_files import remove, rename, temp_path
 from ..memory.views import aligned_empty, byte_view
 
 __all__ = ["write_token_dataset"]
@@ -161,9 +160,8 @@ def _write_striped(prefix: VolumePath, documents: Iterable[Any], kind: TokenDTyp
     """:func:`write_token_dataset` onto a volume: both files written under temporary names,
     then renamed into place (.bin before .idx); a failure removes them and leaves the
     previous pair untouched."""
-    tag = f"deepnvme-tmp-{os.getpid()}-{secrets.token_hex(4)}"
     names = {suffix: VolumePath(prefix.volume, f"{prefix.name}.{suffix}") for suffix in ("bin", "idx")}
-    temps = {suffix: VolumePath(prefix.volume, f"{prefix.name}.{suffix}.{tag}") for suffix in names}
+    temps = {suffix: temp_path(name) for suffix, name in names.items()}
     lengths = array.array("q")
     try:
         with AioHandle() as handle:

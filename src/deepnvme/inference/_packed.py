@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +26,7 @@ from ..errors import DeepNVMeError
 from ..handles.aio import AioHandle
 from ..io.durable import commit, fsync_dir, remove_quietly, temp_name, write_json
 from ..io.volume import Volume, VolumePath
-from ..io.volume_files import remove, rename, striped_size
+from ..io.volume_files import remove, rename, striped_size, temp_path
 from ..memory.pinned import free_cpu_locked_tensor, new_cpu_locked_tensor
 from ..memory.views import cast_to_byte_tensor
 from ._layout import BlockPlan, Span, plan_packed_block
@@ -59,15 +58,17 @@ def _where(directory: str | Volume) -> tuple[str, str | VolumePath]:
 
 
 def _temporary(path: str | VolumePath) -> str | VolumePath:
-    if isinstance(path, VolumePath):
-        return VolumePath(path.volume, f"{path.name}.deepnvme-tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    return temp_name(path)
+    return temp_path(path) if isinstance(path, VolumePath) else temp_name(path)
 
 
 def _publish(tmp: str | VolumePath, path: str | VolumePath) -> None:
-    if isinstance(tmp, VolumePath) and isinstance(path, VolumePath):
-        rename(tmp, path)   # every block was written with fsync on the parts it touched
-    elif isinstance(tmp, str) and isinstance(path, str):
+    """Put the written ``tmp`` in place of ``path`` (a striped file's blocks were each written
+    with fsync on the parts they touched; a plain file is fsynced here)."""
+    if isinstance(tmp, VolumePath):
+        assert isinstance(path, VolumePath)  # _temporary keeps the kind of its path
+        rename(tmp, path)
+    else:
+        assert isinstance(path, str)
         commit(tmp, path)
 
 

@@ -23,12 +23,18 @@ from ..config import parse_size
 from ..errors import ConfigError, VolumeLayoutError
 
 __all__ = ["Volume", "VolumePath", "PartSpan", "VolumeRecord", "stripe_spans", "part_size",
-           "split_ranges", "STRIPE_MULTIPLE", "RECORD_FORMAT"]
+           "split_ranges", "env_stripe", "STRIPE_MULTIPLE", "RECORD_FORMAT"]
 
 #: the stripe unit is a multiple of this, so an aligned logical offset stays aligned in a part
 STRIPE_MULTIPLE = 4096
 RECORD_FORMAT = "deepnvme-volume"
 _RECORD_VERSION = 1
+
+
+def env_stripe(environ: Mapping[str, str] | None = None) -> str:
+    """The stripe unit ``DEEPNVME_VOLUME_STRIPE`` names, else ``1M`` (read when called)."""
+    env = os.environ if environ is None else environ
+    return env.get("DEEPNVME_VOLUME_STRIPE", "").strip() or "1M"
 
 
 class Volume:
@@ -79,7 +85,7 @@ class Volume:
         if not listed:
             return None
         dirs = [d for d in listed.split(os.pathsep) if d.strip()]
-        stripe = env.get("DEEPNVME_VOLUME_STRIPE", "").strip() or "1M"
+        stripe = env_stripe(env)
         try:
             return cls(dirs, stripe=stripe)
         except ConfigError as exc:

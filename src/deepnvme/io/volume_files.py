@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import threading
 import uuid
 
@@ -19,7 +20,7 @@ from .durable import fsync_dir, write_json
 from .file import reserve
 from .volume import VolumePath, VolumeRecord, check_records
 
-__all__ = ["Layouts", "striped_size", "rename", "remove"]
+__all__ = ["Layouts", "striped_size", "temp_path", "rename", "remove"]
 
 _Sig = tuple[int, int, int]
 
@@ -134,6 +135,12 @@ def _read(vpath: VolumePath, drive: int) -> VolumeRecord:
 def striped_size(vpath: VolumePath) -> int:
     """The logical size of the striped file ``vpath``, its layout checked on every drive."""
     return Layouts().current(vpath).size
+
+
+def temp_path(vpath: VolumePath) -> VolumePath:
+    """A fresh temporary name beside ``vpath`` on its volume (this process's pid and a random
+    tag), to write a striped file under before :func:`rename` puts it in place."""
+    return VolumePath(vpath.volume, f"{vpath.name}.deepnvme-tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def rename(src: VolumePath, dst: VolumePath) -> None:

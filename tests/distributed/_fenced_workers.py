@@ -49,15 +49,20 @@ def _at_step(opt: torch.optim.Optimizer) -> tuple[threading.Event, Any]:
     return event, opt.register_step_pre_hook(lambda *_: event.set())
 
 
+def differing(got: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """The entries of two snapshots that are not bitwise equal (for an assertion's message)."""
+    return [f"{part}.{k}" for part in ("model", "optim") for k in expected[part]
+            if k not in got[part] or not torch.equal(got[part][k], expected[part][k])]
+
+
 def _writes_after(event: threading.Event, times: dict[str, float]) -> Any:
-    """``_ranks.write_share`` that starts once ``event`` is set, 2 s later (when it starts:
-    ``times["write"]``), so the step finds the whole share waiting (and its copies end before
-    the write starts even on a loaded machine: 0.3 s was too short in one CI run)."""
+    """``_ranks.write_share`` that starts once ``event`` is set, 0.3 s later (when it starts:
+    ``times["write"]``), so the step finds the whole share waiting."""
     real = _ranks.write_share
 
     def held(*args: Any, **kwargs: Any) -> Any:
         assert event.wait(30)
-        time.sleep(2.0)
+        time.sleep(0.3)
         times["write"] = time.perf_counter()
         return real(*args, **kwargs)
 
@@ -96,7 +101,8 @@ def replicated(rank: int, world: int, root: str) -> None:
     _zero(model)
     assert mgr.restore(state, step=2) == 2
     got = snapshot(model, opt)
-    assert same(got["model"], expected["model"]) and same(got["optim"], expected["optim"])
+    assert same(got["model"], expected["model"]) and same(got["optim"], expected["optim"]), (
+        differing(got, expected), stats, times)
     assert stats.fence_copied_bytes > 0, stats
     assert times["fenced"] < times["write"], times  # the step did not wait for the write
     path = os.path.join(directory, "step-000000000002")

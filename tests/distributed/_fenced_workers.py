@@ -18,7 +18,7 @@ import deepnvme
 from deepnvme.checkpoint import FencedStager
 from deepnvme.checkpoint.manager import _fenced_share, _ranks
 
-from ._workers import same, snapshot
+from ._workers import same, snapshot, sync_replicas
 
 
 def _big_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -34,6 +34,7 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     model(torch.randn(4, 512)).sum().backward()
     opt.step()
     opt.zero_grad()
+    sync_replicas(model, opt)  # after the step (and its fence): DDP replicas can differ in the last bits
 
 
 def _zero(model: torch.nn.Module) -> None:
@@ -49,10 +50,24 @@ def _at_step(opt: torch.optim.Optimizer) -> tuple[threading.Event, Any]:
     return event, opt.register_step_pre_hook(lambda *_: event.set())
 
 
-def differing(got: dict[str, Any], expected: dict[str, Any]) -> list[str]:
-    """The entries of two snapshots that are not bitwise equal (for an assertion's message)."""
-    return [f"{part}.{k}" for part in ("model", "optim") for k in expected[part]
-            if k not in got[part] or not torch.equal(got[part][k], expected[part][k])]
+def differing(got: dict[str, Any], expected: dict[str, Any], after: dict[str, Any], path: str) -> list[str]:
+    """The entries of two snapshots that are not bitwise equal, each with what it holds instead
+    (the value after the step, zeros, other) and what stock DCP reads of it from ``path``."""
+    out = []
+    for part in ("model", "optim"):
+        for k, want in expected[part].items():
+            have = got[part].get(k)
+            if have is not None and torch.equal(have, want):
+                continue
+            what = ("missing" if have is None else "after-step" if torch.equal(have, after[part][k])
+                    else "zeros" if not have.any() else f"other (max diff {(have - want).abs().max()})")
+            line = f"{part}.{k}: {what}"
+            if part == "model":
+                stock = {"model": {k: torch.zeros_like(want)}}
+                dcp.load(stock, checkpoint_id=path, no_dist=True)
+                line += f"; stock DCP reads {'the saved value' if torch.equal(stock['model'][k], want) else 'another'}"
+            out.append(line)
+    return out
 
 
 def _writes_after(event: threading.Event, times: dict[str, float]) -> Any:
@@ -101,11 +116,11 @@ def replicated(rank: int, world: int, root: str) -> None:
     _zero(model)
     assert mgr.restore(state, step=2) == 2
     got = snapshot(model, opt)
+    path = os.path.join(directory, "step-000000000002")
     assert same(got["model"], expected["model"]) and same(got["optim"], expected["optim"]), (
-        differing(got, expected), stats, times)
+        differing(got, expected, after_step, path), stats, times)
     assert stats.fence_copied_bytes > 0, stats
     assert times["fenced"] < times["write"], times  # the step did not wait for the write
-    path = os.path.join(directory, "step-000000000002")
     plain = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
     dcp.load(plain, checkpoint_id=path)  # stock DCP
     assert same(plain["model"], expected["model"])

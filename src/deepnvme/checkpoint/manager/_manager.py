@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import time
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -23,12 +22,14 @@ import torch
 
 from ...config import IOConfig, checkpoint_config
 from ...errors import CheckpointFormatError, CheckpointMismatchError, FileNotFoundIOError
+from ...io.volume import Volume, VolumePath
 from .._paths import as_path
 from .._staging import FencedStager, SnapshotStager, Staged, Stager, StagingStats
 from .._writer import Job, Ledger, Writer
 from ._checksums import hasher, record_names, resolve_algorithm
 from ._commit import PendingStep, StepCommit, explain_failure
-from ._group import rank_group
+from ._drives import StepDrives
+from ._group import rank_group, several_ranks
 from ._lock import DirectoryLock, tidy, try_lock
 from ._options import resolve_manager_stager
 from ._policy import check_policy, is_due
@@ -77,7 +78,10 @@ class CheckpointManager:
     committed (:meth:`wait` for the save in flight).
 
     Args:
-        directory: where the steps live (created, with missing parents, at the first save).
+        directory: where the steps live (created, with missing parents, at the first save); a
+            :class:`~deepnvme.Volume` or a folder on one (``vol / "ckpts"``) places each step's
+            ``state.pt`` whole on one drive, balanced by bytes, with the step tree in drive 0's
+            folder (one process; see docs/checkpoints.md, "On a volume").
         keep: newest committed steps kept; older ones are removed after a newer one commits
             (None: keep all).
         every_steps: ``save()`` writes when ``step % every_steps == 0`` (None: no step rule).
@@ -113,7 +117,7 @@ class CheckpointManager:
     ``FencedStager(staging_bytes=, precopy=)``).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3,
+    def __init__(self, directory: str | os.PathLike[str] | Volume | VolumePath, *, keep: int | None = 3,
                  every_steps: int | None = None, every_seconds: float | None = None,
                  staging: str | Stager | None = None, checksums: bool | str = False,
                  rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None,
@@ -124,8 +128,11 @@ class CheckpointManager:
         lasting = None if durable is None else os.path.abspath(as_path(durable, "CheckpointManager(durable=)"))
         check_tier_options(replicas=replicas, durable=lasting, durable_every=durable_every,
                            keep_durable=keep_durable)
+        self._drives = _volume_drives(directory, group=group, durable=lasting)
         stager = resolve_manager_stager(staging, legacy)
-        self.directory = os.path.abspath(as_path(directory, "CheckpointManager"))
+        self.directory = (self._drives.home if self._drives is not None
+                          else os.path.abspath(as_path(directory, "CheckpointManager",
+                                                       "a str or os.PathLike directory, or a Volume")))
         self.keep, self.every_steps, self.every_seconds = keep, every_steps, every_seconds
         self.stager, self.rng = stager, rng
         self._algorithm = resolve_algorithm(checksums)
@@ -133,7 +140,7 @@ class CheckpointManager:
         self._config = checkpoint_config(config)
         self._lock: DirectoryLock | None = None
         self._writer: Writer | None = None
-        self._commit = StepCommit(self.directory, keep=keep, algorithm=self._algorithm)
+        self._commit = StepCommit(self.directory, keep=keep, algorithm=self._algorithm, drives=self._drives)
         self._ledger = Ledger()
         self._pending: list[Job] = []
         self._last_step: int | None = None
@@ -147,8 +154,8 @@ class CheckpointManager:
             ranks, self.directory, keep=keep, config=self._config, rng_key=RNG_KEY, algorithm=self._algorithm,
             replicas=replicas, durable=lasting, durable_every=durable_every, keep_durable=keep_durable,
             fenced=fenced)
-        if ranks is None:
-            tidy(self.directory)  # leftovers of killed runs, if no writer holds the directory
+        if ranks is None:  # leftovers of killed runs, if no writer holds the directory
+            tidy(self.directory, remove=None if self._drives is None else self._drives.remove_leftovers)
 
     @property
     def mode(self) -> str:
@@ -196,7 +203,7 @@ class CheckpointManager:
         self._last_start, self._last_step = started, step
         job = Job(file=pending.file, staged=staged, hash_fn=self._hash_fn,
                   commit=functools.partial(self._committed, pending),
-                  abort=functools.partial(self._commit.abort, step, pending.building),
+                  abort=functools.partial(self._commit.abort, pending),
                   check=lambda _file: self._commit.check(pending))
         self._pending.append(job)
         self._ledger.add(job.future)
@@ -250,28 +257,40 @@ class CheckpointManager:
     def _start_writer(self) -> Writer:
         if self._writer is None:
             self._lock = try_lock(self.directory)
-            remove_leftovers(self.directory)
+            if self._drives is None:
+                remove_leftovers(self.directory)
+            else:
+                try:
+                    self._drives.claim()
+                    self._drives.remove_leftovers()
+                except BaseException:
+                    self._lock.release()
+                    self._lock = None
+                    raise
             self._writer = Writer(self._config, name="deepnvme-checkpoint-writer")
         return self._writer
 
     def _stage(self, step: int, saved: Mapping[str, Any], state: Mapping[str, Any]
                ) -> tuple[PendingStep, Staged]:
         """On the caller's thread: the step's building directory, its skeleton and staged image."""
-        building: str | None = None
+        begun: tuple[str, int | None, str | None] | None = None
         staged: Staged | None = None
         try:
-            building = self._commit.begin(step)
-            staged = self.stager.stage(saved, os.path.join(building, FILE), state=state)
+            begun = self._commit.begin(step)
+            staged = self.stager.stage(saved, os.path.join(begun[0], FILE), state=state)
             names, order = record_names(saved, staged.layout)
         except BaseException as exc:
             if staged is not None:
                 staged.release()
-            if building is not None:
-                shutil.rmtree(building, ignore_errors=True)
+            if begun is not None:
+                self._commit.discard(step, *begun)
             if isinstance(exc, OSError):  # e.g. ENOSPC while writing the skeleton: name the step
                 raise explain_failure(exc, step, self.directory) from exc
             raise
-        return PendingStep(step, building, staged.layout, names, order), staged
+        building, drive, home = begun
+        if self._drives is not None and drive is not None:  # in flight: counted with its tensors' bytes
+            self._drives.placed(step, drive, staged.layout.nbytes)
+        return PendingStep(step, building, staged.layout, names, order, drive=drive, home=home), staged
 
     # ---- completion -----------------------------------------------------------------------
 
@@ -368,7 +387,7 @@ class CheckpointManager:
             raise CheckpointFormatError(f"step {chosen} in {self.directory!r} was saved by several ranks (a "
                                         "torch.distributed.checkpoint checkpoint): restore(state) reads it")
         obj, _ = load_checked(self._path(chosen), chosen, map_location=map_location,
-                              config=self._config)
+                              config=self._config, drives=self._folders)
         if not isinstance(obj, dict):
             raise CheckpointMismatchError(f"step {chosen} in {self.directory!r} holds a {type(obj).__name__}")
         obj.pop(RNG_KEY, None)
@@ -416,7 +435,12 @@ class CheckpointManager:
                       world: int) -> None:
         """Restore the single-process step ``chosen`` (into each of ``world`` ranks)."""
         restore_file(self._path(chosen), chosen, state, self._config, rng_key=RNG_KEY, rng=self.rng,
-                     strict=strict, rank_state=rank_state, world=world)
+                     strict=strict, rank_state=rank_state, world=world, drives=self._folders)
+
+    @property
+    def _folders(self) -> tuple[str, ...] | None:
+        """The manager directory on each drive of its volume (None: a plain directory)."""
+        return None if self._drives is None else self._drives.folders
 
     def _path(self, step: int) -> str:
         """Step ``step`` in the local directory, else in the durable tier (one process)."""
@@ -436,3 +460,20 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, mode={self.mode!r}, keep={self.keep}, "
                 f"steps={list_steps(self.directory)})")  # no collective
+
+
+def _volume_drives(directory: object, *, group: Any, durable: str | None) -> StepDrives | None:
+    """The drive folders of a manager on a volume, its layout checked (None: a plain directory);
+    ``ValueError`` for the settings a volume does not support yet."""
+    if not isinstance(directory, (Volume, VolumePath)):
+        return None
+    if several_ranks(group):
+        raise ValueError("CheckpointManager on a Volume is single-process for now: with several "
+                         "torch.distributed ranks give each node a plain directory (or save with "
+                         "NVMeStorageWriter(volume / name), which places DCP files on the drives)")
+    if durable is not None:
+        raise ValueError("CheckpointManager(durable=...) on a Volume is not supported yet: the durable "
+                         "copy would need each step's file from its drive; use a plain directory with durable=")
+    drives = StepDrives(directory)
+    drives.check()
+    return drives

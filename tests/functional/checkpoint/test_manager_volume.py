@@ -13,6 +13,7 @@ import torch
 
 import deepnvme
 from deepnvme import CheckpointCorruptError, Volume, VolumeLayoutError
+from deepnvme.cli.main import main
 
 STEP = "step-{:012d}"
 
@@ -59,6 +60,9 @@ def test_steps_alternate_drives_and_plain_torch_load_reads_each_file(tmp_path):
             assert mgr.restore(target, step=step) == step
             assert all(torch.equal(target["model"][k], state[k]) for k in state)
         assert torch.equal(mgr.load(3)["model"]["w"], states[3]["w"])
+    assert main(["verify", str(home)]) == 0  # each step's file found on its drive through its manifest
+    (tmp_path / "d1" / "ckpts" / STEP.format(4) / "state.pt").write_bytes(b"short")
+    assert main(["verify", str(home)]) == 1
 
 
 def test_bytes_balance_over_the_kept_steps(tmp_path):

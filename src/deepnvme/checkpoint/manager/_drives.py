@@ -14,6 +14,10 @@ alternate drives. The manifest names the drive (``"drive"``) and the drive folde
 records name the drives in order and the stripe unit, so reopening with other drives, another
 order or stripe, or a drive not mounted raises :class:`~deepnvme.VolumeLayoutError`.
 
+A step saved by several ranks (one node) is a DCP checkpoint whose data files
+:mod:`._dcp_step` places on the drives (:func:`..dcp._volume.place_plans`), with ``.metadata``,
+the placement record and the manifest in drive 0's ``step-N``; the same folders and order hold.
+
 Commit order: the file's step folder on drive ``d`` is published first, drive 0's (with the
 manifest) last, which is what lists the step; retention unlists on drive 0 first. A crash in
 between leaves a ``step-N`` folder on drive ``d`` that drive 0 does not hold: a leftover that
@@ -29,6 +33,7 @@ import threading
 from collections.abc import Callable
 
 from ...errors import CheckpointCorruptError, VolumeLayoutError
+from ...io import durable
 from ...io.volume import Volume, VolumePath
 from ...io.volume_files import Layouts
 from .._placed import assign, drive_folders
@@ -51,6 +56,7 @@ class StepDrives:
             raise TypeError(f"not a volume folder: {target!r}")
         #: the manager directory on each drive, in the volume's order; drive 0's holds the steps
         self.folders: tuple[str, ...] = folders
+        self.target = target
         self.marker = target / MARKER
         self._lock = threading.Lock()
         self._known: dict[int, tuple[int, int]] = {}  # step -> (drive, bytes), committed or in flight
@@ -128,6 +134,28 @@ class StepDrives:
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
             raise
+
+    def at(self, path: str) -> VolumePath:
+        """The folder named as ``path`` (a step or building folder in drive 0's folder) on every
+        drive: what :class:`~deepnvme.checkpoint.dcp.NVMeStorageWriter`/``Reader`` take."""
+        return self.target / os.path.basename(os.path.normpath(path))
+
+    def across(self, path: str) -> tuple[str, ...]:
+        """The folder named as ``path`` in every drive's folder, drive 0's first."""
+        return tuple(os.path.join(folder, os.path.basename(os.path.normpath(path))) for folder in self.folders)
+
+    def publish(self, building: str, step: int) -> None:
+        """Publish the step built in the folders named ``building``: each other drive's (where
+        it has files) first, drive 0's last, which lists the step (:func:`durable.publish_dir`)."""
+        for folder, here in zip(self.folders[1:], self.across(building)[1:]):
+            if os.path.isdir(here):
+                durable.publish_dir(here, step_dir(folder, step))
+        durable.publish_dir(building, step_dir(self.home, step))
+
+    def discard(self, building: str) -> None:
+        """Remove the folders named ``building`` on every drive (a failed save's)."""
+        for here in self.across(building):
+            shutil.rmtree(here, ignore_errors=True)
 
     def delete(self, step: int) -> None:
         """Remove committed ``step``: drive 0's folder first (the step is no longer listed),

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ...errors import RanksTimeoutError
 
-__all__ = ["INLINE_BYTES", "RankGroup", "RanksTimeoutError", "rank_group", "several_ranks"]
+__all__ = ["INLINE_BYTES", "RankGroup", "RanksTimeoutError", "rank_group"]
 
 _T = TypeVar("_T")
 
@@ -91,13 +91,6 @@ class RankGroup:
         for name, group in list(self._groups.items()):
             dist.destroy_process_group(group)
             del self._groups[name]
-
-
-def several_ranks(group: Any) -> bool:
-    """Whether a manager over ``group`` (None: the world) spans several ranks; no collective."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return len(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)) > 1
 
 
 def rank_group(group: Any, timeout: float, *, extra: tuple[str, ...] = ()) -> RankGroup | None:

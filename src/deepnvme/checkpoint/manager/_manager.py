@@ -29,7 +29,7 @@ from .._writer import Job, Ledger, Writer
 from ._checksums import hasher, record_names, resolve_algorithm
 from ._commit import PendingStep, StepCommit, explain_failure
 from ._drives import StepDrives
-from ._group import rank_group, several_ranks
+from ._group import rank_group
 from ._lock import DirectoryLock, tidy, try_lock
 from ._options import resolve_manager_stager
 from ._policy import check_policy, is_due
@@ -81,7 +81,8 @@ class CheckpointManager:
         directory: where the steps live (created, with missing parents, at the first save); a
             :class:`~deepnvme.Volume` or a folder on one (``vol / "ckpts"``) places each step's
             ``state.pt`` whole on one drive, balanced by bytes, with the step tree in drive 0's
-            folder (one process; see docs/checkpoints.md, "On a volume").
+            folder; over several ranks of one node, each DCP data file whole on one drive (see
+            docs/checkpoints.md, "On a volume"; not with ``durable`` or ``replicas=2``).
         keep: newest committed steps kept; older ones are removed after a newer one commits
             (None: keep all).
         every_steps: ``save()`` writes when ``step % every_steps == 0`` (None: no step rule).
@@ -128,7 +129,7 @@ class CheckpointManager:
         lasting = None if durable is None else os.path.abspath(as_path(durable, "CheckpointManager(durable=)"))
         check_tier_options(replicas=replicas, durable=lasting, durable_every=durable_every,
                            keep_durable=keep_durable)
-        self._drives = _volume_drives(directory, group=group, durable=lasting)
+        self._drives = _volume_drives(directory, replicas=replicas, durable=lasting)
         stager = resolve_manager_stager(staging, legacy)
         self.directory = (self._drives.home if self._drives is not None
                           else os.path.abspath(as_path(directory, "CheckpointManager",
@@ -153,7 +154,7 @@ class CheckpointManager:
         self._ranks, self._drainer = open_tiers(  # several ranks: their steps; one process: its durable tier
             ranks, self.directory, keep=keep, config=self._config, rng_key=RNG_KEY, algorithm=self._algorithm,
             replicas=replicas, durable=lasting, durable_every=durable_every, keep_durable=keep_durable,
-            fenced=fenced)
+            fenced=fenced, drives=self._drives)
         if ranks is None:  # leftovers of killed runs, if no writer holds the directory
             tidy(self.directory, remove=None if self._drives is None else self._drives.remove_leftovers)
 
@@ -426,7 +427,7 @@ class CheckpointManager:
 
             restore_dcp(self._path(chosen), chosen, state, group=None, rank=0, world=1,
                         rng_key=RNG_KEY if self.rng else None, config=self._config, strict=strict,
-                        rank_state=rank_state, verify=True)
+                        rank_state=rank_state, verify=True, drives=self._drives)
         else:
             self._restore_file(chosen, state, strict, rank_state, 1)
         return chosen
@@ -462,18 +463,18 @@ class CheckpointManager:
                 f"steps={list_steps(self.directory)})")  # no collective
 
 
-def _volume_drives(directory: object, *, group: Any, durable: str | None) -> StepDrives | None:
+def _volume_drives(directory: object, *, replicas: int, durable: str | None) -> StepDrives | None:
     """The drive folders of a manager on a volume, its layout checked (None: a plain directory);
-    ``ValueError`` for the settings a volume does not support yet."""
+    ``ValueError`` for the tier settings a volume does not support yet."""
     if not isinstance(directory, (Volume, VolumePath)):
         return None
-    if several_ranks(group):
-        raise ValueError("CheckpointManager on a Volume is single-process for now: with several "
-                         "torch.distributed ranks give each node a plain directory (or save with "
-                         "NVMeStorageWriter(volume / name), which places DCP files on the drives)")
     if durable is not None:
-        raise ValueError("CheckpointManager(durable=...) on a Volume is not supported yet: the durable "
-                         "copy would need each step's file from its drive; use a plain directory with durable=")
+        raise ValueError("CheckpointManager(durable=...) on a Volume is not supported yet: the durable tier "
+                         "copies a step's files from one node directory, not from several drives; use a "
+                         "plain directory with durable=")
+    if replicas != 1:
+        raise ValueError("CheckpointManager(replicas=2) on a Volume is not supported: replicas need one "
+                         "directory per node, on several nodes, and a volume holds one node's steps")
     drives = StepDrives(directory)
     drives.check()
     return drives

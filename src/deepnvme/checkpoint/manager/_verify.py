@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from ...config import IOConfig
-from ...errors import CheckpointCorruptError, CheckpointFormatError
+from ...errors import CheckpointCorruptError, CheckpointFormatError, VolumeLayoutError
 from ...formats.torchsave import torch_skeleton
 from ...formats.torchzip import RecordSpan
+from .._placed import read_placement
 from ..loader import load as load_file
 from ._checksums import checksum, file_checksum, hasher, named_storages
 from ._steps import FILE, MANIFEST, find_step_dirs, is_dcp_step, read_manifest
@@ -164,22 +165,30 @@ def check_one(path: str, step: int | None, *,
                        checksum=manifest.get("checksum"), tensors=len(manifest["tensors"]))
 
 
-def check_step_files(path: str, manifest: Mapping[str, Any], names: list[str] | None = None) -> list[str]:
+def check_step_files(path: str, manifest: Mapping[str, Any], names: list[str] | None = None, *,
+                     drives: Sequence[str] | None = None) -> list[str]:
     """What is wrong with the files of the multi-rank step at ``path`` (``names``: these of the
     manifest's files; None: all): missing, of another size than the manifest says, or failing
-    their stored per-file checksum (when the step has them). Empty: intact. Reads each file."""
+    their stored per-file checksum (when the step has them). Empty: intact. Reads each file.
+    ``drives``: the step's folder on every drive of a volume (``path`` is drive 0's): each data
+    file is looked for on the drive its placement record names."""
     sizes: dict[str, int] = manifest.get("files", {})
     sums: dict[str, int] = manifest.get("file_checksums") or {}
     algorithm = manifest.get("checksum")
     wrong = []
+    try:
+        placement = None if drives is None else read_placement(drives)
+    except VolumeLayoutError as exc:
+        return [str(exc)]
     for name in sizes if names is None else names:
-        full = os.path.join(path, name)
+        full = os.path.join(path, name) if placement is None else placement.path(name)
+        shown = repr(name) if placement is None else f"{full!r} (volume drive {placement.files.get(name, 0)})"
         have = os.path.getsize(full) if os.path.isfile(full) else None
         if have != sizes[name]:
-            wrong.append(f"{name!r} is {'missing' if have is None else f'{have} bytes'}, the manifest "
+            wrong.append(f"{shown} is {'missing' if have is None else f'{have} bytes'}, the manifest "
                          f"says {sizes[name]}")
         elif algorithm and name in sums and file_checksum(algorithm, full) != sums[name]:
-            wrong.append(f"{name!r} fails its {algorithm} checksum (its bytes changed after the save)")
+            wrong.append(f"{shown} fails its {algorithm} checksum (its bytes changed after the save)")
     return wrong
 
 

@@ -37,3 +37,10 @@ def test_ddp_state_on_a_volume_of_two_drives(tmp_path):
         assert mgr.restore(state, step=2) == 2
     assert all(torch.equal(model.state_dict()[k], expected["model"][k]) for k in expected["model"])
     assert not os.path.exists(tmp_path / "d1" / "ck" / "step-000000000009")  # the crash leftover
+
+
+def test_fenced_saves_with_checksums_on_a_whole_volume(tmp_path):
+    pytest.importorskip("crc32c")
+    run_ranks(_volume_workers.fenced_checksummed, 2, str(tmp_path), str(tmp_path), deadline=120)
+    assert _volume_workers._data_files(str(tmp_path / "d0" / "step-000000000001"))
+    assert _volume_workers._data_files(str(tmp_path / "d1" / "step-000000000001"))

@@ -4,6 +4,7 @@ reopened with another layout, across the drives."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import torch
 import deepnvme
 from deepnvme import CheckpointCorruptError, Volume, VolumeLayoutError
 from deepnvme.cli.main import main
+from deepnvme.io.posix import Posix, injected
 
 STEP = "step-{:012d}"
 
@@ -140,5 +142,40 @@ def test_a_whole_volume_as_directory_and_refused_options(tmp_path):
     assert (tmp_path / "d1" / STEP.format(2) / "state.pt").is_file()
     with pytest.raises(ValueError, match=r"durable=.* on a Volume"):
         deepnvme.CheckpointManager(vol, durable=tmp_path / "lasting")
+    with pytest.raises(ValueError, match=r"replicas=2\) on a Volume"):
+        deepnvme.CheckpointManager(vol, replicas=2)
     with pytest.raises(TypeError, match="or a Volume"):
         deepnvme.CheckpointManager(3)  # type: ignore[arg-type]
+
+
+class _FullDisk(Posix):
+    """pwritev fails with ENOSPC while ``full`` is set."""
+
+    full = False
+
+    def pwritev(self, fd, buffers, offset):
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().pwritev(fd, buffers, offset)
+
+
+def test_a_failed_save_on_drive_1_leaves_nothing_and_keeps_earlier_steps(tmp_path):
+    vol = Volume([tmp_path / "d0", tmp_path / "d1"])
+    disk = _FullDisk()
+    with injected(disk):
+        mgr = deepnvme.CheckpointManager(vol / "ckpts", keep=1, rng=False)
+        mgr.save(1, {"w": torch.ones(1 << 18)})
+        mgr.wait()
+        disk.full = True
+        mgr.save(2, {"w": torch.zeros(1 << 18)})   # drive 1's turn
+        with pytest.raises(OSError) as info:
+            mgr.wait()
+        assert info.value.errno == errno.ENOSPC and "earlier checkpoints are intact" in str(info.value)
+        assert mgr.steps() == [1] and torch.equal(mgr.load()["w"], torch.ones(1 << 18))
+        for d in (0, 1):
+            assert not [n for n in os.listdir(tmp_path / f"d{d}" / "ckpts") if "step-" in n and n != STEP.format(1)]
+        disk.full = False
+        mgr.save(2, {"w": torch.zeros(1 << 18)})   # saved again, on drive 1; step 1 retired
+        mgr.close()
+    assert mgr.steps() == [2] and _drive_of(tmp_path, 2) == 1
+    assert not (tmp_path / "d0" / "ckpts" / STEP.format(1)).exists()

@@ -96,6 +96,12 @@ def fenced_checksummed(rank: int, world: int, root: str) -> None:
     vol = Volume([os.path.join(root, "d0"), os.path.join(root, "d1")])
     torch.manual_seed(5)
     state = {"a": torch.randn(300, 300), "b": torch.randn(200, 200), "c": torch.randn(100)}
+    try:
+        deepnvme.CheckpointManager(vol, durable=os.path.join(root, "lasting"), timeout=30)
+    except ValueError as exc:
+        assert "durable=" in str(exc) and "one process only" in str(exc), exc
+    else:
+        raise AssertionError("durable= on a volume over several ranks was accepted")
     with deepnvme.CheckpointManager(vol, staging="fenced", checksums="crc32c", keep=None, timeout=30) as mgr:
         assert mgr.save(1, state)
         mgr.wait()

@@ -140,8 +140,6 @@ def test_a_whole_volume_as_directory_and_refused_options(tmp_path):
         mgr.wait()
         assert mgr.steps() == [1, 2]
     assert (tmp_path / "d1" / STEP.format(2) / "state.pt").is_file()
-    with pytest.raises(ValueError, match=r"durable=.* on a Volume"):
-        deepnvme.CheckpointManager(vol, durable=tmp_path / "lasting")
     with pytest.raises(ValueError, match=r"replicas=2\) on a Volume"):
         deepnvme.CheckpointManager(vol, replicas=2)
     with pytest.raises(TypeError, match="or a Volume"):
@@ -179,3 +177,23 @@ def test_a_failed_save_on_drive_1_leaves_nothing_and_keeps_earlier_steps(tmp_pat
         mgr.close()
     assert mgr.steps() == [2] and _drive_of(tmp_path, 2) == 1
     assert not (tmp_path / "d0" / "ckpts" / STEP.format(1)).exists()
+
+
+def test_durable_copies_are_plain_step_directories_and_restore_on_new_drives(tmp_path):
+    vol = Volume([tmp_path / "d0", tmp_path / "d1"])
+    lasting = tmp_path / "lasting"
+    with deepnvme.CheckpointManager(vol / "ckpts", keep=1, durable=lasting, rng=False) as mgr:
+        mgr.save(1, {"w": torch.ones(1000)})
+        mgr.save(2, {"w": torch.full((1000,), 2.0)})   # on drive 1
+    assert _drive_of(tmp_path, 2) == 1
+    copied = lasting / STEP.format(2)
+    assert sorted(os.listdir(copied)) == ["manifest.json", "state.pt"]
+    assert "drive" not in json.loads((copied / "manifest.json").read_text())
+    assert torch.equal(torch.load(copied / "state.pt", weights_only=True)["w"], torch.full((1000,), 2.0))
+    for d in (0, 1):  # the pins (hidden folders on each drive) are gone
+        assert not [n for n in os.listdir(tmp_path / f"d{d}" / "ckpts") if n.startswith(".step-")]
+    fresh = Volume([tmp_path / "e0", tmp_path / "e1"])   # the drives were replaced
+    state = {"w": torch.zeros(1000)}
+    with deepnvme.CheckpointManager(fresh / "ckpts", durable=lasting) as mgr:
+        assert mgr.restore(state) == 2
+    assert torch.equal(state["w"], torch.full((1000,), 2.0))

@@ -82,7 +82,7 @@ class CheckpointManager:
             :class:`~deepnvme.Volume` or a folder on one (``vol / "ckpts"``) places each step's
             ``state.pt`` whole on one drive, balanced by bytes, with the step tree in drive 0's
             folder; over several ranks of one node, each DCP data file whole on one drive (see
-            docs/checkpoints.md, "On a volume"; not with ``durable`` or ``replicas=2``).
+            docs/checkpoints.md, "On a volume"; ``durable`` with one process only, not ``replicas=2``).
         keep: newest committed steps kept; older ones are removed after a newer one commits
             (None: keep all).
         every_steps: ``save()`` writes when ``step % every_steps == 0`` (None: no step rule).
@@ -129,7 +129,7 @@ class CheckpointManager:
         lasting = None if durable is None else os.path.abspath(as_path(durable, "CheckpointManager(durable=)"))
         check_tier_options(replicas=replicas, durable=lasting, durable_every=durable_every,
                            keep_durable=keep_durable)
-        self._drives = _volume_drives(directory, replicas=replicas, durable=lasting)
+        self._drives = _volume_drives(directory, replicas=replicas)
         stager = resolve_manager_stager(staging, legacy)
         self.directory = (self._drives.home if self._drives is not None
                           else os.path.abspath(as_path(directory, "CheckpointManager",
@@ -463,15 +463,11 @@ class CheckpointManager:
                 f"steps={list_steps(self.directory)})")  # no collective
 
 
-def _volume_drives(directory: object, *, replicas: int, durable: str | None) -> StepDrives | None:
+def _volume_drives(directory: object, *, replicas: int) -> StepDrives | None:
     """The drive folders of a manager on a volume, its layout checked (None: a plain directory);
     ``ValueError`` for the tier settings a volume does not support yet."""
     if not isinstance(directory, (Volume, VolumePath)):
         return None
-    if durable is not None:
-        raise ValueError("CheckpointManager(durable=...) on a Volume is not supported yet: the durable tier "
-                         "copies a step's files from one node directory, not from several drives; use a "
-                         "plain directory with durable=")
     if replicas != 1:
         raise ValueError("CheckpointManager(replicas=2) on a Volume is not supported: replicas need one "
                          "directory per node, on several nodes, and a volume holds one node's steps")

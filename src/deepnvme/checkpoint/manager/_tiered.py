@@ -76,7 +76,11 @@ def open_tiers(ranks: RankGroup | None, directory: str, *, keep: int | None, con
             raise ValueError("CheckpointManager(replicas=2) keeps copies on other nodes: it needs "
                              "torch.distributed ranks on at least two nodes")
         return None, None if durable is None else Drainer(durable, source=directory, every=durable_every,
-                                                          keep=keep_durable, group=None)
+                                                          keep=keep_durable, group=None, drives=drives)
+    if drives is not None and durable is not None:
+        raise ValueError("CheckpointManager(durable=...) on a Volume is one process only for now: over several "
+                         "ranks the tiers read a step from one node directory, not from several drives; give "
+                         "each node a plain directory with durable=")
     from ._fenced_share import ShareFences
     from ._ranks import RankSteps  # imports torch.distributed.checkpoint
 

@@ -37,9 +37,19 @@ from ...io import durable
 from ...io.volume import Volume, VolumePath
 from ...io.volume_files import Layouts
 from .._placed import assign, drive_folders
-from ._steps import FILE, delete_step, find_leftovers, find_step_dirs, new_building, read_manifest, step_dir
+from ._lock import DirectoryLock, try_lock
+from ._steps import (
+    FILE,
+    delete_step,
+    find_leftovers,
+    find_step_dirs,
+    new_building,
+    read_manifest,
+    remove_leftovers,
+    step_dir,
+)
 
-__all__ = ["MARKER", "StepDrives"]
+__all__ = ["MARKER", "StepDrives", "open_drives", "take_directory"]
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +162,14 @@ class StepDrives:
                 durable.publish_dir(here, step_dir(folder, step))
         durable.publish_dir(building, step_dir(self.home, step))
 
-    def discard(self, building: str) -> None:
-        """Remove the folders named ``building`` on every drive (a failed save's)."""
+    def discard(self, building: str, step: int | None = None) -> None:
+        """Remove the folders named ``building`` on every drive (a failed save's) and, when
+        drive 0 did not publish ``step``, the step's folders published on the other drives."""
         for here in self.across(building):
             shutil.rmtree(here, ignore_errors=True)
+        if step is not None and not os.path.isdir(step_dir(self.home, step)):
+            for folder in self.folders[1:]:
+                shutil.rmtree(step_dir(folder, step), ignore_errors=True)
 
     def delete(self, step: int) -> None:
         """Remove committed ``step``: drive 0's folder first (the step is no longer listed),
@@ -184,3 +198,33 @@ class StepDrives:
             log.warning("deepnvme.CheckpointManager: removed %s, left by an interrupted save or removal", path)
             removed.append(path)
         return removed
+
+
+def open_drives(directory: object, *, replicas: int) -> StepDrives | None:
+    """The drive folders of a manager on a volume, its layout checked (None: a plain directory);
+    ``ValueError`` for ``replicas=2``, which a volume does not support."""
+    if not isinstance(directory, (Volume, VolumePath)):
+        return None
+    if replicas != 1:
+        raise ValueError("CheckpointManager(replicas=2) on a Volume is not supported: replicas need one "
+                         "directory per node, on several nodes, and a volume holds one node's steps")
+    drives = StepDrives(directory)
+    drives.check()
+    return drives
+
+
+def take_directory(directory: str, drives: StepDrives | None) -> DirectoryLock:
+    """A writer's first save: the directory's lock, then leftovers of killed saves removed (on a
+    volume: the marker made or checked, and leftovers on every drive). A failure releases the
+    lock, so the next save tries again."""
+    lock = try_lock(directory)
+    try:
+        if drives is None:
+            remove_leftovers(directory)
+        else:
+            drives.claim()
+            drives.remove_leftovers()
+    except BaseException:
+        lock.release()
+        raise
+    return lock

@@ -28,16 +28,16 @@ from .._staging import FencedStager, SnapshotStager, Staged, Stager, StagingStat
 from .._writer import Job, Ledger, Writer
 from ._checksums import hasher, record_names, resolve_algorithm
 from ._commit import PendingStep, StepCommit, explain_failure
-from ._drives import StepDrives
+from ._drives import open_drives, take_directory
 from ._group import rank_group
-from ._lock import DirectoryLock, tidy, try_lock
+from ._lock import DirectoryLock, tidy
 from ._options import resolve_manager_stager
 from ._policy import check_policy, is_due
 from ._rank_state import check_restore_arg, check_save_arg
 from ._restore import restore_file
 from ._rng import capture_rng
 from ._stats import SaveStats
-from ._steps import FILE, RANK_STATE_KEY, is_dcp_step, list_steps, remove_leftovers, step_dir
+from ._steps import FILE, RANK_STATE_KEY, is_dcp_step, list_steps, step_dir
 from ._tiered import check_tier_options, open_tiers
 from ._verify import load_checked
 
@@ -129,7 +129,7 @@ class CheckpointManager:
         lasting = None if durable is None else os.path.abspath(as_path(durable, "CheckpointManager(durable=)"))
         check_tier_options(replicas=replicas, durable=lasting, durable_every=durable_every,
                            keep_durable=keep_durable)
-        self._drives = _volume_drives(directory, replicas=replicas)
+        self._drives = open_drives(directory, replicas=replicas)
         stager = resolve_manager_stager(staging, legacy)
         self.directory = (self._drives.home if self._drives is not None
                           else os.path.abspath(as_path(directory, "CheckpointManager",
@@ -257,17 +257,7 @@ class CheckpointManager:
 
     def _start_writer(self) -> Writer:
         if self._writer is None:
-            self._lock = try_lock(self.directory)
-            if self._drives is None:
-                remove_leftovers(self.directory)
-            else:
-                try:
-                    self._drives.claim()
-                    self._drives.remove_leftovers()
-                except BaseException:
-                    self._lock.release()
-                    self._lock = None
-                    raise
+            self._lock = take_directory(self.directory, self._drives)
             self._writer = Writer(self._config, name="deepnvme-checkpoint-writer")
         return self._writer
 
@@ -462,15 +452,3 @@ class CheckpointManager:
         return (f"CheckpointManager({self.directory!r}, mode={self.mode!r}, keep={self.keep}, "
                 f"steps={list_steps(self.directory)})")  # no collective
 
-
-def _volume_drives(directory: object, *, replicas: int) -> StepDrives | None:
-    """The drive folders of a manager on a volume, its layout checked (None: a plain directory);
-    ``ValueError`` for the tier settings a volume does not support yet."""
-    if not isinstance(directory, (Volume, VolumePath)):
-        return None
-    if replicas != 1:
-        raise ValueError("CheckpointManager(replicas=2) on a Volume is not supported: replicas need one "
-                         "directory per node, on several nodes, and a volume holds one node's steps")
-    drives = StepDrives(directory)
-    drives.check()
-    return drives

@@ -50,10 +50,10 @@ from ._dcp_step import (
     state_dicts,
     write_share,
 )
-from ._drives import StepDrives
+from ._drives import StepDrives, take_directory
 from ._fenced_share import ShareFence, ShareFences
 from ._group import RankGroup
-from ._lock import DirectoryLock, tidy, try_lock
+from ._lock import DirectoryLock, tidy
 from ._nodes import Layout, publish_nodes, retire_nodes
 from ._rank_state import pack
 from ._rng import capture_rng
@@ -63,7 +63,6 @@ from ._steps import (
     is_dcp_step,
     list_steps,
     read_manifest,
-    remove_leftovers,
     step_dir,
 )
 from ._tiers import Source, Tiers
@@ -220,17 +219,7 @@ class RankSteps:
         """A node's lowest rank: the writer lock (at the first save; leftovers of killed saves
         removed) and the step's building directory."""
         if self._lock is None:
-            lock = try_lock(self.directory)
-            try:
-                if self.drives is None:
-                    remove_leftovers(self.directory)
-                else:  # the volume's marker made or checked, leftovers on every drive removed
-                    self.drives.claim()
-                    self.drives.remove_leftovers()
-            except BaseException:
-                lock.release()  # the next save tries again
-                raise
-            self._lock = lock
+            self._lock = take_directory(self.directory, self.drives)
         os.makedirs(building, exist_ok=True)  # a rank's writer may have made it (a cached plan)
 
     def _start(self) -> Writer:
@@ -315,11 +304,8 @@ class RankSteps:
         folders published on other drives while drive 0's is not)."""
         if self.drives is None:
             shutil.rmtree(building, ignore_errors=True)
-            return
-        self.drives.discard(building)
-        if step is not None and not os.path.isdir(step_dir(self.directory, step)):
-            for folder in self.drives.folders[1:]:
-                shutil.rmtree(step_dir(folder, step), ignore_errors=True)
+        else:
+            self.drives.discard(building, step)
 
     def _commit_nodes(self, step: int, building: str, metadata: Metadata, written: Written,
                       own: BaseException | None, rank_keys: dict[str, list[str]], what: str) -> None:

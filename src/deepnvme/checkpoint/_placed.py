@@ -91,10 +91,13 @@ class Placement:
         return out
 
 
-def write_placement(folders: Sequence[str], files: Mapping[str, int]) -> None:
-    """Record ``files`` (name -> drive) in drive 0's folder, durably (replacing any record)."""
+def write_placement(folders: Sequence[str], files: Mapping[str, int], *,
+                    named: Sequence[str] | None = None) -> None:
+    """Record ``files`` (name -> drive) in drive 0's folder, durably (replacing any record).
+    ``named``: the drive folders the record names, when the folder is written under another
+    name than it is published as (a checkpoint manager's hidden building folders)."""
     durable.write_json(os.path.join(folders[0], PLACEMENT_NAME),
-                       {"format": _FORMAT, "version": _VERSION, "drives": list(folders),
+                       {"format": _FORMAT, "version": _VERSION, "drives": list(named or folders),
                         "files": dict(sorted(files.items()))})
 
 

@@ -19,6 +19,7 @@ from ..dcp import NVMeStorageReader
 from ..dcp._share import Schedule, key_of, schedule
 from ..dcp._sums import ItemSums
 from ._dcp_step import ReadHints, item_sums, load_into, read_step, rng_entry, state_dicts
+from ._drives import StepDrives
 from ._rank_state import fill, refuse_other_world, unpack
 from ._rng import capture_rng, restore_rng
 from ._steps import RANK_STATE_KEY, read_manifest
@@ -76,10 +77,11 @@ def plan_reads(state: MutableMapping[str, Any], metadata: Metadata, *, gather: C
 
 
 def _read(path: str, step: int, saved: dict[str, Any], *, group: Any, config: IOConfig, partial: bool = False,
-          sums: ItemSums | None, hints: ReadHints | None = None) -> None:
+          sums: ItemSums | None, hints: ReadHints | None = None, drives: StepDrives | None = None) -> None:
     """:func:`read_step`, a failed item checksum named with the step."""
     try:
-        read_step(path, saved, group=group, config=config, partial=partial, sums=sums, hints=hints)
+        read_step(path if drives is None else drives.at(path), saved, group=group, config=config,
+                  partial=partial, sums=sums, hints=hints)
     except CheckpointCorruptError as exc:
         raise CheckpointCorruptError(f"checkpoint step {step} in {os.path.dirname(path)!r} is corrupt: "
                                      f"{exc}") from exc
@@ -87,22 +89,25 @@ def _read(path: str, step: int, saved: dict[str, Any], *, group: Any, config: IO
 
 def restore_dcp(path: str, step: int, state: MutableMapping[str, Any], *, group: Any, rank: int, world: int,
                 rng_key: str | None, config: IOConfig, strict: bool, rank_state: Any = None,
-                verify: bool = False, hints: ReadHints | None = None) -> None:
+                verify: bool = False, hints: ReadHints | None = None, drives: StepDrives | None = None) -> None:
     """Load the multi-rank step at ``path`` into ``state`` (DCP reshards when ``world`` differs
     from the saving world), then this rank's RNG states when ``rng_key`` is given and the world
     size is unchanged (otherwise they are left alone, with a warning) and its per-rank state into
     ``rank_state`` (see :mod:`._rank_state`; checked before anything is read). ``verify``: check
     every file's size and stored checksum first (one process reading a step alone). ``hints``:
-    where the nodes gathered the step's files (see :class:`~._dcp_step.ReadHints`)."""
+    where the nodes gathered the step's files (see :class:`~._dcp_step.ReadHints`). ``drives``:
+    the manager's folders on a volume (``path`` is drive 0's; data files on their drives)."""
     manifest = read_manifest(path, step)
     saved_world = int(manifest.get("world_size", 0))
     own_state = refuse_other_world(rank_state_keys(manifest), saved_world=saved_world, world=world,
                                    rank_state=rank_state, what=f"checkpoint step {step}")
-    if verify and (wrong := check_step_files(path, files_to_check(manifest, world))):
+    if verify and (wrong := check_step_files(path, files_to_check(manifest, world),
+                                             drives=None if drives is None else drives.across(path))):
         raise CheckpointCorruptError(f"checkpoint step {step}: {'; '.join(wrong)}")
     sums = item_sums(manifest)
     saved = state_dicts(state)
-    _read(path, step, saved, group=group, config=config, partial=not strict, sums=sums, hints=hints)
+    _read(path, step, saved, group=group, config=config, partial=not strict, sums=sums, hints=hints,
+          drives=drives)
     load_into(state, saved, strict=strict)
     holder: dict[str, Any] = {}
     own_state = own_state and rng_entry(rank) in (manifest.get("rank_state") or {})
@@ -112,12 +117,12 @@ def restore_dcp(path: str, step: int, state: MutableMapping[str, Any], *, group:
         log.warning("deepnvme.CheckpointManager: step %d was saved by %s ranks, restored by %d: RNG "
                     "states are left as they are", step, manifest.get("world_size"), world)
     elif rng_key is not None:
-        stored = NVMeStorageReader(path, config=config).read_metadata().state_dict_metadata
+        stored = NVMeStorageReader(path, config=config).read_metadata().state_dict_metadata  # drive 0's
         if any(key.startswith(f"{rng_key}.{rng_entry(rank)}.") for key in stored):  # else rng=False
             holder[rng_key] = {rng_entry(rank): capture_rng()}
     if not holder:
         return
-    _read(path, step, holder, group=None, config=config, sums=sums, hints=hints)
+    _read(path, step, holder, group=None, config=config, sums=sums, hints=hints, drives=drives)
     if own_state:
         fill(rank_state, unpack(holder[RANK_STATE_KEY][rng_entry(rank)]))
     if rng_key is not None and rng_key in holder:

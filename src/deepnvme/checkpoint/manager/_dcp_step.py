@@ -41,14 +41,19 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ...config import IOConfig
 from ...errors import DeepNVMeError
+from ...io.volume import VolumePath
 from ...memory.copy import ParallelCopy
 from .._arena import ArenaPool, Lease, arena_bytes
+from .._placed import write_placement
 from ..dcp import NVMeStorageReader, NVMeStorageWriter
 from ..dcp._sums import ItemSums, item_key
+from ..dcp._volume import place_plans
 from ._checksums import Running, file_checksum
-from ._steps import FORMAT, MANIFEST
+from ._drives import StepDrives
+from ._steps import FORMAT, MANIFEST, step_dir
 
-__all__ = ["KIND", "LocalPlan", "PlanCache", "state_dicts", "load_into", "local_plan", "global_plans", "stage",
+__all__ = ["KIND", "LocalPlan", "PlanCache", "state_dicts", "load_into", "local_plan", "global_plans",
+           "placed_plans", "stage",
            "StagedPlanner", "write_share", "Written", "item_sums", "finish_step", "read_step", "ReadHints", "rng_entry"]
 
 KIND = "dcp"  # the manifest's "layout" of a multi-rank step
@@ -137,6 +142,14 @@ def global_plans(planner: DefaultSavePlanner, plans: list[SavePlan]) -> tuple[li
     return final, metadata
 
 
+def placed_plans(final: list[SavePlan], drives: int) -> tuple[list[SavePlan], dict[str, int]]:
+    """The final plans with each data file given one of ``drives`` drives, balanced by bytes over
+    every rank's files (:func:`..dcp._volume.place_plans`, cut as :func:`write_share`'s writer
+    cuts them), and data file -> drive. Deterministic."""
+    cut = NVMeStorageWriter(os.devnull)  # the writer's defaults: how many files each rank writes
+    return place_plans(final, drives, thread_count=cut.thread_count, single_file_per_rank=cut.single_file_per_rank)
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanCache:
     """A save's plan kept for the next saves while the state's structure stays the same:
@@ -148,6 +161,7 @@ class PlanCache:
     final: SavePlan
     metadata: Metadata
     rank_keys: dict[str, list[str]]
+    placed: dict[str, int] = dataclasses.field(default_factory=dict)  # on a volume: data file -> drive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,12 +179,17 @@ class LocalPlan:
         return (self.plan is not None and self.keys == cache.keys and self.plan.items == cache.local.items
                 and self.plan.planner_data == cache.local.planner_data)
 
-    def cached(self, plans: list[SavePlan], rank: int, rank_keys: dict[str, list[str]]) -> PlanCache:
-        """The global plan made from every rank's local ``plans``, kept (see :class:`PlanCache`)."""
+    def cached(self, plans: list[SavePlan], rank: int, rank_keys: dict[str, list[str]], *,
+               drives: int | None = None) -> PlanCache:
+        """The global plan made from every rank's local ``plans``, kept (see :class:`PlanCache`);
+        ``drives``: the data files placed on a volume of that many drives."""
         if self.planner is None or self.plan is None:
             raise RuntimeError("a failed local plan has no global plan")
         final, metadata = global_plans(self.planner, plans)
-        return PlanCache(self.plan, self.keys, final[rank], metadata, rank_keys)
+        placed: dict[str, int] = {}
+        if drives is not None:
+            final, placed = placed_plans(final, drives)
+        return PlanCache(self.plan, self.keys, final[rank], metadata, rank_keys, placed)
 
 
 def stage(planner: DefaultSavePlanner, plan: SavePlan, pool: ArenaPool) -> tuple[Staged, Lease]:
@@ -231,7 +250,8 @@ class StagedPlanner(SavePlanner):
         return data
 
 
-def _writer(building: str, rank: int, config: IOConfig, algorithm: str | None = None) -> NVMeStorageWriter:
+def _writer(building: str | VolumePath, rank: int, config: IOConfig, algorithm: str | None = None
+            ) -> NVMeStorageWriter:
     writer = NVMeStorageWriter(building, config=config)
     writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
     if algorithm is not None:
@@ -250,14 +270,17 @@ class Written:
 
 
 def write_share(building: str, plan: SavePlan, source: SavePlanner, *, rank: int, config: IOConfig,
-                algorithm: str | None = None, transforms: _StorageWriterTransforms | None = None) -> Written:
+                algorithm: str | None = None, transforms: _StorageWriterTransforms | None = None,
+                drives: StepDrives | None = None) -> Written:
     """Write this rank's share into ``building`` (each file fsynced; the directory made if rank
     0 has not yet: with a cached plan no exchange orders them); what it wrote. ``source``
     resolves each item's data (a :class:`StagedPlanner`, or a fenced share's planner, which
     also passes ``transforms`` to hear when each item is written). With ``algorithm``:
-    checksums of each file and item, hashed while writing (nothing is read back)."""
+    checksums of each file and item, hashed while writing (nothing is read back). ``drives``:
+    on a volume, each data file goes to the drive the plan's storage data names, into the
+    folder named as ``building`` on that drive."""
     os.makedirs(building, exist_ok=True)
-    writer = _writer(building, rank, config, algorithm)
+    writer = _writer(building if drives is None else drives.at(building), rank, config, algorithm)
     if transforms is not None:
         writer.transforms = transforms
     results = writer.write_data(plan, source).wait()
@@ -272,19 +295,26 @@ def write_share(building: str, plan: SavePlan, source: SavePlanner, *, rank: int
 
 def finish_step(building: str, step: int, metadata: Metadata, written: list[Written],
                 config: IOConfig, *, algorithm: str | None = None,
-                rank_state: Mapping[str, list[str]] | None = None) -> None:
+                rank_state: Mapping[str, list[str]] | None = None,
+                drives: StepDrives | None = None, placed: Mapping[str, int] | None = None) -> None:
     """Rank 0, after every rank wrote: ``.metadata`` (fsynced, renamed into place) and the
     manifest (fsynced by the publish that follows) in the step's building directory. With
     ``algorithm``: every data file's and item's checksum (computed by the rank that wrote it) and
-    ``.metadata``'s. ``rank_state``: the keys of each rank's per-rank state."""
+    ``.metadata``'s. ``rank_state``: the keys of each rank's per-rank state. ``drives``: on a
+    volume, the placement record (``placed``: data file -> drive) names the step's final
+    folders, and the manifest every file on every drive."""
     results = [w.results for w in written]
-    _writer(building, 0, config).finish(metadata, results)
-    files = sorted(n for n in os.listdir(building) if n != MANIFEST)
+    if drives is not None:  # before .metadata names the files; it names the folders as published
+        write_placement(drives.across(building), placed or {}, named=[step_dir(f, step) for f in drives.folders])
+    _writer(building, 0, config).finish(metadata, results)  # .metadata in drive 0's folder
+    where = {n: os.path.join(building, n) for n in os.listdir(building) if n != MANIFEST}
+    if drives is not None:
+        where |= {n: os.path.join(drives.across(building)[d], n) for n, d in (placed or {}).items()}
     ranks = [{"rank": r, "files": sorted({os.fspath(w.storage_data.relative_path) for w in res}),
               "bytes": sum(w.size_in_bytes for w in res)} for r, res in enumerate(results)]
     manifest: dict[str, Any] = {
         "format": FORMAT, "version": 1, "layout": KIND, "step": step, "time": time.time(),
-        "world_size": len(results), "files": {n: os.path.getsize(os.path.join(building, n)) for n in files},
+        "world_size": len(results), "files": {n: os.path.getsize(where[n]) for n in sorted(where)},
         "ranks": ranks}
     if algorithm is not None:
         manifest["checksum"] = algorithm
@@ -313,13 +343,13 @@ class ReadHints:
     present: dict[str, list[tuple[int, int]]]
 
 
-def read_step(path: str, saved: dict[str, Any], *, group: Any, config: IOConfig,
+def read_step(path: str | VolumePath, saved: dict[str, Any], *, group: Any, config: IOConfig,
               partial: bool = False, sums: ItemSums | None = None, hints: ReadHints | None = None) -> None:
-    """Load the step directory ``path`` into ``saved`` in place, DCP resharding where the saving
-    world differs. ``group``: the (gloo) process group of the readers (None: this process alone);
-    what several of them load is read once and broadcast over it. ``sums``: items read whole are
-    checked against them (:class:`CheckpointCorruptError`). A failure on any rank raises that
-    rank's error (a deepnvme error as it is) on every rank."""
+    """Load the step directory ``path`` (or its folder on a volume) into ``saved`` in place, DCP
+    resharding where the saving world differs. ``group``: the (gloo) process group of the
+    readers (None: this process alone); what several of them load is read once and broadcast
+    over it. ``sums``: items read whole are checked against them (:class:`CheckpointCorruptError`).
+    A failure on any rank raises that rank's error (a deepnvme error as it is) on every rank."""
     reader = NVMeStorageReader(path, config=config, share_group=group)
     reader.item_sums = sums
     if hints is not None:

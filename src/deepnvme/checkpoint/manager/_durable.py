@@ -16,10 +16,15 @@ while another waits), the waiting step is dropped and logged, never queued: the 
 the newest step every rank has offered. The ranks pick that step together on the manager's
 third gloo group. ``close()`` copies the last offered step, then raises the first failure
 (failures are also logged as they happen).
+
+A single-process manager on a volume (:mod:`._drives`) pins each drive's files of the step in a
+hidden folder of that drive (hard links stay on their filesystem) and copies them from there;
+the durable copy is a plain step directory, so its manifest loses the ``drive`` entries.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -27,6 +32,7 @@ import threading
 from typing import Any
 
 from ...io import durable
+from ._drives import StepDrives
 from ._group import RankGroup
 from ._lock import DirectoryLock, try_lock
 from ._policy import retention_victims
@@ -60,8 +66,9 @@ class Drainer:
     writer thread, :meth:`close` from the caller's; holds ``path``'s writer lock on rank 0."""
 
     def __init__(self, path: str, *, source: str, every: int, keep: int | None,
-                 group: RankGroup | None) -> None:
+                 group: RankGroup | None, drives: StepDrives | None = None) -> None:
         self.path, self.source, self.every, self.keep, self.group = path, source, every, keep, group
+        self.drives = drives  # one process on a volume: ``source`` is drive 0's folder
         self._cond = threading.Condition()
         self._offered: list[int] = []
         self._pins: dict[int, str] = {}  # offered step -> its pinned files (see offer)
@@ -86,10 +93,12 @@ class Drainer:
             return
         pin = building_path(self.source, step)
         try:
-            os.mkdir(pin)
             local = step_dir(self.source, step)
-            for name in os.listdir(local):
-                link_or_copy(os.path.join(local, name), os.path.join(pin, name))
+            for here, there in zip(self._across(pin), self._across(local)):
+                if here == pin or os.path.isdir(there):
+                    os.mkdir(here)
+                    for name in os.listdir(there):
+                        link_or_copy(os.path.join(there, name), os.path.join(here, name))
         except OSError as exc:  # the copy reports it (collectively)
             log.error("deepnvme.CheckpointManager: could not pin step %d for its durable copy: %s", step, exc)
         with self._cond:
@@ -102,7 +111,12 @@ class Drainer:
             done = [s for s in self._pins if s <= upto]
             paths = [self._pins.pop(s) for s in done]
         for path in paths:
-            shutil.rmtree(path, ignore_errors=True)
+            for here in self._across(path):
+                shutil.rmtree(here, ignore_errors=True)
+
+    def _across(self, path: str) -> tuple[str, ...]:
+        """The folder ``path`` of drive 0's folder on every drive (itself without a volume)."""
+        return (path,) if self.drives is None else self.drives.across(path)
 
     def close(self) -> None:
         """Copy the last offered step if it is not copied yet, end the thread and release the
@@ -176,15 +190,23 @@ class Drainer:
         if building is None:
             raise failed(f"copying checkpoint step {step} to durable={self.path!r}", [made], own)
         try:
+            found = self._found(local)
             for name in self._names(local, step):
-                copy_file(os.path.join(local, name), os.path.join(building, name))
+                copy_file(found.get(name, os.path.join(local, name)), os.path.join(building, name))
         except BaseException as exc:
             own = exc
         votes = self._gather(describe(own), f"durable copy of step {step}")
         if self.rank == 0:
             if not any(votes):
                 try:
-                    copy_file(os.path.join(local, MANIFEST), os.path.join(building, MANIFEST))
+                    if self.drives is None:
+                        copy_file(os.path.join(local, MANIFEST), os.path.join(building, MANIFEST))
+                    else:  # a plain directory there: the file lies beside the manifest
+                        manifest = read_manifest(local, step)
+                        manifest.pop("drive", None)
+                        manifest.pop("drives", None)
+                        with open(os.path.join(building, MANIFEST), "w", encoding="utf-8") as f:
+                            json.dump(manifest, f, indent=1)  # publish_dir fsyncs it
                     durable.publish_dir(building, step_dir(self.path, step))
                 except BaseException as exc:
                     own = exc
@@ -199,11 +221,16 @@ class Drainer:
         if self.rank == 0:
             self._retire()
 
+    def _found(self, local: str) -> dict[str, str]:
+        """Each file of the step (or pin) folder ``local`` by name, on whichever drive it lies."""
+        return {n: os.path.join(here, n) for here in self._across(local)[::-1] if os.path.isdir(here)
+                for n in os.listdir(here)}
+
     def _names(self, local: str, step: int) -> list[str]:
         """This rank's files of ``step`` (rank 0's include ``.metadata``; never the manifest)."""
         manifest = read_manifest(local, step)
         if "ranks" not in manifest:  # one process: its files
-            return sorted(n for n in os.listdir(local) if n != MANIFEST)
+            return sorted(n for n in self._found(local) if n != MANIFEST)
         return [*manifest["ranks"][self.rank]["files"], *([".metadata"] if self.rank == 0 else [])]
 
     def _retire(self) -> None:

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 from ...errors import CheckpointLockedError
 from ._steps import remove_leftovers
@@ -59,8 +60,10 @@ def try_lock(directory: str, *, tidying: bool = False, tidy_wait: float = 600.0)
     return _acquire(fd, path, directory, tidying=tidying, tidy_wait=tidy_wait)
 
 
-def tidy(directory: str) -> None:
+def tidy(directory: str, *, remove: Callable[[], object] | None = None) -> None:
     """Remove leftovers of killed saves in ``directory`` if no writer holds it; creates nothing.
+    ``remove``: what removes them instead of :func:`remove_leftovers` (a manager on a volume
+    removes those of every drive).
 
     Leftovers exist only where a writer once held the lock, so a directory or lock file that
     does not exist (or that this process may not write) has none to remove here."""
@@ -78,7 +81,10 @@ def tidy(directory: str) -> None:
     except CheckpointLockedError:
         return  # a live writer owns the directory and its hidden directories
     try:
-        remove_leftovers(directory)
+        if remove is None:
+            remove_leftovers(directory)
+        else:
+            remove()
     finally:
         lock.release()
 

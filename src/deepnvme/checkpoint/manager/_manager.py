@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import time
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -23,20 +22,22 @@ import torch
 
 from ...config import IOConfig, checkpoint_config
 from ...errors import CheckpointFormatError, CheckpointMismatchError, FileNotFoundIOError
+from ...io.volume import Volume, VolumePath
 from .._paths import as_path
 from .._staging import FencedStager, SnapshotStager, Staged, Stager, StagingStats
 from .._writer import Job, Ledger, Writer
 from ._checksums import hasher, record_names, resolve_algorithm
 from ._commit import PendingStep, StepCommit, explain_failure
+from ._drives import open_drives, take_directory
 from ._group import rank_group
-from ._lock import DirectoryLock, tidy, try_lock
+from ._lock import DirectoryLock, tidy
 from ._options import resolve_manager_stager
 from ._policy import check_policy, is_due
 from ._rank_state import check_restore_arg, check_save_arg
 from ._restore import restore_file
 from ._rng import capture_rng
 from ._stats import SaveStats
-from ._steps import FILE, RANK_STATE_KEY, is_dcp_step, list_steps, remove_leftovers, step_dir
+from ._steps import FILE, RANK_STATE_KEY, is_dcp_step, list_steps, step_dir
 from ._tiered import check_tier_options, open_tiers
 from ._verify import load_checked
 
@@ -77,7 +78,11 @@ class CheckpointManager:
     committed (:meth:`wait` for the save in flight).
 
     Args:
-        directory: where the steps live (created, with missing parents, at the first save).
+        directory: where the steps live (created, with missing parents, at the first save); a
+            :class:`~deepnvme.Volume` or a folder on one (``vol / "ckpts"``) places each step's
+            ``state.pt`` whole on one drive, balanced by bytes, with the step tree in drive 0's
+            folder; over several ranks of one node, each DCP data file whole on one drive (see
+            docs/checkpoints.md, "On a volume"; ``durable`` with one process only, not ``replicas=2``).
         keep: newest committed steps kept; older ones are removed after a newer one commits
             (None: keep all).
         every_steps: ``save()`` writes when ``step % every_steps == 0`` (None: no step rule).
@@ -113,7 +118,7 @@ class CheckpointManager:
     ``FencedStager(staging_bytes=, precopy=)``).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep: int | None = 3,
+    def __init__(self, directory: str | os.PathLike[str] | Volume | VolumePath, *, keep: int | None = 3,
                  every_steps: int | None = None, every_seconds: float | None = None,
                  staging: str | Stager | None = None, checksums: bool | str = False,
                  rng: bool = True, config: IOConfig | Mapping[str, Any] | None = None,
@@ -124,8 +129,11 @@ class CheckpointManager:
         lasting = None if durable is None else os.path.abspath(as_path(durable, "CheckpointManager(durable=)"))
         check_tier_options(replicas=replicas, durable=lasting, durable_every=durable_every,
                            keep_durable=keep_durable)
+        self._drives = open_drives(directory, replicas=replicas)
         stager = resolve_manager_stager(staging, legacy)
-        self.directory = os.path.abspath(as_path(directory, "CheckpointManager"))
+        self.directory = (self._drives.home if self._drives is not None
+                          else os.path.abspath(as_path(directory, "CheckpointManager",
+                                                       "a str or os.PathLike directory, or a Volume")))
         self.keep, self.every_steps, self.every_seconds = keep, every_steps, every_seconds
         self.stager, self.rng = stager, rng
         self._algorithm = resolve_algorithm(checksums)
@@ -133,7 +141,7 @@ class CheckpointManager:
         self._config = checkpoint_config(config)
         self._lock: DirectoryLock | None = None
         self._writer: Writer | None = None
-        self._commit = StepCommit(self.directory, keep=keep, algorithm=self._algorithm)
+        self._commit = StepCommit(self.directory, keep=keep, algorithm=self._algorithm, drives=self._drives)
         self._ledger = Ledger()
         self._pending: list[Job] = []
         self._last_step: int | None = None
@@ -146,9 +154,9 @@ class CheckpointManager:
         self._ranks, self._drainer = open_tiers(  # several ranks: their steps; one process: its durable tier
             ranks, self.directory, keep=keep, config=self._config, rng_key=RNG_KEY, algorithm=self._algorithm,
             replicas=replicas, durable=lasting, durable_every=durable_every, keep_durable=keep_durable,
-            fenced=fenced)
-        if ranks is None:
-            tidy(self.directory)  # leftovers of killed runs, if no writer holds the directory
+            fenced=fenced, drives=self._drives)
+        if ranks is None:  # leftovers of killed runs, if no writer holds the directory
+            tidy(self.directory, remove=None if self._drives is None else self._drives.remove_leftovers)
 
     @property
     def mode(self) -> str:
@@ -196,7 +204,7 @@ class CheckpointManager:
         self._last_start, self._last_step = started, step
         job = Job(file=pending.file, staged=staged, hash_fn=self._hash_fn,
                   commit=functools.partial(self._committed, pending),
-                  abort=functools.partial(self._commit.abort, step, pending.building),
+                  abort=functools.partial(self._commit.abort, pending),
                   check=lambda _file: self._commit.check(pending))
         self._pending.append(job)
         self._ledger.add(job.future)
@@ -249,29 +257,31 @@ class CheckpointManager:
 
     def _start_writer(self) -> Writer:
         if self._writer is None:
-            self._lock = try_lock(self.directory)
-            remove_leftovers(self.directory)
+            self._lock = take_directory(self.directory, self._drives)
             self._writer = Writer(self._config, name="deepnvme-checkpoint-writer")
         return self._writer
 
     def _stage(self, step: int, saved: Mapping[str, Any], state: Mapping[str, Any]
                ) -> tuple[PendingStep, Staged]:
         """On the caller's thread: the step's building directory, its skeleton and staged image."""
-        building: str | None = None
+        begun: tuple[str, int | None, str | None] | None = None
         staged: Staged | None = None
         try:
-            building = self._commit.begin(step)
-            staged = self.stager.stage(saved, os.path.join(building, FILE), state=state)
+            begun = self._commit.begin(step)
+            staged = self.stager.stage(saved, os.path.join(begun[0], FILE), state=state)
             names, order = record_names(saved, staged.layout)
         except BaseException as exc:
             if staged is not None:
                 staged.release()
-            if building is not None:
-                shutil.rmtree(building, ignore_errors=True)
+            if begun is not None:
+                self._commit.discard(step, *begun)
             if isinstance(exc, OSError):  # e.g. ENOSPC while writing the skeleton: name the step
                 raise explain_failure(exc, step, self.directory) from exc
             raise
-        return PendingStep(step, building, staged.layout, names, order), staged
+        building, drive, home = begun
+        if self._drives is not None and drive is not None:  # in flight: counted with its tensors' bytes
+            self._drives.placed(step, drive, staged.layout.nbytes)
+        return PendingStep(step, building, staged.layout, names, order, drive=drive, home=home), staged
 
     # ---- completion -----------------------------------------------------------------------
 
@@ -368,7 +378,7 @@ class CheckpointManager:
             raise CheckpointFormatError(f"step {chosen} in {self.directory!r} was saved by several ranks (a "
                                         "torch.distributed.checkpoint checkpoint): restore(state) reads it")
         obj, _ = load_checked(self._path(chosen), chosen, map_location=map_location,
-                              config=self._config)
+                              config=self._config, drives=self._folders)
         if not isinstance(obj, dict):
             raise CheckpointMismatchError(f"step {chosen} in {self.directory!r} holds a {type(obj).__name__}")
         obj.pop(RNG_KEY, None)
@@ -407,7 +417,7 @@ class CheckpointManager:
 
             restore_dcp(self._path(chosen), chosen, state, group=None, rank=0, world=1,
                         rng_key=RNG_KEY if self.rng else None, config=self._config, strict=strict,
-                        rank_state=rank_state, verify=True)
+                        rank_state=rank_state, verify=True, drives=self._drives)
         else:
             self._restore_file(chosen, state, strict, rank_state, 1)
         return chosen
@@ -416,7 +426,12 @@ class CheckpointManager:
                       world: int) -> None:
         """Restore the single-process step ``chosen`` (into each of ``world`` ranks)."""
         restore_file(self._path(chosen), chosen, state, self._config, rng_key=RNG_KEY, rng=self.rng,
-                     strict=strict, rank_state=rank_state, world=world)
+                     strict=strict, rank_state=rank_state, world=world, drives=self._folders)
+
+    @property
+    def _folders(self) -> tuple[str, ...] | None:
+        """The manager directory on each drive of its volume (None: a plain directory)."""
+        return None if self._drives is None else self._drives.folders
 
     def _path(self, step: int) -> str:
         """Step ``step`` in the local directory, else in the durable tier (one process)."""
@@ -436,3 +451,4 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, mode={self.mode!r}, keep={self.keep}, "
                 f"steps={list_steps(self.directory)})")  # no collective
+

@@ -50,9 +50,10 @@ from ._dcp_step import (
     state_dicts,
     write_share,
 )
+from ._drives import StepDrives, take_directory
 from ._fenced_share import ShareFence, ShareFences
 from ._group import RankGroup
-from ._lock import DirectoryLock, tidy, try_lock
+from ._lock import DirectoryLock, tidy
 from ._nodes import Layout, publish_nodes, retire_nodes
 from ._rank_state import pack
 from ._rng import capture_rng
@@ -62,7 +63,6 @@ from ._steps import (
     is_dcp_step,
     list_steps,
     read_manifest,
-    remove_leftovers,
     step_dir,
 )
 from ._tiers import Source, Tiers
@@ -95,10 +95,12 @@ class RankSteps:
     def __init__(self, directory: str, group: RankGroup, *, keep: int | None, config: IOConfig,
                  rng_key: str, algorithm: str | None = None, layout: Layout | None = None,
                  tiers: Tiers | None = None, after_commit: Callable[[int], None] | None = None,
-                 closing: Callable[[], None] | None = None, fences: ShareFences | None = None) -> None:
+                 closing: Callable[[], None] | None = None, fences: ShareFences | None = None,
+                 drives: StepDrives | None = None) -> None:
         self.directory, self.group, self.config, self.rng_key = directory, group, config, rng_key
         self.algorithm = algorithm  # per-file checksums (None: off), see _dcp_step.file_sums
-        self._commit = StepCommit(directory, keep=keep, algorithm=None)  # retention
+        self.drives = drives  # on a volume: data files placed on its drives (one node)
+        self._commit = StepCommit(directory, keep=keep, algorithm=None, drives=drives)  # retention
         self._lock: DirectoryLock | None = None
         self._writer: Writer | None = None
         # nodes and tiers (_nodes, _tiers): None for one directory shared by every rank, no tiers
@@ -110,8 +112,12 @@ class RankSteps:
         # before the next one stages, so a second arena would never be free sooner
         self._arenas = ArenaPool(1, what="CheckpointManager staging arenas")
         self.fences = fences  # fenced staging (:mod:`._fenced_share`); None: snapshots
+        volumes = group.gather(None if drives is None else drives.folders, thread="main", what="CheckpointManager()")
+        if len(set(volumes)) > 1:
+            raise ValueError(f"CheckpointManager: the ranks passed different volumes or directories (drive folders "
+                             f"by rank: {volumes}); every rank passes the same Volume")
         if self.layout.leader:
-            tidy(directory)
+            tidy(directory, remove=None if drives is None else drives.remove_leftovers)
 
     # ---- saving ---------------------------------------------------------------------------
 
@@ -165,10 +171,11 @@ class RankSteps:
             if any(p[1] is not None for p in plans):
                 self._cache = None
                 if self.layout.leader:
-                    shutil.rmtree(building, ignore_errors=True)
+                    self._discard(building)
                 raise _failed(f"checkpoint step {step} (planning)", [p[1] for p in plans], own)
             cache = self._cache = local.cached([p[0] for p in plans], g.rank,
-                                               {rng_entry(r): p[2] for r, p in enumerate(plans) if p[2] is not None})
+                                               {rng_entry(r): p[2] for r, p in enumerate(plans) if p[2] is not None},
+                                               drives=None if self.drives is None else len(self.drives.folders))
             self.planned += 1
         planner = local.planner
         if planner is None:  # not reached: a failed plan raised above
@@ -187,7 +194,7 @@ class RankSteps:
         except BaseException as exc:  # the writer thread still votes, so no rank waits for this one
             own = exc
         call = Call(fn=lambda: self._write(step, building, mine, staged, lease, fence, metadata, own,
-                                           cache.rank_keys))
+                                           cache.rank_keys, cache.placed))
         self._start().submit(call)
         if own is not None:
             raise own
@@ -212,8 +219,7 @@ class RankSteps:
         """A node's lowest rank: the writer lock (at the first save; leftovers of killed saves
         removed) and the step's building directory."""
         if self._lock is None:
-            self._lock = try_lock(self.directory)
-            remove_leftovers(self.directory)
+            self._lock = take_directory(self.directory, self.drives)
         os.makedirs(building, exist_ok=True)  # a rank's writer may have made it (a cached plan)
 
     def _start(self) -> Writer:
@@ -223,7 +229,7 @@ class RankSteps:
 
     def _write(self, step: int, building: str, plan: SavePlan, staged: Staged, lease: Lease | None,
                fence: ShareFence | None, metadata: Metadata, own: BaseException | None,
-               rank_keys: dict[str, list[str]]) -> None:
+               rank_keys: dict[str, list[str]], placed: dict[str, int]) -> None:
         """The writer thread: write this rank's share (the snapshot ``staged`` in the arena
         ``lease``, or the live tensors behind ``fence``; checksummed as written), end the fence,
         free the arena, vote, rank 0 commits, everyone hears."""
@@ -234,7 +240,8 @@ class RankSteps:
                 source = StagedPlanner(staged) if fence is None else fence.planner()
                 written = write_share(building, plan, source, rank=g.rank, config=self.config,
                                       algorithm=self.algorithm,
-                                      transforms=None if fence is None else fence.transforms())
+                                      transforms=None if fence is None else fence.transforms(),
+                                      drives=self.drives)
                 at_phase("writing")  # written and fsynced, not agreed
         except BaseException as exc:
             own = exc
@@ -249,7 +256,7 @@ class RankSteps:
             if len(self.layout.nodes) > 1:  # each node publishes its own directory
                 self._commit_nodes(step, building, metadata, written, own, rank_keys, what)
             else:
-                self._commit_one(step, building, metadata, written, own, rank_keys, what)
+                self._commit_one(step, building, metadata, written, own, rank_keys, placed, what)
         finally:
             # a save's transient pieces (plans, pickles, exchange buffers) are freed on several
             # threads' malloc arenas, which keep them: resident memory grew 2-4 % over 100-300
@@ -259,26 +266,31 @@ class RankSteps:
             self.after_commit(step)
 
     def _commit_one(self, step: int, building: str, metadata: Metadata, written: Written,
-                    own: BaseException | None, rank_keys: dict[str, list[str]], what: str) -> None:
+                    own: BaseException | None, rank_keys: dict[str, list[str]], placed: dict[str, int],
+                    what: str) -> None:
         """One directory for all ranks: rank 0 collects the votes, publishes when all succeeded,
-        and announces the outcome (two collectives, one hop each)."""
+        and announces the outcome (two collectives, one hop each). On a volume the step's folder
+        on each other drive is published before drive 0's, which lists the step."""
         g = self.group
         votes = g.collect((written, _describe(own)), thread="writer", what=f"step {step} vote")
         at_phase("agreement")
         outcome = None
         if votes is not None:  # rank 0
             if any(v[1] is not None for v in votes):
-                shutil.rmtree(building, ignore_errors=True)
+                self._discard(building)
                 outcome = [v[1] for v in votes]
             else:
                 try:
                     finish_step(building, step, metadata, [v[0] for v in votes], self.config,
-                                algorithm=self.algorithm, rank_state=rank_keys)
+                                algorithm=self.algorithm, rank_state=rank_keys, drives=self.drives, placed=placed)
                     at_phase("rename")
-                    durable.publish_dir(building, step_dir(self.directory, step))
+                    if self.drives is None:
+                        durable.publish_dir(building, step_dir(self.directory, step))
+                    else:
+                        self.drives.publish(building, step)
                 except BaseException as exc:
                     own = exc
-                    shutil.rmtree(building, ignore_errors=True)
+                    self._discard(building, step)
                     outcome = [_describe(exc)]
         outcome = g.announce(outcome, thread="writer", what=f"step {step} commit")
         if outcome is not None:
@@ -286,6 +298,14 @@ class RankSteps:
         if g.rank == 0:
             at_phase("retention")
             self._commit.retire()
+
+    def _discard(self, building: str, step: int | None = None) -> None:
+        """Remove a failed save's building folders (on a volume: on every drive, and the step's
+        folders published on other drives while drive 0's is not)."""
+        if self.drives is None:
+            shutil.rmtree(building, ignore_errors=True)
+        else:
+            self.drives.discard(building, step)
 
     def _commit_nodes(self, step: int, building: str, metadata: Metadata, written: Written,
                       own: BaseException | None, rank_keys: dict[str, list[str]], what: str) -> None:
@@ -377,7 +397,7 @@ class RankSteps:
         try:
             restore_dcp(path, step, state, group=g.group("main"), rank=g.rank, world=g.world,
                         rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
-                        rank_state=rank_state, hints=hints)
+                        rank_state=rank_state, hints=hints, drives=self.drives)
         except BaseException as exc:  # heard by every rank below, so that all act alike
             own = exc
         said = g.gather(_describe(own), thread="main", what=f"restore(step={step}) read")
@@ -400,7 +420,8 @@ class RankSteps:
             try:
                 manifest = read_manifest(path, step)
                 wrong = check_step_files(path, files_to_check(manifest, g.world),
-                                         sorted(manifest.get("files", {}))[g.rank::g.world])
+                                         sorted(manifest.get("files", {}))[g.rank::g.world],
+                                         drives=None if self.drives is None else self.drives.across(path))
                 found = "; ".join(wrong) or None
             except CheckpointCorruptError as exc:
                 found = str(exc)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Collection, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,10 +53,11 @@ class Skeleton:
     sizes: dict[str, int]  # record key -> bytes
 
 
-def open_skeleton(path: str, step: int) -> Skeleton:
+def open_skeleton(path: str, step: int, *, drives: Sequence[str] | None = None) -> Skeleton:
     """The checkpoint directory ``path``'s object without data, checked against its manifest
-    (file size, tensor names and sizes): :class:`CheckpointCorruptError` otherwise."""
-    manifest, what, file = open_checked(path, step)
+    (file size, tensor names and sizes): :class:`CheckpointCorruptError` otherwise. ``drives``:
+    a manager's drive folders on a volume (:func:`._verify.state_file`)."""
+    manifest, what, file = open_checked(path, step, drives=drives)
     obj, keys, spans = checked_skeleton(file, manifest, what)
     return Skeleton(obj, file, what, manifest, keys, {k: s.offset for k, s in spans.items()},
                     {k: s.size for k, s in spans.items()})
@@ -192,12 +193,13 @@ def check_fit(what: str, saved: Mapping[str, Any], state: Mapping[str, Any], des
 
 def restore_state(path: str, step: int, state: MutableMapping[str, Any], config: IOConfig, *,
                   what: str, rng_key: str, strict: bool = True,
-                  check: Callable[[Mapping[str, Any]], None] | None = None) -> dict[str, Any]:
+                  check: Callable[[Mapping[str, Any]], None] | None = None,
+                  drives: Sequence[str] | None = None) -> dict[str, Any]:
     """Load the checkpoint directory ``path`` into ``state`` in place (see
     ``CheckpointManager.restore``); return the entries read, ``rng_key``'s and the per-rank
     state's among them if saved. ``check(saved)`` sees the saved object (``meta`` tensors) first.
     Checks names and shapes before anything changes (:func:`check_fit`)."""
-    sk = open_skeleton(path, step)
+    sk = open_skeleton(path, step, drives=drives)
     if not isinstance(sk.obj, dict):
         raise CheckpointMismatchError(f"{what} holds a {type(sk.obj).__name__}")
     dests = {n: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for n, v in state.items()}
@@ -220,7 +222,8 @@ def restore_state(path: str, step: int, state: MutableMapping[str, Any], config:
 
 
 def restore_file(path: str, step: int, state: MutableMapping[str, Any], config: IOConfig, *,
-                 rng_key: str, rng: bool, strict: bool, rank_state: Any, world: int) -> None:
+                 rng_key: str, rng: bool, strict: bool, rank_state: Any, world: int,
+                 drives: Sequence[str] | None = None) -> None:
     """Restore the single-process step at ``path`` into ``state`` (:func:`restore_state`) in each
     of ``world`` processes: the RNG states (``rng_key``'s entry) when ``rng`` and saved, and the saved
     per-rank state into ``rank_state`` (see :mod:`._rank_state`; checked before any data is read)."""
@@ -233,7 +236,7 @@ def restore_file(path: str, step: int, state: MutableMapping[str, Any], config: 
                                        what=f"checkpoint {what}"))
 
     saved = restore_state(path, step, state, config, what=what, rng_key=rng_key, strict=strict,
-                          check=check)
+                          check=check, drives=drives)
     if mine and mine[0]:
         fill(rank_state, saved.get(RANK_STATE_KEY))
     if rng and rng_key in saved:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...config import IOConfig
+from ._drives import StepDrives
 from ._durable import Drainer
 from ._group import RankGroup
 from ._nodes import discover
@@ -64,23 +65,32 @@ class Tiering:
 
 def open_tiers(ranks: RankGroup | None, directory: str, *, keep: int | None, config: IOConfig, rng_key: str,
                algorithm: str | None, replicas: int, durable: str | None, durable_every: int,
-               keep_durable: int | None, fenced: tuple[int | None] | None = None
-               ) -> tuple[RankSteps | None, Drainer | None]:
+               keep_durable: int | None, fenced: tuple[int | None] | None = None,
+               drives: StepDrives | None = None) -> tuple[RankSteps | None, Drainer | None]:
     """A manager's steps over several ranks (``ranks``) with their tiers, or, for one process
     (``ranks`` None), its durable drain (None without ``durable``). Collective with ranks.
-    ``fenced``: ``(staging_bytes,)`` for fenced saves of each rank's share (None: snapshots)."""
+    ``fenced``: ``(staging_bytes,)`` for fenced saves of each rank's share (None: snapshots).
+    ``drives``: ``directory`` is drive 0's folder of a volume (its ranks on one node)."""
     if ranks is None:
         if replicas != 1:
             raise ValueError("CheckpointManager(replicas=2) keeps copies on other nodes: it needs "
                              "torch.distributed ranks on at least two nodes")
         return None, None if durable is None else Drainer(durable, source=directory, every=durable_every,
-                                                          keep=keep_durable, group=None)
+                                                          keep=keep_durable, group=None, drives=drives)
+    if drives is not None and durable is not None:
+        raise ValueError("CheckpointManager(durable=...) on a Volume is one process only for now: over several "
+                         "ranks the tiers read a step from one node directory, not from several drives; give "
+                         "each node a plain directory with durable=")
     from ._fenced_share import ShareFences
     from ._ranks import RankSteps  # imports torch.distributed.checkpoint
 
     tiering = Tiering(ranks, directory, keep=keep, replicas=replicas, durable=durable,
                       durable_every=durable_every, keep_durable=keep_durable)
+    if drives is not None and len(tiering.layout.nodes) > 1:
+        raise ValueError(f"CheckpointManager on a Volume: the ranks form {len(tiering.layout.nodes)} nodes "
+                         f"{[list(n) for n in tiering.layout.nodes]}; a volume holds the steps of one node's "
+                         "ranks (several nodes: give each a plain directory)")
     return RankSteps(directory, ranks, keep=keep, config=config, rng_key=rng_key, algorithm=algorithm,
                      layout=tiering.layout, tiers=tiering.tiers, after_commit=tiering.after_commit,
                      closing=tiering.close,
-                     fences=None if fenced is None else ShareFences(staging_bytes=fenced[0])), None
+                     fences=None if fenced is None else ShareFences(staging_bytes=fenced[0]), drives=drives), None

@@ -8,34 +8,54 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...config import IOConfig
-from ...errors import CheckpointCorruptError, CheckpointFormatError
+from ...errors import CheckpointCorruptError, CheckpointFormatError, VolumeLayoutError
 from ...formats.torchsave import torch_skeleton
 from ...formats.torchzip import RecordSpan
+from .._placed import read_placement
 from ..loader import load as load_file
 from ._checksums import checksum, file_checksum, hasher, named_storages
 from ._steps import FILE, MANIFEST, find_step_dirs, is_dcp_step, read_manifest
 
-__all__ = ["load_checked", "open_checked", "checked_skeleton", "check_tensors", "check_structure",
+__all__ = ["load_checked", "open_checked", "state_file", "checked_skeleton", "check_tensors", "check_structure",
            "check_sums", "CheckResult", "find_targets", "check_one", "check_step_files"]
 
 
-def open_checked(path: str, step: int | None) -> tuple[dict[str, Any], str, str]:
+def state_file(path: str, manifest: Mapping[str, Any], what: str, drives: Sequence[str] | None = None) -> str:
+    """Where the state file of the checkpoint directory ``path`` lies: beside its manifest, or,
+    for a step of a manager on a volume (``"drive"`` in the manifest), in the same-named folder
+    of its drive among ``drives`` (the manager's drive folders; None: those the manifest names)."""
+    if "drive" not in manifest:
+        return os.path.join(path, FILE)
+    folders, drive = manifest.get("drives") if drives is None else list(drives), manifest["drive"]
+    if (not isinstance(folders, list) or isinstance(drive, bool) or not isinstance(drive, int)
+            or not 0 <= drive < len(folders)):
+        raise CheckpointCorruptError(f"checkpoint {what}: its manifest names drive {drive!r} of "
+                                     f"{folders!r}, which is not one of the volume's drives")
+    return os.path.join(str(folders[drive]), os.path.basename(os.path.normpath(path)), FILE)
+
+
+def open_checked(path: str, step: int | None, *, drives: Sequence[str] | None = None
+                 ) -> tuple[dict[str, Any], str, str]:
     """The manifest of checkpoint directory ``path``, the step's words for errors, and its
-    state file, whose size is checked against the manifest (:class:`CheckpointCorruptError`)."""
+    state file (:func:`state_file`), whose size is checked against the manifest
+    (:class:`CheckpointCorruptError`, naming the drive's path for a step on a volume)."""
     manifest = read_manifest(path, step)
     what = f"step {manifest.get('step', step)}"
-    file = os.path.join(path, FILE)
+    file = state_file(path, manifest, what, drives)
     try:
         size = os.path.getsize(file)
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"checkpoint {what} is incomplete: {file!r} is missing") from None
+        where = "" if "drive" not in manifest else f" (volume drive {manifest['drive']}: " + (
+            "its folder does not exist, drive not mounted?)" if not os.path.isdir(os.path.dirname(
+                os.path.dirname(file))) else "the file was removed)")
+        raise CheckpointCorruptError(f"checkpoint {what} is incomplete: {file!r} is missing{where}") from None
     if size != manifest["file_size"]:
         raise CheckpointCorruptError(f"checkpoint {what}: {file!r} is {size} bytes; the manifest "
                                      f"says {manifest['file_size']}")
@@ -56,11 +76,13 @@ def checked_skeleton(file: str, manifest: Mapping[str, Any], what: str
 
 
 def load_checked(path: str, step: int | None, *, map_location: Any = None,
-                 config: IOConfig | Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+                 config: IOConfig | Mapping[str, Any] | None = None,
+                 drives: Sequence[str] | None = None) -> tuple[Any, dict[str, Any]]:
     """Load the checkpoint directory ``path`` and check it against its manifest; return
     ``(object, manifest)``. Any mismatch is a :class:`CheckpointCorruptError` naming the step
-    and the file or tensor. Blocks; memory: the loaded checkpoint."""
-    manifest, what, file = open_checked(path, step)
+    and the file or tensor. ``drives``: as for :func:`state_file`. Blocks; memory: the loaded
+    checkpoint."""
+    manifest, what, file = open_checked(path, step, drives=drives)
     checked_skeleton(file, manifest, what)   # damaged data.pkl: corrupt, before reading the data
     try:
         obj = load_file(file, map_location, config=config)
@@ -143,22 +165,30 @@ def check_one(path: str, step: int | None, *,
                        checksum=manifest.get("checksum"), tensors=len(manifest["tensors"]))
 
 
-def check_step_files(path: str, manifest: Mapping[str, Any], names: list[str] | None = None) -> list[str]:
+def check_step_files(path: str, manifest: Mapping[str, Any], names: list[str] | None = None, *,
+                     drives: Sequence[str] | None = None) -> list[str]:
     """What is wrong with the files of the multi-rank step at ``path`` (``names``: these of the
     manifest's files; None: all): missing, of another size than the manifest says, or failing
-    their stored per-file checksum (when the step has them). Empty: intact. Reads each file."""
+    their stored per-file checksum (when the step has them). Empty: intact. Reads each file.
+    ``drives``: the step's folder on every drive of a volume (``path`` is drive 0's): each data
+    file is looked for on the drive its placement record names."""
     sizes: dict[str, int] = manifest.get("files", {})
     sums: dict[str, int] = manifest.get("file_checksums") or {}
     algorithm = manifest.get("checksum")
     wrong = []
+    try:
+        placement = None if drives is None else read_placement(drives)
+    except VolumeLayoutError as exc:
+        return [str(exc)]
     for name in sizes if names is None else names:
-        full = os.path.join(path, name)
+        full = os.path.join(path, name) if placement is None else placement.path(name)
+        shown = repr(name) if placement is None else f"{full!r} (volume drive {placement.files.get(name, 0)})"
         have = os.path.getsize(full) if os.path.isfile(full) else None
         if have != sizes[name]:
-            wrong.append(f"{name!r} is {'missing' if have is None else f'{have} bytes'}, the manifest "
+            wrong.append(f"{shown} is {'missing' if have is None else f'{have} bytes'}, the manifest "
                          f"says {sizes[name]}")
         elif algorithm and name in sums and file_checksum(algorithm, full) != sums[name]:
-            wrong.append(f"{name!r} fails its {algorithm} checksum (its bytes changed after the save)")
+            wrong.append(f"{shown} fails its {algorithm} checksum (its bytes changed after the save)")
     return wrong
 
 

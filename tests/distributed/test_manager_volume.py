@@ -1,0 +1,46 @@
+"""CheckpointManager across gloo ranks on a Volume: DCP data files placed on the drives, the step
+committed on every drive, retention, bitwise restore, a lost file, and stock dcp.load after
+gather_folder."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import deepnvme
+from deepnvme import Volume
+
+from . import _volume_workers
+from ._ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
+
+
+def test_ddp_state_on_a_volume_of_two_drives(tmp_path):
+    root = str(tmp_path)
+    run_ranks(_volume_workers.ddp_on_volume, 2, root, root, deadline=120)
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)[2]
+    vol = Volume([tmp_path / "d0", tmp_path / "d1"])
+    plain = tmp_path / "plain"
+    copied = deepnvme.gather_folder(vol / "ck" / "step-000000000002", plain)
+    assert ".metadata" in copied and sum(n.endswith(".distcp") for n in copied) == 2
+    target = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+    dcp.load(target, checkpoint_id=str(plain))  # stock reader, one process
+    assert all(torch.equal(target["model"][k], expected["model"][k]) for k in expected["model"])
+    # one process restores the multi-rank step from the volume (resharded into one)
+    model = torch.nn.Sequential(*[torch.nn.Linear(96, 96) for _ in range(6)])
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.01), "meta": {}}
+    with deepnvme.CheckpointManager(vol / "ck", rng=False) as mgr:
+        assert mgr.restore(state, step=2) == 2
+    assert all(torch.equal(model.state_dict()[k], expected["model"][k]) for k in expected["model"])
+    assert not os.path.exists(tmp_path / "d1" / "ck" / "step-000000000009")  # the crash leftover
+
+
+def test_fenced_saves_with_checksums_on_a_whole_volume(tmp_path):
+    pytest.importorskip("crc32c")
+    run_ranks(_volume_workers.fenced_checksummed, 2, str(tmp_path), str(tmp_path), deadline=120)
+    assert _volume_workers._data_files(str(tmp_path / "d0" / "step-000000000001"))
+    assert _volume_workers._data_files(str(tmp_path / "d1" / "step-000000000001"))

@@ -15,7 +15,9 @@ import torch
 import deepnvme
 from deepnvme import CheckpointCorruptError, Volume, VolumeLayoutError
 from deepnvme.cli.main import main
-from deepnvme.io.posix import Posix, injected
+from deepnvme.io.posix import injected
+
+from .test_manager import _FullDisk
 
 STEP = "step-{:012d}"
 
@@ -144,17 +146,6 @@ def test_a_whole_volume_as_directory_and_refused_options(tmp_path):
         deepnvme.CheckpointManager(vol, replicas=2)
     with pytest.raises(TypeError, match="or a Volume"):
         deepnvme.CheckpointManager(3)  # type: ignore[arg-type]
-
-
-class _FullDisk(Posix):
-    """pwritev fails with ENOSPC while ``full`` is set."""
-
-    full = False
-
-    def pwritev(self, fd, buffers, offset):
-        if self.full:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return super().pwritev(fd, buffers, offset)
 
 
 def test_a_failed_save_on_drive_1_leaves_nothing_and_keeps_earlier_steps(tmp_path):

@@ -37,6 +37,7 @@ from ...io import durable
 from ...io.volume import Volume, VolumePath
 from ...io.volume_files import Layouts
 from .._placed import assign, drive_folders
+from ._group import RankGroup
 from ._lock import DirectoryLock, try_lock
 from ._steps import (
     FILE,
@@ -49,7 +50,7 @@ from ._steps import (
     step_dir,
 )
 
-__all__ = ["MARKER", "StepDrives", "open_drives", "take_directory"]
+__all__ = ["MARKER", "StepDrives", "open_drives", "same_volume", "take_directory"]
 
 log = logging.getLogger(__name__)
 
@@ -228,3 +229,12 @@ def take_directory(directory: str, drives: StepDrives | None) -> DirectoryLock:
         lock.release()
         raise
     return lock
+
+
+def same_volume(group: RankGroup, drives: StepDrives | None) -> None:
+    """Collective at construction: ``ValueError`` unless every rank passed the same volume (or
+    every rank a plain directory)."""
+    volumes = group.gather(None if drives is None else drives.folders, thread="main", what="CheckpointManager()")
+    if len(set(volumes)) > 1:
+        raise ValueError(f"CheckpointManager: the ranks passed different volumes or directories (drive folders "
+                         f"by rank: {volumes}); every rank passes the same Volume")

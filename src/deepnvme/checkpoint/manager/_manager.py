@@ -24,14 +24,14 @@ from ...config import IOConfig, checkpoint_config
 from ...errors import CheckpointFormatError, CheckpointMismatchError, FileNotFoundIOError
 from ...io.volume import Volume, VolumePath
 from .._paths import as_path
-from .._staging import FencedStager, SnapshotStager, Staged, Stager, StagingStats
+from .._staging import Staged, Stager, StagingStats
 from .._writer import Job, Ledger, Writer
 from ._checksums import hasher, record_names, resolve_algorithm
 from ._commit import PendingStep, StepCommit, explain_failure
 from ._drives import open_drives, take_directory
 from ._group import rank_group
 from ._lock import DirectoryLock, tidy
-from ._options import resolve_manager_stager
+from ._options import rank_staging, resolve_manager_stager
 from ._policy import check_policy, is_due
 from ._rank_state import check_restore_arg, check_save_arg
 from ._restore import restore_file
@@ -49,19 +49,6 @@ __all__ = ["CheckpointManager", "SaveStats", "RNG_KEY"]
 log = logging.getLogger(__name__)
 
 RNG_KEY = "_deepnvme_rng"  # the reserved entry holding RNG states in a saved checkpoint
-
-
-def _rank_staging(stager: Stager, world: int) -> tuple[int | None] | None:
-    """How a manager over ``world`` ranks stages: None for snapshots of each rank's share,
-    ``(staging_bytes,)`` for fenced saves of it (:mod:`._fenced_share`). ``ValueError`` for a
-    stager the ranks cannot use."""
-    if isinstance(stager, SnapshotStager):
-        return None
-    if isinstance(stager, FencedStager) and not stager.precopy:
-        return (stager.staging_bytes,)
-    what = "FencedStager(precopy=True)" if isinstance(stager, FencedStager) else f"staging={stager.name!r}"
-    raise ValueError(f"CheckpointManager over {world} ranks: {what} is single-process only; use "
-                     "staging='snapshot', 'fenced' or FencedStager(staging_bytes=...)")
 
 
 class CheckpointManager:
@@ -149,7 +136,7 @@ class CheckpointManager:
         self._closed = False
         self._saves, self._blocked, self._last_write = 0, 0.0, 0.0
         ranks = rank_group(group, timeout, extra=("durable",) if lasting else ())
-        fenced = None if ranks is None else _rank_staging(stager, ranks.world)
+        fenced = None if ranks is None else rank_staging(stager, ranks.world)
         self._ranks: RankSteps | None
         self._ranks, self._drainer = open_tiers(  # several ranks: their steps; one process: its durable tier
             ranks, self.directory, keep=keep, config=self._config, rng_key=RNG_KEY, algorithm=self._algorithm,

@@ -9,7 +9,7 @@ from typing import Any
 from ..._deprecation import warn_once
 from .._staging import FencedStager, SnapshotStager, Stager, resolve_stager
 
-__all__ = ["resolve_manager_stager"]
+__all__ = ["rank_staging", "resolve_manager_stager"]
 
 _LEGACY_DEFAULTS: dict[str, Any] = {"mode": "snapshot", "snapshot_arenas": 1, "fence_staging_bytes": None,
                                     "fence_precopy": False}
@@ -51,3 +51,16 @@ def resolve_manager_stager(staging: str | Stager | None, legacy: dict[str, Any])
     warn_once(f"CheckpointManager({names})", f"CheckpointManager({names}=...) is deprecated; pass {new} "
               "(from deepnvme.checkpoint)", stacklevel=3)
     return stager
+
+
+def rank_staging(stager: Stager, world: int) -> tuple[int | None] | None:
+    """How a manager over ``world`` ranks stages: None for snapshots of each rank's share,
+    ``(staging_bytes,)`` for fenced saves of it (:mod:`._fenced_share`). ``ValueError`` for a
+    stager the ranks cannot use."""
+    if isinstance(stager, SnapshotStager):
+        return None
+    if isinstance(stager, FencedStager) and not stager.precopy:
+        return (stager.staging_bytes,)
+    what = "FencedStager(precopy=True)" if isinstance(stager, FencedStager) else f"staging={stager.name!r}"
+    raise ValueError(f"CheckpointManager over {world} ranks: {what} is single-process only; use "
+                     "staging='snapshot', 'fenced' or FencedStager(staging_bytes=...)")

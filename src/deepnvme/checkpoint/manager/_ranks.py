@@ -50,7 +50,7 @@ from ._dcp_step import (
     state_dicts,
     write_share,
 )
-from ._drives import StepDrives, take_directory
+from ._drives import StepDrives, same_volume, take_directory
 from ._fenced_share import ShareFence, ShareFences
 from ._group import RankGroup
 from ._lock import DirectoryLock, tidy
@@ -108,14 +108,10 @@ class RankSteps:
         self.tiers, self.after_commit, self.closing = tiers, after_commit, closing
         self._cache: PlanCache | None = None  # the last save's plan, reused while the structure holds
         self.planned = 0  # saves that ran DCP's global planning (and its exchange)
-        # one staging arena, reused by every save: settle() waits for the previous save's write
-        # before the next one stages, so a second arena would never be free sooner
+        # one staging arena for every save: settle() waits for the previous write before staging
         self._arenas = ArenaPool(1, what="CheckpointManager staging arenas")
         self.fences = fences  # fenced staging (:mod:`._fenced_share`); None: snapshots
-        volumes = group.gather(None if drives is None else drives.folders, thread="main", what="CheckpointManager()")
-        if len(set(volumes)) > 1:
-            raise ValueError(f"CheckpointManager: the ranks passed different volumes or directories (drive folders "
-                             f"by rank: {volumes}); every rank passes the same Volume")
+        same_volume(group, drives)
         if self.layout.leader:
             tidy(directory, remove=None if drives is None else drives.remove_leftovers)
 

@@ -85,7 +85,7 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out:
             rss.append(_rss())
         mgr.close()
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, {"times": times, "spans": spans, "rss": rss, "planned": ranks.planned})
+        dist.all_gather_object(gathered, {"times": times, "spans": spans, "rss": rss, "planned": ranks.plans.planned})
         if rank == 0:
             Path(out).write_text(json.dumps(gathered))
     finally:

@@ -32,11 +32,11 @@ def steady(rank: int, world: int, directory: str) -> None:
     ranks.group.gather = counting  # type: ignore[method-assign]
     assert mgr.save(1, state)
     mgr.wait()
-    assert ranks.planned == 1 and [w for t, w in said if t == "main"] == ["save(1)", "save(1) planning"], said
+    assert ranks.plans.planned == 1 and [w for t, w in said if t == "main"] == ["save(1)", "save(1) planning"], said
     said.clear()
     arena = ranks._arenas.arenas()[0]  # this rank's share of the tensors, staged in one arena
-    assert ranks._cache is not None and arena is not None
-    share = [i for i in ranks._cache.final.items if i.tensor_data is not None]
+    assert ranks.plans.cache is not None and arena is not None
+    share = [i for i in ranks.plans.cache.final.items if i.tensor_data is not None]
     assert 0 < arena.numel() == sum(
         -(-(i.tensor_data.size.numel() * i.tensor_data.properties.dtype.itemsize) // 4096) * 4096 for i in share)
     train(model, opt)
@@ -47,13 +47,13 @@ def steady(rank: int, world: int, directory: str) -> None:
         for p in model.parameters():
             p.add_(1.0)
     mgr.wait()
-    assert ranks.planned == 1 and [w for t, w in said if t == "main"] == ["save(2)"], said
+    assert ranks.plans.planned == 1 and [w for t, w in said if t == "main"] == ["save(2)"], said
     again = ranks._arenas.arenas()[0]
     assert again is not None and again.data_ptr() == arena.data_ptr()  # the same arena, reused
     state["extra"] = torch.full((5,), float(rank == 0))  # a new entry: planned again
     assert mgr.save(3, state)
     mgr.wait()
-    assert ranks.planned == 2
+    assert ranks.plans.planned == 2
     del state["extra"]
 
     read: list[int] = []

@@ -9,7 +9,7 @@ import torch
 import deepnvme
 from deepnvme.checkpoint import FencedStager
 
-from . import _fenced_workers
+from . import _fenced_workers, _held_workers
 from ._ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
@@ -28,6 +28,14 @@ def test_fenced_dtensor_shards_on_two_ranks(tmp_path):
 def test_fenced_on_four_ranks(tmp_path, fn):
     pytest.importorskip("xxhash")
     run_ranks(fn, 4, str(tmp_path), str(tmp_path), deadline=300)
+
+
+def test_fenced_walk_held_for_the_writer_thread(tmp_path):
+    run_ranks(_held_workers.held, 2, str(tmp_path), str(tmp_path), deadline=180)
+
+
+def test_fenced_fsdp2_walks_in_save(tmp_path):
+    run_ranks(_held_workers.fsdp, 2, str(tmp_path), str(tmp_path), deadline=120)
 
 
 def test_fenced_precopy_is_refused_across_ranks(tmp_path):

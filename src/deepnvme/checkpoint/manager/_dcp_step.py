@@ -13,6 +13,7 @@ phase each; :mod:`._ranks` runs the phases and the agreement between them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import io
@@ -21,7 +22,7 @@ import os
 import time
 import warnings
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.utils._pytree import tree_map
 
 from ...config import IOConfig
 from ...errors import DeepNVMeError
@@ -52,7 +54,8 @@ from ._checksums import Running, file_checksum
 from ._drives import StepDrives
 from ._steps import FORMAT, MANIFEST, step_dir
 
-__all__ = ["KIND", "LocalPlan", "PlanCache", "state_dicts", "load_into", "local_plan", "global_plans",
+__all__ = ["KIND", "LocalPlan", "PlanCache", "state_dicts", "begin_state_dicts", "walk_modules", "walks_later",
+           "load_into", "local_plan", "global_plans",
            "placed_plans", "stage",
            "StagedPlanner", "write_share", "Written", "item_sums", "finish_step", "read_step", "ReadHints", "rng_entry"]
 
@@ -76,19 +79,75 @@ def state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
     """What DCP saves of ``state`` (and loads into): modules' and their optimizers' state dicts by
     parameter name (``get_model_state_dict``/``get_optimizer_state_dict``, so DTensor and
     resharding work), other objects' ``state_dict()``, tensors (detached) and plain data."""
+    return walk_modules(state, begin_state_dicts(state, copy_plain=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Later:
+    """An entry :func:`walk_modules` fills in: a module, or an optimizer a module of the state
+    owns (with its param groups' settings as they were at :func:`begin_state_dicts`, or None)."""
+
+    model: torch.nn.Module | None
+    settings: list[dict[str, Any]] | None = None
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with its containers and non-tensor leaves copied, its tensors shared (detached)."""
+    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else copy.deepcopy(v), value)
+
+
+def begin_state_dicts(state: Mapping[str, Any], *, copy_plain: bool) -> dict[str, Any]:
+    """The part of :func:`state_dicts` that needs no walk of a module: tensors (detached), other
+    objects' ``state_dict()`` and plain data; modules and the optimizers they own are left as
+    markers for :func:`walk_modules`. ``copy_plain=True`` (a save whose modules are walked later, on
+    the writer thread, while the loop goes on): plain data, ``state_dict()`` results and each
+    optimizer's param-group settings (learning rate, betas...) are copied now, tensors shared."""
     models = [v for v in state.values() if isinstance(v, torch.nn.Module)]
     out: dict[str, Any] = {}
     for name, value in state.items():
         if isinstance(value, torch.Tensor):
             out[name] = value.detach()
         elif isinstance(value, torch.nn.Module):
-            out[name] = get_model_state_dict(value)
+            out[name] = _Later(None)
         elif isinstance(value, torch.optim.Optimizer) and (model := _owner(value, models)) is not None:
-            out[name] = get_optimizer_state_dict(model, value)
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in value.param_groups]
+            out[name] = _Later(model, _copied(settings) if copy_plain else None)
         elif callable(getattr(value, "state_dict", None)):
-            out[name] = value.state_dict()
+            out[name] = _copied(value.state_dict()) if copy_plain else value.state_dict()
         else:
-            out[name] = value
+            out[name] = _copied(value) if copy_plain else value
+    return out
+
+
+def walks_later(state: Mapping[str, Any]) -> bool:
+    """Whether DCP's walk of the modules in ``state`` may run on another thread while the loop
+    runs forward and backward passes: not for FSDP modules, whose forward swaps the parameters
+    it all-gathers in and out of the module."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return not any(isinstance(m, (FSDPModule, FullyShardedDataParallel))
+                   for v in state.values() if isinstance(v, torch.nn.Module) for m in v.modules())
+
+
+def walk_modules(state: Mapping[str, Any], begun: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`begin_state_dicts`'s result with each module's and owned optimizer's state dict
+    (DCP's walk), the optimizer's param-group settings taken from ``begun`` where it kept them."""
+    out = dict(begun)
+    for name, entry in begun.items():
+        if not isinstance(entry, _Later):
+            continue
+        if entry.model is None:
+            out[name] = get_model_state_dict(state[name])
+            continue
+        optim = get_optimizer_state_dict(entry.model, state[name])
+        if entry.settings is not None:
+            groups = cast(list[dict[str, Any]], optim["param_groups"])
+            if len(groups) != len(entry.settings):
+                raise ValueError(f"CheckpointManager.save: optimizer {name!r} changed its param groups "
+                                 f"({len(entry.settings)} at save(), {len(groups)} now) before its state was read")
+            for group, settings in zip(groups, entry.settings):
+                group.update(settings)
+        out[name] = optim
     return out
 
 

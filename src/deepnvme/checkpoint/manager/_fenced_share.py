@@ -14,9 +14,11 @@ Staging: the one reused arena of :class:`~deepnvme.checkpoint._fence.Staging` (a
 large items of this rank's share, each rounded up to 4096 bytes, capped by
 ``FencedStager(staging_bytes=)``; 0: never copy, the step waits for the write). When the arena
 cannot hold every waiting item, those the writer reaches last are copied and the step waits for
-the others. Items under 256 KiB and plain data are copied at ``save()``. The requirement is the
-single-process fenced stager's: between ``save()`` and that optimizer step nothing else changes
-a saved tensor in place. CPU tensors only.
+the others. Items under 256 KiB and plain data are copied when the share is staged: at
+``save()``, or on the writer thread for a *held* save (:meth:`ShareFences.hold`: the hooked
+steps first wait until it is staged). The requirement is the single-process fenced stager's:
+between ``save()`` and that optimizer step nothing else changes a saved tensor in place. CPU
+tensors only.
 """
 
 from __future__ import annotations
@@ -234,12 +236,14 @@ class _Transforms(_StorageWriterTransforms):
 
 class ShareFences:
     """The fenced saves of one multi-rank manager: the step pre-hooks on the state's optimizers,
-    the staging arena and the cost counters. The caller's thread stages; hooks run on it too."""
+    the staging arena and the cost counters. The caller's thread stages (the writer thread, for a
+    held save); hooks run on the caller's thread."""
 
     def __init__(self, *, staging_bytes: int | None) -> None:
         self._staging = Staging(staging_bytes)
         self._hooks: dict[int, Any] = {}
         self._pending: list[ShareFence] = []
+        self._gates: list[threading.Event] = []  # saves held for the writer thread's staging
         self._lock = threading.Lock()
         self.fence_wait = 0.0
         self.copied_bytes = 0
@@ -248,7 +252,7 @@ class ShareFences:
         """This rank's share of ``plan`` as a :class:`ShareFence`: plain data and small tensors
         copied now, large ones left live; the optimizers in ``state`` hooked. ``ValueError``
         naming the item for a tensor not on the CPU."""
-        optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+        optimizers = self.hook(state)
         owners: dict[int, int] = {}
         for opt in optimizers:
             for cdata in _storages(opt):
@@ -268,13 +272,35 @@ class ShareFences:
                 staged[item.index] = data.clone()
             else:
                 items.append(_Item(item.index, data, owners.get(data.untyped_storage()._cdata)))
-        for opt in optimizers:
-            if id(opt) not in self._hooks:
-                self._hooks[id(opt)] = opt.register_step_pre_hook(self._fence)
         fence = ShareFence(staged, items, self._staging)
         with self._lock:
             self._pending.append(fence)
         return fence
+
+    def hook(self, state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+        """Put the fence's step pre-hook on each optimizer in ``state`` (once); the optimizers."""
+        optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+        for opt in optimizers:
+            if id(opt) not in self._hooks:
+                self._hooks[id(opt)] = opt.register_step_pre_hook(self._fence)
+        return optimizers
+
+    def hold(self, state: Mapping[str, Any]) -> threading.Event:
+        """A save whose share the writer thread will stage (:meth:`stage` there): the optimizers in
+        ``state`` hooked now, and their next step waits until the returned event is set (by
+        :meth:`release`, once the fence is staged or the save failed)."""
+        self.hook(state)
+        gate = threading.Event()
+        with self._lock:
+            self._gates.append(gate)
+        return gate
+
+    def release(self, gate: threading.Event) -> None:
+        """The writer thread: the held save is staged (or failed); steps need not wait for it."""
+        gate.set()
+        with self._lock:
+            if gate in self._gates:
+                self._gates.remove(gate)
 
     def ended(self, fence: ShareFence) -> None:
         """The writer thread: ``fence``'s save is over."""
@@ -286,10 +312,14 @@ class ShareFences:
 
     def _fence(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         with self._lock:
-            pending = list(self._pending)
-        if not pending:
+            gates = list(self._gates)
+        if not gates and not self._pending:
             return
         start = time.perf_counter()
+        for gate in gates:  # held saves: their fences staged first
+            gate.wait()
+        with self._lock:
+            pending = list(self._pending)
         for fence in pending:
             fence.protect(id(optimizer))
         self.fence_wait += time.perf_counter() - start
@@ -301,6 +331,10 @@ class ShareFences:
 
     def close(self) -> None:
         """Remove the hooks and free the arena (every save ended by now). Idempotent."""
+        with self._lock:
+            for gate in self._gates:  # a held save whose writer call never ran
+                gate.set()
+            self._gates.clear()
         for hook in self._hooks.values():
             hook.remove()
         self._hooks.clear()

@@ -1,27 +1,27 @@
 """The multi-rank half of :class:`~deepnvme.CheckpointManager`: a save, restore and listing that
 every rank of the manager's group calls together, in one directory all ranks share or one per
-node (:mod:`._nodes`: each node publishes its own step directory; :mod:`._tiers`: restore
-across the nodes, their replicas and the durable tier).
+node (:mod:`._nodes`; :mod:`._tiers`: restore across the nodes, their replicas and the durable tier).
 
 A save (:meth:`RankSteps.save`, the caller's thread): the ranks vote on the step (rank 0's view
-of the committed steps and of the interval rule decides for all); each rank plans with DCP
-(:mod:`._dcp_step`), the plans are exchanged and every rank derives the same deduplicated
-global plan, kept for the next saves: while every rank's local plan stays the same (said in the
-vote), a save reuses it with no planning exchange. Each rank copies its share (the snapshot) and
-returns. On the writer thread: each rank writes and fsyncs its files into the step's hidden
-building directory, the ranks vote (every rank's success or error, and its checksums, computed
-while writing), then rank 0 writes ``.metadata`` and the manifest, publishes ``step-N`` in one
-rename and applies retention, and tells the others. A failure on any rank
-fails the save on every rank and removes the building directory; earlier steps stay.
+of the committed steps and of the interval rule decides for all); each rank plans with DCP and
+the ranks agree on the global plan, reused with no planning exchange while the structure holds
+(:mod:`._share_plan`); each rank copies its share (the snapshot) and returns. A fenced save of
+state without FSDP modules is *held*: DCP's walk, planning and staging run on the writer thread
+while the loop goes on, and the next optimizer step waits until the share is staged. On the
+writer thread: each rank writes and fsyncs its files into the step's hidden building directory,
+the ranks vote (every rank's success or error, and its checksums, computed while writing), then
+rank 0 writes ``.metadata`` and the manifest, publishes ``step-N`` in one rename, applies
+retention and tells the others. A failure on any rank fails the save on every rank and removes
+the building directory; earlier steps stay.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno as errno_mod
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -38,16 +38,14 @@ from ._commit import StepCommit
 from ._dcp_restore import files_to_check, plan_reads, restore_dcp
 from ._dcp_step import (
     LocalPlan,
-    PlanCache,
     ReadHints,
     Staged,
     StagedPlanner,
     Written,
     finish_step,
-    local_plan,
-    rng_entry,
     stage,
-    state_dicts,
+    walk_modules,
+    walks_later,
     write_share,
 )
 from ._drives import StepDrives, same_volume, take_directory
@@ -55,10 +53,8 @@ from ._fenced_share import ShareFence, ShareFences
 from ._group import RankGroup
 from ._lock import DirectoryLock, tidy
 from ._nodes import Layout, publish_nodes, retire_nodes
-from ._rank_state import pack
-from ._rng import capture_rng
+from ._share_plan import SharePlans
 from ._steps import (
-    RANK_STATE_KEY,
     building_path,
     is_dcp_step,
     list_steps,
@@ -106,8 +102,8 @@ class RankSteps:
         # nodes and tiers (_nodes, _tiers): None for one directory shared by every rank, no tiers
         self.layout = layout or Layout(rank=group.rank, nodes=(tuple(range(group.world)),))
         self.tiers, self.after_commit, self.closing = tiers, after_commit, closing
-        self._cache: PlanCache | None = None  # the last save's plan, reused while the structure holds
-        self.planned = 0  # saves that ran DCP's global planning (and its exchange)
+        self.plans = SharePlans(group, rng_key, drives=None if drives is None else len(drives.folders),
+                                discard=lambda building: self._discard(building) if self.layout.leader else None)
         # one staging arena for every save: settle() waits for the previous write before staging
         self._arenas = ArenaPool(1, what="CheckpointManager staging arenas")
         self.fences = fences  # fenced staging (:mod:`._fenced_share`); None: snapshots
@@ -120,31 +116,32 @@ class RankSteps:
     def save(self, step: int, state: Mapping[str, Any], *, force: bool, rng: bool,
              rule: Callable[[int | None, float], bool], settle: Callable[[], None], since_last: float,
              last_step: int | None, rank_state: Mapping[str, Any] | None = None) -> Call | None:
-        """Collective: plan and stage this rank's share of ``step``; the writer-thread call that
-        writes and commits it, already submitted (None: not due). ``rule(newest, since_last)``
-        says whether the step is due; rank 0's answer holds for all. ``settle()`` runs once the
-        save is known to be due, before anything else: it waits for the previous save and raises
-        its error (the same on every rank, as the ranks agreed on it). ``rank_state``: this
-        rank's own entries, kept apart (:mod:`._rank_state`)."""
+        """Collective: plan and stage this rank's share of ``step``; the submitted writer-thread call
+        that writes and commits it (None: not due). ``rule(newest, since_last)``: whether the step
+        is due (rank 0's answer holds for all). ``settle()`` runs once the save is due, first: it
+        waits for the previous save and raises its error (the same on every rank). ``rank_state``:
+        this rank's own entries, kept apart (:mod:`._rank_state`)."""
         g = self.group
+        held = self.fences is not None and walks_later(state)  # the walk may run on the writer thread
         # the structure is compared with the cached plan's before the vote when the save looks
-        # due here, so that a steady-state save needs no planning exchange (see _plan)
-        early = self._cache is not None and (force or rule(last_step, since_last))
-        local = self._plan(state, rng, rank_state) if early else None
-        same = local is not None and local.error is None and self._cache is not None and local.same_as(self._cache)
-        vote: Any = (step, force, same)
+        # due here, so that a steady-state save needs no planning exchange (see _agree)
+        plans = self.plans
+        early = not held and plans.cache is not None and (force or rule(last_step, since_last))
+        local = plans.plan(state, rng, rank_state) if early else None
+        same = local is not None and local.error is None and plans.cache is not None and local.same_as(plans.cache)
+        vote: Any = (step, force, same, held)
         if g.rank == 0:
             newest = max([*list_steps(self.directory)[-1:], *([] if last_step is None else [last_step])],
                          default=None)
             bad = newest is not None and step <= newest
-            vote = (step, force, same, None if bad else rule(newest, since_last) or force,
+            vote = (step, force, same, held, None if bad else rule(newest, since_last) or force,
                     f"step {step} is not greater than the newest saved step {newest}" if bad else None,
                     building_path(self.directory, step))
         votes = g.gather(vote, thread="main", what=f"save({step})")
         if others := [r for r, v in enumerate(votes) if v[0] != step]:
             raise ValueError(f"CheckpointManager.save({step}): ranks {others} passed other steps "
                              f"({[votes[r][0] for r in others]}); every rank saves the same step")
-        _, _, _, due, refused, building = votes[0]
+        due, refused, building = votes[0][4:]
         building = os.path.join(self.directory, os.path.basename(building))  # this node's
         if refused is not None:
             raise ValueError(f"CheckpointManager.save: {refused} in {self.directory!r}")
@@ -157,27 +154,29 @@ class RankSteps:
                 self._prepare(building)
         except BaseException as exc:  # reported to every rank below
             own = exc
-        if local is None:
-            local = self._plan(state, rng, rank_state)
-        if all(v[2] for v in votes) and self._cache is not None and own is None:
-            cache = self._cache  # every rank's structure is the cached plan's: no planning exchange
+        if all(v[3] for v in votes) and self.fences is not None:  # held (see the module): only what the
+            # loop may change before its next optimizer step is taken here; _write_held does the rest
+            fences, keys, begun = self.fences, None if rank_state is None else sorted(rank_state), {}
+            try:
+                begun = plans.begin(state, rng, rank_state, copy_plain=True)
+            except BaseException as exc:  # heard by every rank on the writer thread
+                own = own or exc
+            gate = fences.hold(state)
+            call = Call(fn=lambda: self._write_held(step, building, state, begun, keys, fences, gate, own))
         else:
-            own = own or local.error
-            plans = g.gather((local.plan, _describe(own), local.keys), thread="main", what=f"save({step}) planning")
-            if any(p[1] is not None for p in plans):
-                self._cache = None
-                if self.layout.leader:
-                    self._discard(building)
-                raise _failed(f"checkpoint step {step} (planning)", [p[1] for p in plans], own)
-            cache = self._cache = local.cached([p[0] for p in plans], g.rank,
-                                               {rng_entry(r): p[2] for r, p in enumerate(plans) if p[2] is not None},
-                                               drives=None if self.drives is None else len(self.drives.folders))
-            self.planned += 1
-        planner = local.planner
-        if planner is None:  # not reached: a failed plan raised above
-            raise RuntimeError(f"CheckpointManager.save({step}): no save planner")
-        mine = planner.finish_plan(cache.final)
-        metadata = dataclasses.replace(cache.metadata)  # its storage_data is set per save
+            call, own = self._stage(step, building, state, local or plans.plan(state, rng, rank_state), own,
+                                    same=all(v[2] for v in votes))
+        self._start().submit(call)
+        if own is not None:
+            raise own
+        return call
+
+    def _stage(self, step: int, building: str, state: Mapping[str, Any], local: LocalPlan,
+               own: BaseException | None, *, same: bool) -> tuple[Call, BaseException | None]:
+        """Agree on the plan and stage this rank's share here (a snapshot, or a fence when not
+        held); the writer-thread call that writes and commits it, and this rank's error (voted there)."""
+        cache = self.plans.agree(step, building, local, own, thread="main", same=same)
+        planner, mine, metadata = self.plans.finish(step, local, cache)
         staged: Staged = {}
         lease: Lease | None = None
         fence: ShareFence | None = None
@@ -188,28 +187,29 @@ class RankSteps:
             else:
                 staged, lease = stage(planner, mine, self._arenas)
         except BaseException as exc:  # the writer thread still votes, so no rank waits for this one
-            own = exc
-        call = Call(fn=lambda: self._write(step, building, mine, staged, lease, fence, metadata, own,
-                                           cache.rank_keys, cache.placed))
-        self._start().submit(call)
-        if own is not None:
-            raise own
-        return call
+            own = own or exc
+        return Call(fn=lambda: self._write(step, building, mine, staged, lease, fence, metadata, own,
+                                           cache.rank_keys, cache.placed)), own
 
-    def _plan(self, state: Mapping[str, Any], rng: bool, rank_state: Mapping[str, Any] | None) -> LocalPlan:
-        """This rank's planner and local plan of ``state`` (the error instead, if planning failed)."""
+    def _write_held(self, step: int, building: str, state: Mapping[str, Any], begun: dict[str, Any],
+                    keys: list[str] | None, fences: ShareFences, gate: threading.Event,
+                    own: BaseException | None) -> None:
+        """The writer thread, for :meth:`_hold`: walk, agree on the plan, stage the fence, let the
+        held optimizer step go on, then write and commit as :meth:`_write`."""
+        fence: ShareFence | None = None
         try:
-            if reserved := [k for k in (self.rng_key, RANK_STATE_KEY) if k in state]:
-                raise ValueError(f"CheckpointManager.save: state keys {reserved} are reserved for the manager")
-            saved = state_dicts(state)
-            if rng:
-                saved[self.rng_key] = {rng_entry(self.group.rank): capture_rng()}
-            if rank_state is not None:
-                saved[RANK_STATE_KEY] = {rng_entry(self.group.rank): pack(rank_state)}
-            planner, plan = local_plan(saved, self.group.rank)
-        except BaseException as exc:  # reported to every rank by the caller
-            return LocalPlan(None, None, None if rank_state is None else sorted(rank_state), exc)
-        return LocalPlan(planner, plan, None if rank_state is None else sorted(rank_state), None)
+            local = LocalPlan(None, None, keys, own) if own is not None else \
+                self.plans.local(lambda: walk_modules(state, begun), keys)
+            cache = self.plans.agree(step, building, local, None, thread="writer", same=None)
+            planner, mine, metadata = self.plans.finish(step, local, cache)
+            try:
+                at_phase("staging")
+                fence = fences.stage(planner, mine, state)
+            except BaseException as exc:  # voted below, so every rank fails the save
+                own = exc
+        finally:
+            fences.release(gate)
+        self._write(step, building, mine, {}, None, fence, metadata, own, cache.rank_keys, cache.placed)
 
     def _prepare(self, building: str) -> None:
         """A node's lowest rank: the writer lock (at the first save; leftovers of killed saves

@@ -9,7 +9,14 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
 import deepnvme
-from deepnvme.checkpoint.manager._dcp_step import global_plans, local_plan
+from deepnvme.checkpoint.manager._dcp_step import (
+    begin_state_dicts,
+    global_plans,
+    local_plan,
+    state_dicts,
+    walk_modules,
+    walks_later,
+)
 from deepnvme.checkpoint.manager._ranks import _failed
 
 
@@ -45,3 +52,49 @@ def test_a_failure_names_the_rank_and_keeps_the_errno():
     assert "rank 1" in str(err) and "rank 0" not in str(err) and err.__cause__ is own
     other = _failed("checkpoint step 3", [("ValueError", "bad state", None), None], None)
     assert isinstance(other, deepnvme.DistributedSaveError) and "rank 0: ValueError: bad state" in str(other)
+
+
+def _trained() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt, "sched": sched, "meta": {"epoch": 1, "seen": [1]},
+            "ema": torch.ones(4)}
+
+
+def test_a_held_save_keeps_what_the_loop_may_change_before_the_walk():
+    state = _trained()
+    begun = begin_state_dicts(state, copy_plain=True)
+    walked_now = state_dicts(state)
+    # what the loop does after save() and before the writer thread walks the modules
+    state["meta"]["seen"].append(2)  # type: ignore[index]
+    state["sched"].step()  # type: ignore[attr-defined]  (halves the learning rate)
+    state["ema"].add_(1)  # type: ignore[attr-defined]  (a tensor: shared, fenced at the optimizer step)
+    later = walk_modules(state, begun)
+    assert later["meta"] == {"epoch": 1, "seen": [1]}
+    assert later["sched"] == walked_now["sched"] and later["sched"]["_last_lr"] == [0.01]
+    assert [g["lr"] for g in later["optim"]["param_groups"]] == [0.01]
+    assert state["optim"].param_groups[0]["lr"] == 0.005  # type: ignore[attr-defined]
+    assert later["ema"] is not walked_now["ema"] and torch.equal(later["ema"], torch.full((4,), 2.0))
+    assert later["model"].keys() == walked_now["model"].keys()
+    assert all(torch.equal(later["model"][k], v) for k, v in walked_now["model"].items())
+    assert later["optim"]["state"].keys() == walked_now["optim"]["state"].keys()
+
+
+def test_a_held_save_refuses_param_groups_that_changed_before_the_walk():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD([{"params": model[0].parameters()}], lr=0.01)
+    state = {"model": model, "optim": opt}
+    begun = begin_state_dicts(state, copy_plain=True)
+    opt.add_param_group({"params": model[1].parameters(), "lr": 0.1})
+    with pytest.raises(ValueError, match="'optim' changed its param groups"):
+        walk_modules(state, begun)
+
+
+def test_fsdp_modules_are_walked_in_save():
+    assert walks_later(_trained())
+    assert walks_later({"meta": 1})

@@ -150,9 +150,11 @@ def test_gradients_are_written_from_reused_buffers_within_the_budget(tmp_path, m
         model(x).pow(2).mean().backward()
         opt.step()
     stats = off.stats()
-    # at most one per step: a parameter evicted while autograd still views it is unmapped
-    # (not reused) and its gradient gets a new mapping; before, every gradient got one
-    assert len(mapped) <= 2, mapped
+    # before the reuse every gradient got a mapping (8 in these two steps); now usually one per
+    # step: a parameter evicted while autograd still views it is unmapped (not reused) and its
+    # gradient gets a new mapping. How often that happens depends on when the prefetch thread
+    # runs: 3 seen in CI under load (1 run in ~20), so the bound is half of the 8
+    assert len(mapped) <= 4, mapped
     assert stats.buffers_reused >= 4 * 4       # per step: 4 weights x (2 reads, grad, update read)
     # + one gradient, as documented: one that autograd happened to allocate page-aligned is
     # written from its own tensor, counted before room is made (seen: 2048 B, a bias, 1 run in ~10)

@@ -211,7 +211,9 @@ def stage(planner: DefaultSavePlanner, plan: SavePlan, pool: ArenaPool) -> tuple
     lease = pool.take(arena_bytes(t.numel() * t.element_size() for _, t in tensors))
     try:
         arena, offset, copy = lease.tensor, 0, ParallelCopy()
-        whole = arena.numpy().data if tensors else None  # a memoryview of the arena
+        # a memoryview of the arena through a view of it, which holds the arena's storage (freeing
+        # the arena swaps the arena tensor's storage out; views stay valid, like the ones before)
+        whole = arena[:].numpy().data if tensors else None
         for index, src in tensors:
             n = src.numel() * src.element_size()
             own = arena[offset:offset + n] if whole is None or not n else torch.frombuffer(

@@ -2,7 +2,10 @@
 
 Usage: flock /tmp/bench.lock python -W ignore benchmarks/bench_manager.py --dir DIR
        [--state-gb 1.0] [--steps 6] [--warmup 2] [--reps 2] [--batch 0] [--restore-reps 3]
-       [--json out.json]
+       [--json out.json] [--volume DIR1,DIR2 [--timed-saves 3]]
+
+``--volume`` (issue 30) runs instead the manager on ``--dir`` (a folder on DIR1's drive) against
+the manager on ``deepnvme.Volume([DIR1, DIR2])``: see ``run_single`` in benchmarks/_volume_bench.py.
 
 An MLP trained with Adam whose parameters plus optimizer state are ``--state-gb`` GB (params,
 exp_avg, exp_avg_sq: 12 bytes a parameter). The batch is chosen (unless ``--batch``) so that one
@@ -323,11 +326,13 @@ def main() -> None:
     ap.add_argument("--restore-reps", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--json")
+    ap.add_argument("--volume", help="DIR1,DIR2: the manager on --dir vs on a Volume of these folders")
+    ap.add_argument("--timed-saves", type=int, default=3, help="with --volume: saves timed until committed")
     args = ap.parse_args()
     base = os.path.join(os.path.abspath(args.dir), f"bench-manager-{os.getpid()}")
     os.makedirs(base)
     try:
-        result = run(args, base)
+        result = run_volume(args, base) if args.volume else run(args, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     if args.json:
@@ -354,6 +359,26 @@ def run(args: argparse.Namespace, base: str) -> dict[str, Any]:
     copy = plain_copy_seconds(loop)
     restore = restore_bench(loop, base, args.restore_reps) if args.restore_reps else {}
     return report(args, loop, nbytes, write, copy, runs, restore)
+
+
+def run_volume(args: argparse.Namespace, base: str) -> dict[str, Any]:
+    """``--volume``: the manager on ``base`` vs on the volume (``_volume_bench.run_single``)."""
+    from _volume_bench import drive_paths, loadavg, run_single
+
+    start = loadavg()
+    print(f"load average at start: {start}", flush=True)
+    loop = Loop(args.state_gb, max(1, args.batch or 8))
+    write = write_seconds(loop, base)
+    if not args.batch:
+        loop.set_batch(calibrate_batch(loop, write))
+    print(f"state {loop.state_bytes() / 1e9:.2f} GB, batch {loop.batch}, one durable write {write:.3f} s", flush=True)
+    out = run_single(loop, base, drive_paths(args.volume), drop_cache, reps=args.reps, steps=args.steps,
+                     warmup=args.warmup, timed=args.timed_saves)
+    end = loadavg()
+    print(f"load average at end: {end}")
+    return {"command_args": vars(args), "state_bytes": loop.state_bytes(), "width": loop.width, "batch": loop.batch,
+            "write_s": write, "loadavg_start": start, "loadavg_end": end, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), **out}
 
 
 def _med(values: list[float]) -> float:

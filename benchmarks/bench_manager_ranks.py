@@ -23,6 +23,16 @@ and per rank; then a cold restore of each saver's newest step at the same world 
 dropped before each: needs root; ``--no-drop-caches`` for a warm smoke test): ``restore`` vs
 ``dcp.load`` + ``load_state_dict``. Results, the issue's target ratios included, go to ``--json``.
 
+``--volume DIR1,DIR2`` (issue 30) adds ``deepnvme_volume`` / ``deepnvme_fenced_volume``: the same
+managers on ``deepnvme.Volume([DIR1, DIR2])``, whose data files are placed across the drives by bytes
+(default savers then: ``none,deepnvme,deepnvme_volume``; point ``--dir`` at a folder on DIR1's drive
+for the one-drive side). Each manager saver also times ``--timed-saves`` saves of their own after
+the loop (``save()`` then ``wait()``: the time until the step is committed, max over ranks), and the
+bytes of the newest step per drive are reported.
+
+    python -W ignore benchmarks/bench_manager_ranks.py --dir /mnt/ramdev0/one \\
+        --volume /mnt/ramdev0,/mnt/ramdev1 --json benchmarks/results/2026-11-29-manager-volume-ranks.json
+
     python -W ignore benchmarks/bench_manager_ranks.py --dir /work/tmpbench/mr --state-mb 256 \\
         --json benchmarks/results/2026-11-27-manager-ranks-disk.json
 """
@@ -35,7 +45,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import statistics
 import sys
 import tempfile
@@ -43,13 +52,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _volume_bench import drive_paths, loadavg, manager_target, remove_target, step_files
+
 SAVERS = ("none", "deepnvme", "deepnvme_fenced", "dcp_async")
+VOLUME_SAVERS = ("deepnvme_volume", "deepnvme_fenced_volume")  # with --volume
+MANAGERS = ("deepnvme", "deepnvme_fenced", *VOLUME_SAVERS)
 TARGETS = {"added_vs_dcp_max": 0.5, "restore_speedup_min": 1.2, "bytes_per_state": 1.0, "largest_share_max": 1.1}
-
-
-def _tree_bytes(path: Path) -> tuple[int, dict[str, int]]:
-    files = {str(p.relative_to(path)): p.stat().st_size for p in path.rglob("*") if p.is_file()}
-    return sum(files.values()), files
 
 
 def _rank_of(name: str, world: int) -> int | None:
@@ -92,8 +100,9 @@ class Job:
 
 
 class Saver:
-    def __init__(self, kind: str, job: Job, directory: Path, checkpointer: str) -> None:
+    def __init__(self, kind: str, job: Job, directory: Path, checkpointer: str, target: Any = None) -> None:
         self.kind, self.job, self.directory, self.checkpointer = kind, job, directory, checkpointer
+        self.target = directory if target is None else target  # a manager's folder: on a volume, vol / name
         self.blocked: list[float] = []
         self.fenced: list[float] = []  # deepnvme: each save's fence wait at the next optimizer step
         self._staging_wait = 0.0
@@ -101,10 +110,10 @@ class Saver:
         self._mgr: Any = None
         self.last: Path | None = None
         self._fence_seen = 0.0
-        if kind in ("deepnvme", "deepnvme_fenced"):
+        if kind in MANAGERS:
             import deepnvme
-            self._mgr = deepnvme.CheckpointManager(directory, keep=2, rng=False,
-                                                   staging="fenced" if kind == "deepnvme_fenced" else "snapshot")
+            self._mgr = deepnvme.CheckpointManager(self.target, keep=2, rng=False,
+                                                   staging="fenced" if "fenced" in kind else "snapshot")
         elif kind == "dcp_async":
             import torch.distributed as dist
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -143,6 +152,18 @@ class Saver:
         self.blocked.append(time.perf_counter() - t0 + self._staging_wait)
         self._staging_wait = 0.0
 
+    def timed_saves(self, first: int, count: int) -> list[float]:
+        """``count`` saves, each followed by ``wait()``: seconds until each step is committed."""
+        import torch.distributed as dist
+        out = []
+        for step in range(first, first + count):
+            dist.barrier()
+            t0 = time.perf_counter()
+            self._mgr.save(step, {"model": self.job.module, "opt": self.job.opt})
+            self._mgr.wait()
+            out.append(time.perf_counter() - t0)
+        return out
+
     def finish(self) -> Path | None:
         """Wait for the last save; return the newest step's directory."""
         if self._mgr is not None:
@@ -158,9 +179,9 @@ class Saver:
         return None
 
     def restore(self, job: Job, step_dir: Path) -> None:
-        if self.kind in ("deepnvme", "deepnvme_fenced"):
+        if self.kind in MANAGERS:
             import deepnvme
-            mgr = deepnvme.CheckpointManager(self.directory, keep=2, staging="snapshot", rng=False)
+            mgr = deepnvme.CheckpointManager(self.target, keep=2, staging="snapshot", rng=False)
             try:
                 mgr.restore({"model": job.module, "opt": job.opt})
             finally:
@@ -185,12 +206,13 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, orde
         job = Job(rank, args)
         result: dict[str, Any] = {"state_bytes": job.state_bytes}
         for kind in order:
-            directory = Path(args.dir) / f"{kind}"
+            paths = args.volume_paths if kind in VOLUME_SAVERS else None
+            directory = Path(paths[0] if paths else args.dir) / f"{kind}"  # drive 0's folder on a volume
             if rank == 0:
-                shutil.rmtree(directory, ignore_errors=True)
+                remove_target(paths, args.dir, kind)
                 directory.mkdir(parents=True)
             dist.barrier()
-            saver = Saver(kind, job, directory, args.dcp_checkpointer)
+            saver = Saver(kind, job, directory, args.dcp_checkpointer, manager_target(paths, args.dir, kind))
             steps: list[float] = []
             for i in range(args.warmup + args.steps):
                 t0 = time.perf_counter()
@@ -198,13 +220,14 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, orde
                 saver.save(i + 1)
                 if i >= args.warmup:
                     steps.append(time.perf_counter() - t0)
+            timed = saver.timed_saves(args.warmup + args.steps + 1, args.timed_saves) if kind in MANAGERS else []
             last = saver.finish()
             dist.barrier()
             rec: dict[str, Any] = {"step_s": steps, "blocked_s": saver.blocked[args.warmup:],
-                                   "fence_s": saver.fenced[args.warmup:]}
+                                   "fence_s": saver.fenced[args.warmup:], "save_s": timed}
             if last is not None:
-                total, files = _tree_bytes(last)
-                rec.update(step_dir=str(last), bytes=total, files=files)
+                total, files, per_drive = step_files(paths, args.dir, kind, last.name)
+                rec.update(step_dir=str(last), bytes=total, files=files, bytes_per_drive=per_drive)
                 if rank == 0:
                     _drop_caches(args.drop_caches)
                 dist.barrier()
@@ -247,7 +270,9 @@ def _summary(reps: list[list[dict[str, Any]]], world: int, savers: list[str]) ->
                 owner = _rank_of(name, world)
                 if owner is not None:
                     per_rank[owner] += size
+            saves = [max(r[kind]["save_s"][i] for r in rep) for rep in reps for i in range(len(rep[0][kind]["save_s"]))]
             c.update(blocked_s=med(blocked), restore_s=med(restores), restore_reps=restores,
+                     save_s=med(saves) if saves else None, save_reps=saves, bytes_per_drive=last["bytes_per_drive"],
                      bytes_per_save=last["bytes"], bytes_per_rank=per_rank, files=last["files"],
                      largest_share_over_mean=(max(per_rank) / statistics.mean(per_rank)) if any(per_rank) else None)
         out[kind] = c
@@ -272,15 +297,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="DCP's async_checkpointer_type (torchtitan: process; thread starts faster, for smoke tests)")
     ap.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
                     help="restore warm (no root needed): for smoke tests")
-    ap.add_argument("--savers", default=",".join(SAVERS),
-                    help=f"comma-separated, 'none' first (default: {','.join(SAVERS)})")
+    ap.add_argument("--savers", help=f"comma-separated, 'none' first (default: {','.join(SAVERS)}; "
+                    "with --volume: none,deepnvme,deepnvme_volume)")
+    ap.add_argument("--volume", help="DIR1,DIR2: adds the managers on deepnvme.Volume of these drive folders")
+    ap.add_argument("--timed-saves", type=int, default=3, help="per manager saver: saves timed until committed")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if args.drop_caches and os.geteuid() != 0:
         ap.error("dropping the page cache needs root; run as root or pass --no-drop-caches")
-    savers = args.savers.split(",")
-    if savers[0] != "none" or not set(savers) <= set(SAVERS) or len(set(savers)) != len(savers):
-        ap.error(f"--savers: distinct names of {SAVERS}, 'none' first")
+    try:
+        args.volume_paths = drive_paths(args.volume) if args.volume else None
+    except ValueError as exc:
+        ap.error(str(exc))
+    known = SAVERS + (VOLUME_SAVERS if args.volume else ())
+    savers = (args.savers or (",".join(SAVERS) if not args.volume else "none,deepnvme,deepnvme_volume")).split(",")
+    if savers[0] != "none" or not set(savers) <= set(known) or len(set(savers)) != len(savers):
+        ap.error(f"--savers: distinct names of {known}, 'none' first")
+    load_start = loadavg()
+    print(f"load average at start: {load_start}", flush=True)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     reps = []
     for rep in range(args.reps):
@@ -321,8 +355,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind:10s} step {c['step_s']:.3f} s{extra}")
     for k, v in ratios.items():
         print(f"{k}: {v if v is None else round(v, 3)}")
+    for one, vol in (("deepnvme", "deepnvme_volume"), ("deepnvme_fenced", "deepnvme_fenced_volume")):
+        a, b = summary.get(one), summary.get(vol)
+        if a is None or b is None:
+            continue
+        ratios[f"{vol}_save_speedup"] = a["save_s"] / b["save_s"] if a["save_s"] and b["save_s"] else None
+        ratios[f"{vol}_restore_speedup"] = a["restore_s"] / b["restore_s"]
+        ratios[f"{vol}_blocked_ratio"] = b["blocked_s"] / a["blocked_s"] if a["blocked_s"] > 0 else None
+        ratios[f"{vol}_added_ratio"] = b["added_s"] / a["added_s"] if a["added_s"] > 0 else None
+        ratios[f"{vol}_largest_drive_share"] = max(b["bytes_per_drive"]) / sum(b["bytes_per_drive"])
+    for kind in savers[1:]:
+        c = summary[kind]
+        if c.get("save_s"):
+            gbs, rgbs = c["bytes_per_save"] / c["save_s"] / 1e9, c["bytes_per_save"] / c["restore_s"] / 1e9
+            print(f"{kind}: save until committed {c['save_s']:.3f} s ({gbs:.2f} GB/s), cold restore {rgbs:.2f} GB/s, "
+                  f"bytes per drive {[round(b / 1e6) for b in c['bytes_per_drive']]} MB")
     for k, v in met.items():
         print(f"target {k}: {'met' if v else 'missed'}")
+    load_end = loadavg()
+    print(f"load average at end: {load_end}")
     if args.json:
         import torch
         machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
@@ -336,10 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "command": shlex.join([os.path.basename(sys.executable), *sys.argv]), "device": args.device,
-            "machine": machine, "args": vars(args), "state_bytes": state, "configs": summary, "ratios": ratios,
-            "targets": TARGETS, "targets_met": met, "reps": reps}, indent=1) + "\n")
+            "machine": machine, "loadavg_start": load_start, "loadavg_end": load_end, "args": vars(args),
+            "state_bytes": state, "configs": summary, "ratios": ratios, "targets": TARGETS, "targets_met": met,
+            "reps": reps}, indent=1) + "\n")
     for kind in savers:  # the checkpoints go; the folder too when nothing else is in it
-        shutil.rmtree(Path(args.dir) / kind, ignore_errors=True)
+        remove_target(args.volume_paths if kind in VOLUME_SAVERS else None, args.dir, kind)
     if not os.listdir(args.dir):
         os.rmdir(args.dir)
     return 0

@@ -96,12 +96,6 @@ def fenced_checksummed(rank: int, world: int, root: str) -> None:
     vol = Volume([os.path.join(root, "d0"), os.path.join(root, "d1")])
     torch.manual_seed(5)
     state = {"a": torch.randn(300, 300), "b": torch.randn(200, 200), "c": torch.randn(100)}
-    try:
-        deepnvme.CheckpointManager(vol, durable=os.path.join(root, "lasting"), timeout=30)
-    except ValueError as exc:
-        assert "durable=" in str(exc) and "one process only" in str(exc), exc
-    else:
-        raise AssertionError("durable= on a volume over several ranks was accepted")
     with deepnvme.CheckpointManager(vol, staging="fenced", checksums="crc32c", keep=None, timeout=30) as mgr:
         assert mgr.save(1, state)
         mgr.wait()
@@ -132,3 +126,50 @@ def fenced_checksummed(rank: int, world: int, root: str) -> None:
         logging.getLogger("deepnvme").setLevel(logging.ERROR)
         assert mgr.restore(state) == 1
         assert all(torch.equal(state[k], want[k]) for k in want)
+
+
+def durable_on_volume(rank: int, world: int, root: str) -> None:
+    """durable= over two ranks on a volume: each rank copies its data files from the drive they lie
+    on into one plain DCP folder (no placement record); a restore reads the volume's own copy
+    while it is whole, the durable copy once the drives are new."""
+    vol = Volume([os.path.join(root, "d0"), os.path.join(root, "d1")])
+    lasting = os.path.join(root, "lasting")
+    model, opt = model_and_optim(ddp=True)
+    state = {"model": model, "optim": opt}
+    expected = {}
+    with deepnvme.CheckpointManager(vol / "ck", keep=1, durable=lasting, timeout=30) as mgr:
+        for step in (1, 2):
+            train(model, opt)
+            assert mgr.save(step, state)
+            mgr.wait()
+            expected[step] = snapshot(model, opt)
+    dist.barrier()
+    for folder in (os.path.join(root, "d0", "ck", STEP.format(2)), os.path.join(root, "d1", "ck", STEP.format(2))):
+        assert len(_data_files(folder)) == 1, folder  # the step lies on both drives
+    copy = os.path.join(lasting, STEP.format(2))
+    assert sorted(os.listdir(copy)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
+    with open(os.path.join(copy, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"], manifest["files"]
+    assert "drives" not in manifest and "drive" not in manifest
+    if rank == 0:
+        torch.save(expected[2], os.path.join(root, "expected.pt"))
+    dist.barrier()
+
+    def zeroed() -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+
+    # the volume whole, an empty durable tier: restored from the drives (the tiers see both)
+    zeroed()
+    with deepnvme.CheckpointManager(vol / "ck", durable=os.path.join(root, "empty"), timeout=30) as mgr:
+        assert mgr.steps() == [2] and mgr.restore(state) == 2
+    assert same(snapshot(model, opt)["model"], expected[2]["model"])
+    # new drives: restored from the durable copy, a plain folder
+    fresh = Volume([os.path.join(root, "n0"), os.path.join(root, "n1")])
+    zeroed()
+    with deepnvme.CheckpointManager(fresh / "ck", durable=lasting, timeout=30) as mgr:
+        assert mgr.restore(state) == 2
+    got = snapshot(model, opt)
+    assert same(got["model"], expected[2]["model"]) and same(got["optim"], expected[2]["optim"])

@@ -44,3 +44,11 @@ def test_fenced_saves_with_checksums_on_a_whole_volume(tmp_path):
     run_ranks(_volume_workers.fenced_checksummed, 2, str(tmp_path), str(tmp_path), deadline=120)
     assert _volume_workers._data_files(str(tmp_path / "d0" / "step-000000000001"))
     assert _volume_workers._data_files(str(tmp_path / "d1" / "step-000000000001"))
+
+
+def test_durable_copy_of_a_volume_step_is_a_plain_dcp_folder(tmp_path):
+    run_ranks(_volume_workers.durable_on_volume, 2, str(tmp_path), str(tmp_path), deadline=120)
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    target = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+    dcp.load(target, checkpoint_id=str(tmp_path / "lasting" / "step-000000000002"))  # stock reader
+    assert all(torch.equal(target["model"][k], expected["model"][k]) for k in expected["model"])

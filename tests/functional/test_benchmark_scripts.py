@@ -153,6 +153,35 @@ def test_bench_manager_ranks(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 
+def test_bench_manager_volume(tmp_path):
+    drives = [tmp_path / "d0", tmp_path / "d1"]
+    for d in drives:
+        d.mkdir()
+    out = run("bench_manager.py", "--dir", str(drives[0]), "--volume", ",".join(map(str, drives)), "--state-gb",
+              "0.004", "--steps", "1", "--warmup", "1", "--reps", "2", "--batch", "4", "--timed-saves", "2",
+              "--json", str(tmp_path / "out.json"), cwd=tmp_path)
+    assert "volume vs one drive" in out and "load average at end" in out
+    data = json.loads((tmp_path / "out.json").read_text())
+    drives_used = data["volume"]["drives_of_timed_saves"]  # per repetition, successive saves alternate drives
+    assert sorted(drives_used[:2]) == sorted(drives_used[2:]) == [0, 1]
+    assert min(data["volume"]["bytes_per_drive_kept"]) > 0 and data["loadavg_start"]
+    assert [list(d.iterdir()) for d in drives] == [[], []]
+
+
+def test_bench_manager_ranks_volume(tmp_path):
+    drives = [tmp_path / "d0", tmp_path / "d1"]
+    for d in drives:
+        d.mkdir()
+    out = run("bench_manager_ranks.py", "--dir", str(drives[0] / "one"), "--volume", ",".join(map(str, drives)),
+              "--state-mb", "1", "--width", "64", "--batch", "4", "--steps", "1", "--warmup", "0", "--reps", "1",
+              "--timed-saves", "1", "--no-drop-caches", "--json", str(tmp_path / "out.json"), cwd=tmp_path)
+    assert "deepnvme_volume: save until committed" in out
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert all(b > 0 for b in data["configs"]["deepnvme_volume"]["bytes_per_drive"])  # files on both drives
+    assert len(data["configs"]["deepnvme"]["bytes_per_drive"]) == 1 and data["loadavg_end"]
+    assert [list(d.iterdir()) for d in drives] == [[], []]
+
+
 def test_bench_offload_params(tmp_path):
     out = run("bench_offload_params.py", "--dir", str(tmp_path), "--layers", "3", "--dim", "256",
               "--batch", "4", "--budget-mib", "0.75", "--steps", "1", "--reps", "1", cwd=tmp_path)

@@ -97,6 +97,8 @@ def restore_dcp(path: str, step: int, state: MutableMapping[str, Any], *, group:
     every file's size and stored checksum first (one process reading a step alone). ``hints``:
     where the nodes gathered the step's files (see :class:`~._dcp_step.ReadHints`). ``drives``:
     the manager's folders on a volume (``path`` is drive 0's; data files on their drives)."""
+    if drives is not None and not drives.holds(path):
+        drives = None  # a plain folder (the durable tier's copy): every file in it
     manifest = read_manifest(path, step)
     saved_world = int(manifest.get("world_size", 0))
     own_state = refuse_other_world(rank_state_keys(manifest), saved_world=saved_world, world=world,

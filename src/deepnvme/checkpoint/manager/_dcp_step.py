@@ -256,7 +256,9 @@ def stage(planner: DefaultSavePlanner, plan: SavePlan, pool: ArenaPool) -> tuple
     local shard) copied into one arena leased from ``pool`` (reused across saves, so a steady
     state of saves allocates nothing and the copies land in memory already faulted in), and the
     pickled bytes of its plain items. Memory: this rank's share, pages rounded up. Release the
-    lease once the share is written."""
+    lease once the share is written. Each staged tensor's storage is exactly its own bytes of the
+    arena (``torch.frombuffer``), not the whole arena: DCP's writer clones every tensor whose
+    storage is larger than the tensor, which for arena views was a second copy of the share."""
     staged: Staged = {}
     tensors: list[tuple[MetadataIndex, torch.Tensor]] = []
     for item in plan.items:
@@ -268,9 +270,14 @@ def stage(planner: DefaultSavePlanner, plan: SavePlan, pool: ArenaPool) -> tuple
     lease = pool.take(arena_bytes(t.numel() * t.element_size() for _, t in tensors))
     try:
         arena, offset, copy = lease.tensor, 0, ParallelCopy()
+        # a memoryview of the arena through a view of it, which holds the arena's storage (freeing
+        # the arena swaps the arena tensor's storage out; views stay valid, like the ones before)
+        whole = arena[:].numpy().data if tensors else None
         for index, src in tensors:
             n = src.numel() * src.element_size()
-            dst = arena[offset:offset + n].view(src.dtype).view(src.shape)
+            own = arena[offset:offset + n] if whole is None or not n else torch.frombuffer(
+                whole[offset:offset + n], dtype=torch.uint8)
+            dst = own.view(src.dtype).view(src.shape)
             if n and src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg():
                 copy.add(arena[offset:offset + n], src.reshape(-1).view(torch.uint8))
             elif n:

@@ -151,6 +151,15 @@ class StepDrives:
         drive: what :class:`~deepnvme.checkpoint.dcp.NVMeStorageWriter`/``Reader`` take."""
         return self.target / os.path.basename(os.path.normpath(path))
 
+    def holds(self, path: str) -> bool:
+        """Whether ``path`` is a folder in drive 0's manager folder (a step, building or pin folder,
+        its files on every drive), not a plain folder elsewhere (a durable copy)."""
+        return os.path.dirname(os.path.normpath(path)) == os.path.normpath(self.home)
+
+    def beside(self, path: str) -> tuple[str, ...] | None:
+        """:meth:`across` for a folder this volume :meth:`holds`, else None (a plain folder)."""
+        return self.across(path) if self.holds(path) else None
+
     def across(self, path: str) -> tuple[str, ...]:
         """The folder named as ``path`` in every drive's folder, drive 0's first."""
         return tuple(os.path.join(folder, os.path.basename(os.path.normpath(path))) for folder in self.folders)

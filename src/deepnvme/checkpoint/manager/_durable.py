@@ -17,9 +17,10 @@ the newest step every rank has offered. The ranks pick that step together on the
 third gloo group. ``close()`` copies the last offered step, then raises the first failure
 (failures are also logged as they happen).
 
-A single-process manager on a volume (:mod:`._drives`) pins each drive's files of the step in a
-hidden folder of that drive (hard links stay on their filesystem) and copies them from there;
-the durable copy is a plain step directory, so its manifest loses the ``drive`` entries.
+A manager on a volume (:mod:`._drives`) pins each drive's files of the step in a hidden folder
+of that drive (hard links stay on their filesystem) and copies them from there; the durable copy
+is a plain step directory, so its manifest loses the ``drive`` entries and, for a step of
+several ranks, the placement record (``.metadata`` names files by name only: a plain DCP folder).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import threading
 from typing import Any
 
 from ...io import durable
+from .._placed import PLACEMENT_NAME
 from ._drives import StepDrives
 from ._group import RankGroup
 from ._lock import DirectoryLock, try_lock
@@ -201,10 +203,12 @@ class Drainer:
                 try:
                     if self.drives is None:
                         copy_file(os.path.join(local, MANIFEST), os.path.join(building, MANIFEST))
-                    else:  # a plain directory there: the file lies beside the manifest
+                    else:  # a plain directory there: every file lies beside the manifest
                         manifest = read_manifest(local, step)
                         manifest.pop("drive", None)
                         manifest.pop("drives", None)
+                        for key in ("files", "file_checksums"):  # several ranks: no placement record
+                            manifest.get(key, {}).pop(PLACEMENT_NAME, None)
                         with open(os.path.join(building, MANIFEST), "w", encoding="utf-8") as f:
                             json.dump(manifest, f, indent=1)  # publish_dir fsyncs it
                     durable.publish_dir(building, step_dir(self.path, step))

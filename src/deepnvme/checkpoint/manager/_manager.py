@@ -69,7 +69,7 @@ class CheckpointManager:
             :class:`~deepnvme.Volume` or a folder on one (``vol / "ckpts"``) places each step's
             ``state.pt`` whole on one drive, balanced by bytes, with the step tree in drive 0's
             folder; over several ranks of one node, each DCP data file whole on one drive (see
-            docs/checkpoints.md, "On a volume"; ``durable`` with one process only, not ``replicas=2``).
+            docs/checkpoints.md, "On a volume"; not ``replicas=2``).
         keep: newest committed steps kept; older ones are removed after a newer one commits
             (None: keep all).
         every_steps: ``save()`` writes when ``step % every_steps == 0`` (None: no step rule).

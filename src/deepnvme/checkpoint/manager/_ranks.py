@@ -417,7 +417,7 @@ class RankSteps:
                 manifest = read_manifest(path, step)
                 wrong = check_step_files(path, files_to_check(manifest, g.world),
                                          sorted(manifest.get("files", {}))[g.rank::g.world],
-                                         drives=None if self.drives is None else self.drives.across(path))
+                                         drives=None if self.drives is None else self.drives.beside(path))
                 found = "; ".join(wrong) or None
             except CheckpointCorruptError as exc:
                 found = str(exc)

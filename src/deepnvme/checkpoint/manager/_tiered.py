@@ -41,15 +41,16 @@ class Tiering:
     rank when it failed); :meth:`close` finishes the drain (collective)."""
 
     def __init__(self, group: RankGroup, directory: str, *, keep: int | None, replicas: int,
-                 durable: str | None, durable_every: int, keep_durable: int | None) -> None:
+                 durable: str | None, durable_every: int, keep_durable: int | None,
+                 drives: StepDrives | None = None) -> None:
         self.group, self.directory, self.keep, self.replicas = group, directory, keep, replicas
         self.layout = discover(group, directory)
         if replicas == 2:
             self.layout.check_replicas()
         self.drainer = None if durable is None else Drainer(durable, source=directory, every=durable_every,
-                                                            keep=keep_durable, group=group)
+                                                            keep=keep_durable, group=group, drives=drives)
         used = len(self.layout.nodes) > 1 or durable is not None
-        self.tiers = Tiers(group, self.layout, directory, durable, replicas) if used else None
+        self.tiers = Tiers(group, self.layout, directory, durable, replicas, drives=drives) if used else None
         self._tidied: set[int] = set()
 
     def after_commit(self, step: int) -> None:
@@ -77,15 +78,11 @@ def open_tiers(ranks: RankGroup | None, directory: str, *, keep: int | None, con
                              "torch.distributed ranks on at least two nodes")
         return None, None if durable is None else Drainer(durable, source=directory, every=durable_every,
                                                           keep=keep_durable, group=None, drives=drives)
-    if drives is not None and durable is not None:
-        raise ValueError("CheckpointManager(durable=...) on a Volume is one process only for now: over several "
-                         "ranks the tiers read a step from one node directory, not from several drives; give "
-                         "each node a plain directory with durable=")
     from ._fenced_share import ShareFences
     from ._ranks import RankSteps  # imports torch.distributed.checkpoint
 
     tiering = Tiering(ranks, directory, keep=keep, replicas=replicas, durable=durable,
-                      durable_every=durable_every, keep_durable=keep_durable)
+                      durable_every=durable_every, keep_durable=keep_durable, drives=drives)
     if drives is not None and len(tiering.layout.nodes) > 1:
         raise ValueError(f"CheckpointManager on a Volume: the ranks form {len(tiering.layout.nodes)} nodes "
                          f"{[list(n) for n in tiering.layout.nodes]}; a volume holds the steps of one node's "

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...errors import CheckpointCorruptError, FileNotFoundIOError
 from ...io import durable
 from ._dcp_step import ReadHints
+from ._drives import StepDrives
 from ._group import RankGroup
 from ._nodes import Layout
 from ._replicas import REPLICAS, replica_dir
@@ -90,9 +91,10 @@ class Tiers:
     and the optional ``durable`` path. The caller's thread only."""
 
     def __init__(self, group: RankGroup, layout: Layout, directory: str, durable: str | None,
-                 replicas: int = 1) -> None:
+                 replicas: int = 1, *, drives: StepDrives | None = None) -> None:
         self.group, self.layout, self.directory, self.durable = group, layout, directory, durable
         self.replicas = replicas
+        self.drives = drives  # a volume (one node): its own steps' files lie on every drive
         self._where: dict[int, dict[str, str]] = {}  # on a leader: step -> file name -> path here
 
     def survey(self) -> Survey:
@@ -116,7 +118,8 @@ class Tiers:
                 path = step_dir(folder, step)
                 try:
                     manifest = read_manifest(path, step)
-                    names = os.listdir(path)
+                    found = self._files(path) if own else {n: os.path.join(path, n) for n in os.listdir(path)}
+                    names = list(found)
                 except (OSError, CheckpointCorruptError) as exc:
                     log.warning("deepnvme.CheckpointManager: ignoring %s: %s", path, exc)
                     continue
@@ -124,11 +127,16 @@ class Tiers:
                 where = self._where.setdefault(step, {})
                 _, sizes, whole, mine = out.get(step, (required, {}, False, []))
                 for name in names:
-                    where.setdefault(name, os.path.join(path, name))
-                    sizes.setdefault(name, os.path.getsize(os.path.join(path, name)))
+                    where.setdefault(name, found[name])
+                    sizes.setdefault(name, os.path.getsize(found[name]))
                 out[step] = (required, sizes, whole or (own and set(required) <= set(names)),
                              sorted(names) if own else mine)
         return out
+
+    def _files(self, path: str) -> dict[str, str]:
+        """Each file of this node's own step folder ``path`` by name: on a volume, on its drive."""
+        folders = (path,) if self.drives is None else self.drives.across(path)[::-1]  # drive 0's last: it wins
+        return {n: os.path.join(here, n) for here in folders if os.path.isdir(here) for n in os.listdir(here)}
 
     def sources(self, survey: Survey, step: int, reads: Reads | None = None) -> Iterator[Source]:
         """Collective, lazily: where to read ``step`` (:meth:`prepare`), then, if that copy turns

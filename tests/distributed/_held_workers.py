@@ -143,3 +143,86 @@ def fsdp(rank: int, world: int, root: str) -> None:
         assert all(torch.equal(v.to_local(), saved[k]) for k, v in model.state_dict().items())
     _ranks.RankSteps._write_held = real  # type: ignore[method-assign]
     dist.barrier()
+
+
+def _count(group: Any, said: list[tuple[str, str]]) -> None:
+    """Note each of ``group``'s gathers in ``said`` as (thread, what)."""
+    real = group.gather
+
+    def counting(obj: Any, *, thread: str, what: str) -> list[Any]:
+        said.append((thread, what))
+        return real(obj, thread=thread, what=what)
+
+    group.gather = counting
+
+
+def decided(rank: int, world: int, root: str) -> None:
+    """Held saves after the first: every rank decides from the step alone, so ``save()`` runs no
+    collective on the caller's thread (due or not); a step not greater than the last raises at
+    once; a rank that passes another step, or fails alone, fails the save on every rank at
+    ``wait()`` and the next save works; with ``every_seconds`` the ranks still vote."""
+    model, opt = _big_model()
+    state: dict[str, Any] = {"model": model, "optim": opt}
+    mgr = deepnvme.CheckpointManager(os.path.join(root, "decided"), staging="fenced", every_steps=2, keep=None,
+                                     timeout=30)
+    ranks = mgr._ranks
+    assert ranks is not None
+    said: list[tuple[str, str]] = []
+    _count(ranks.group, said)
+    assert mgr.save(2, state)
+    assert [w for t, w in said if t == "main"] == ["save(2)"], said  # the first save votes
+    said.clear()
+    assert not mgr.save(3, state)  # not due: decided here
+    assert mgr.save(4, state)
+    mgr.wait()
+    assert [w for t, w in said if t == "main"] == [], said
+    assert ("writer", "save(4) structure") in said, said
+    try:
+        mgr.save(4, state)
+    except ValueError as exc:
+        assert "not greater than the newest saved step 4" in str(exc), exc
+    else:
+        raise AssertionError("step 4 was accepted twice")
+
+    # rank 1 passes another step: both are due, the writer threads' exchange fails both
+    assert mgr.save(6 if rank == 0 else 8, state)
+    try:
+        mgr.wait()
+    except ValueError as exc:
+        assert "passed other steps" in str(exc), exc
+    else:
+        raise AssertionError("different steps on the ranks were not reported")
+
+    # the leader fails alone to make the step's folder: every rank hears it at wait()
+    real_prepare = ranks._prepare
+    if rank == 0:
+        def failing(building: str) -> None:
+            raise OSError(28, "No space left on device (injected)", building)
+
+        ranks._prepare = failing  # type: ignore[method-assign]
+    assert mgr.save(10, state)  # not raised here, so every rank counts the save alike
+    try:
+        mgr.wait()
+    except Exception as exc:
+        assert "rank 0" in str(exc) and "No space left" in str(exc), exc
+    else:
+        raise AssertionError("the leader's failure was not reported")
+    ranks._prepare = real_prepare  # type: ignore[method-assign]
+    _train(model, opt)
+    expected = snapshot(model, opt)
+    assert mgr.save(12, state)
+    mgr.wait()
+    assert mgr.steps() == [2, 4, 12], mgr.steps()
+    _zero(model)
+    assert mgr.restore(state) == 12
+    got = snapshot(model, opt)
+    assert same(got["model"], expected["model"]) and same(got["optim"], expected["optim"])
+    mgr.close()
+
+    with deepnvme.CheckpointManager(os.path.join(root, "timed"), staging="fenced", every_seconds=3600,
+                                    timeout=30) as timed:
+        said.clear()
+        assert timed._ranks is not None
+        _count(timed._ranks.group, said)
+        assert timed.save(1, state) and not timed.save(2, state)
+        assert [w for t, w in said if t == "main"] == ["save(1)", "save(2)"], said  # time: rank 0 decides

@@ -34,6 +34,10 @@ def test_fenced_walk_held_for_the_writer_thread(tmp_path):
     run_ranks(_held_workers.held, 2, str(tmp_path), str(tmp_path), deadline=180)
 
 
+def test_fenced_saves_decided_on_each_rank_without_a_vote(tmp_path):
+    run_ranks(_held_workers.decided, 2, str(tmp_path), str(tmp_path), deadline=180)
+
+
 def test_fenced_fsdp2_walks_in_save(tmp_path):
     run_ranks(_held_workers.fsdp, 2, str(tmp_path), str(tmp_path), deadline=120)
 

@@ -209,7 +209,7 @@ class CheckpointManager:
                           rule=lambda newest, since: is_due(step, first=newest is None, every_steps=self.every_steps,
                                                             every_seconds=self.every_seconds, seconds_since_last=since),
                           since_last=started - self._last_start, last_step=self._last_step,
-                          rank_state=rank_state)
+                          rank_state=rank_state, by_step=self.every_seconds is None)
         if call is None:
             return False
         self._last_start, self._last_step = started, step

@@ -17,28 +17,25 @@ the building directory; earlier steps stay.
 
 from __future__ import annotations
 
-import errno as errno_mod
 import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ...config import IOConfig
-from ...errors import CheckpointCorruptError, FileNotFoundIOError
 from ...io import durable
 from ...memory.heap import trim_heap
 from .._arena import ArenaPool, Lease
 from .._writer import Call, Writer
 from ._commit import StepCommit
-from ._dcp_restore import files_to_check, plan_reads, restore_dcp
+from ._dcp_restore import restore_dcp
 from ._dcp_step import (
     LocalPlan,
-    ReadHints,
     Staged,
     StagedPlanner,
     Written,
@@ -53,16 +50,15 @@ from ._fenced_share import ShareFence, ShareFences
 from ._group import RankGroup
 from ._lock import DirectoryLock, tidy
 from ._nodes import Layout, publish_nodes, retire_nodes
+from ._rank_reads import RankReads
 from ._share_plan import SharePlans
 from ._steps import (
     building_path,
-    is_dcp_step,
     list_steps,
-    read_manifest,
+    new_token,
     step_dir,
 )
-from ._tiers import Source, Tiers
-from ._verify import check_step_files
+from ._tiers import Tiers
 from ._votes import describe as _describe
 from ._votes import failed as _failed
 
@@ -80,11 +76,7 @@ def _no_hook(phase: str) -> None:
 at_phase: Callable[[str], None] = _no_hook
 
 
-def _kept(restored: bool) -> None:
-    """Nothing to do after reading a step in place."""
-
-
-class RankSteps:
+class RankSteps(RankReads):
     """Steps of ``directory`` saved and restored by the ranks of ``group`` together (see the
     module). One thread drives it; rank 0 holds the directory's writer lock while saving."""
 
@@ -102,6 +94,7 @@ class RankSteps:
         # nodes and tiers (_nodes, _tiers): None for one directory shared by every rank, no tiers
         self.layout = layout or Layout(rank=group.rank, nodes=(tuple(range(group.world)),))
         self.tiers, self.after_commit, self.closing = tiers, after_commit, closing
+        self._token: str | None = None  # rank 0's, from the last vote: the building folders' names
         self.plans = SharePlans(group, rng_key, drives=None if drives is None else len(drives.folders),
                                 discard=lambda building: self._discard(building) if self.layout.leader else None)
         # one staging arena for every save: settle() waits for the previous write before staging
@@ -115,14 +108,18 @@ class RankSteps:
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool, rng: bool,
              rule: Callable[[int | None, float], bool], settle: Callable[[], None], since_last: float,
-             last_step: int | None, rank_state: Mapping[str, Any] | None = None) -> Call | None:
+             last_step: int | None, rank_state: Mapping[str, Any] | None = None,
+             by_step: bool = False) -> Call | None:
         """Collective: plan and stage this rank's share of ``step``; the submitted writer-thread call
         that writes and commits it (None: not due). ``rule(newest, since_last)``: whether the step
-        is due (rank 0's answer holds for all). ``settle()`` runs once the save is due, first: it
-        waits for the previous save and raises its error (the same on every rank). ``rank_state``:
-        this rank's own entries, kept apart (:mod:`._rank_state`)."""
+        is due (rank 0's answer holds for all; ``by_step``: it depends on the step alone). ``settle()``
+        runs once the save is due, first: it waits for the previous save and raises its error (the
+        same on every rank). ``rank_state``: this rank's own entries, kept apart (:mod:`._rank_state`)."""
         g = self.group
         held = self.fences is not None and walks_later(state)  # the walk may run on the writer thread
+        if held and by_step and last_step is not None and self._token is not None:  # all decide alike: no vote
+            return self._save_held(step, state, force=force, rng=rng, rule=rule, settle=settle,
+                                   last_step=last_step, rank_state=rank_state)
         # the structure is compared with the cached plan's before the vote when the save looks
         # due here, so that a steady-state save needs no planning exchange (see _agree)
         plans = self.plans
@@ -136,13 +133,13 @@ class RankSteps:
             bad = newest is not None and step <= newest
             vote = (step, force, same, held, None if bad else rule(newest, since_last) or force,
                     f"step {step} is not greater than the newest saved step {newest}" if bad else None,
-                    building_path(self.directory, step))
+                    new_token())
         votes = g.gather(vote, thread="main", what=f"save({step})")
         if others := [r for r, v in enumerate(votes) if v[0] != step]:
             raise ValueError(f"CheckpointManager.save({step}): ranks {others} passed other steps "
                              f"({[votes[r][0] for r in others]}); every rank saves the same step")
-        due, refused, building = votes[0][4:]
-        building = os.path.join(self.directory, os.path.basename(building))  # this node's
+        due, refused, self._token = votes[0][4:]
+        building = building_path(self.directory, step, self._token)  # this node's
         if refused is not None:
             raise ValueError(f"CheckpointManager.save: {refused} in {self.directory!r}")
         if not due:
@@ -154,15 +151,8 @@ class RankSteps:
                 self._prepare(building)
         except BaseException as exc:  # reported to every rank below
             own = exc
-        if all(v[3] for v in votes) and self.fences is not None:  # held (see the module): only what the
-            # loop may change before its next optimizer step is taken here; _write_held does the rest
-            fences, keys, begun = self.fences, None if rank_state is None else sorted(rank_state), {}
-            try:
-                begun = plans.begin(state, rng, rank_state, copy_plain=True)
-            except BaseException as exc:  # heard by every rank on the writer thread
-                own = own or exc
-            gate = fences.hold(state)
-            call = Call(fn=lambda: self._write_held(step, building, state, begun, keys, fences, gate, own))
+        if all(v[3] for v in votes):
+            call, own = self._hold(step, building, state, rng, rank_state, own)
         else:
             call, own = self._stage(step, building, state, local or plans.plan(state, rng, rank_state), own,
                                     same=all(v[2] for v in votes))
@@ -170,6 +160,45 @@ class RankSteps:
         if own is not None:
             raise own
         return call
+
+    def _save_held(self, step: int, state: Mapping[str, Any], *, force: bool, rng: bool,
+                   rule: Callable[[int | None, float], bool], settle: Callable[[], None], last_step: int,
+                   rank_state: Mapping[str, Any] | None) -> Call | None:
+        """A held save decided here, with no collective on this thread: after a save of this
+        manager, whether a step is due depends on the step alone (no ``every_seconds``), so every
+        rank decides alike (``force`` and ``step`` must be the same on every rank, which the
+        writer thread's exchange checks). An error of this rank here is not raised: that exchange
+        reports it to every rank at ``wait()`` or the next due save, so that every rank counts
+        the save alike."""
+        if step <= last_step:
+            raise ValueError(f"CheckpointManager.save: step {step} is not greater than the newest saved step "
+                             f"{last_step} in {self.directory!r}")
+        if not (force or rule(last_step, 0.0)):  # the time since the last save does not count
+            return None
+        settle()
+        building, own = building_path(self.directory, step, self._token), None  # every rank's alike
+        try:
+            if self.layout.leader:
+                self._prepare(building)
+        except BaseException as exc:  # reported by the writer thread
+            own = exc
+        call, _ = self._hold(step, building, state, rng, rank_state, own)
+        self._start().submit(call)
+        return call
+
+    def _hold(self, step: int, building: str, state: Mapping[str, Any], rng: bool,
+              rank_state: Mapping[str, Any] | None, own: BaseException | None) -> tuple[Call, BaseException | None]:
+        """A held save (see the module): only what the loop may change before its next optimizer
+        step is taken here; :meth:`_write_held` does the rest. The call and this rank's error."""
+        fences, keys, begun = self.fences, None if rank_state is None else sorted(rank_state), {}
+        if fences is None:  # not reached: only fenced saves are held
+            raise RuntimeError("CheckpointManager: a held save without fences")
+        try:
+            begun = self.plans.begin(state, rng, rank_state, copy_plain=True)
+        except BaseException as exc:  # heard by every rank on the writer thread
+            own = own or exc
+        gate = fences.hold(state)
+        return Call(fn=lambda: self._write_held(step, building, state, begun, keys, fences, gate, own)), own
 
     def _stage(self, step: int, building: str, state: Mapping[str, Any], local: LocalPlan,
                own: BaseException | None, *, same: bool) -> tuple[Call, BaseException | None]:
@@ -321,109 +350,6 @@ class RankSteps:
             raise _failed(what, failures, own)
         at_phase("retention")
         retire_nodes(g, self.layout, self.directory, self._commit.keep)
-
-    # ---- reading --------------------------------------------------------------------------
-
-    def steps(self) -> list[int]:
-        """Collective: the committed steps as rank 0 sees them (with tiers: the steps some
-        tier holds whole, :mod:`._tiers`)."""
-        if self.tiers is not None:
-            return self.tiers.survey().steps()
-        mine = list_steps(self.directory) if self.group.rank == 0 else None
-        steps: list[int] = self.group.gather(mine, thread="main", what="steps()")[0]
-        return steps
-
-    def restore(self, state: MutableMapping[str, Any], step: int | None, *, rng: bool, strict: bool,
-                single: Callable[[int], None], rank_state: Any = None) -> int:
-        """Collective: load ``step`` (None: the newest that verifies, as rank 0 lists them) into
-        ``state``; ``rank_state`` as in :func:`restore_dcp`. The ranks check a step's files
-        together first (:meth:`_check`): a corrupt ``step`` raises
-        :class:`CheckpointCorruptError` on every rank; with ``step=None`` a corrupt step is logged
-        and the next older one tried, on every rank alike. ``single(step)`` restores a step saved
-        by one process (each rank reads all of it and checks its checksums as it reads)."""
-        g = self.group
-        survey = None if self.tiers is None else self.tiers.survey()
-        steps: list[int] = survey.steps() if survey is not None else g.gather(
-            list_steps(self.directory) if g.rank == 0 else None, thread="main", what="restore()")[0]
-        candidates = steps[::-1] if step is None else [step] if step in steps else []
-        if not candidates:
-            want = "no checkpoint" if step is None else f"no checkpoint of step {step}"
-            hint = "" if survey is None else survey.explain(step)  # a step that some node lacks
-            raise FileNotFoundIOError(f"{want} in {self.directory!r} (committed steps: {steps}){hint}",
-                                      path=self.directory, offset=None, size=None, errno=errno_mod.ENOENT)
-        problems = []
-        for chosen in candidates:
-            problem: str | None = f"checkpoint step {chosen}: no tier holds it"
-
-            def reads(metadata: Metadata, local: dict[str, frozenset[int]], at: int = chosen
-                      ) -> list[list[tuple[str, int, int]]] | None:
-                return plan_reads(state, metadata, rank=g.rank, strict=strict, rng_key=self.rng_key, local=local,
-                                  gather=lambda obj: g.gather(obj, thread="main", what=f"restore(step={at}) plan"))
-
-            sources = self.tiers.sources(survey, chosen, reads) if survey is not None and self.tiers is not None \
-                else iter([Source(step_dir(self.directory, chosen), _kept)])
-            for source in sources:  # with tiers: the fastest first, then the durable one
-                path, restored = source.path, False
-                try:
-                    problem = self._check(path, chosen)
-                    if problem is None and not is_dcp_step(path):
-                        single(chosen)
-                        restored = True
-                        return chosen
-                    if problem is None:
-                        problem = self._read(path, chosen, state, rng=rng, strict=strict, rank_state=rank_state,
-                                             hints=source.hints)
-                        if problem is None:
-                            restored = True
-                            return chosen
-                finally:
-                    source.done(restored)
-            if step is not None:
-                raise CheckpointCorruptError(problem)
-            log.warning("deepnvme.CheckpointManager.restore: skipping %s; trying the previous step", problem)
-            problems.append(str(problem))
-        raise CheckpointCorruptError(f"no intact checkpoint in {self.directory!r}: {'; '.join(problems)}")
-
-    def _read(self, path: str, step: int, state: MutableMapping[str, Any], *, rng: bool, strict: bool,
-              rank_state: Any, hints: ReadHints | None = None) -> str | None:
-        """Collective: restore the multi-rank step at ``path``; what is corrupt in it on any rank
-        (items are checked as read; None: restored). Other failures raise on every rank."""
-        g = self.group
-        own: BaseException | None = None
-        try:
-            restore_dcp(path, step, state, group=g.group("main"), rank=g.rank, world=g.world,
-                        rng_key=self.rng_key if rng else None, config=self.config, strict=strict,
-                        rank_state=rank_state, hints=hints, drives=self.drives)
-        except BaseException as exc:  # heard by every rank below, so that all act alike
-            own = exc
-        said = g.gather(_describe(own), thread="main", what=f"restore(step={step}) read")
-        if corrupt := [v[1] for v in said if v is not None and v[0] == CheckpointCorruptError.__name__]:
-            return "; ".join(dict.fromkeys(corrupt))  # each names the step, and the file and item
-        if any(v is not None for v in said):
-            if own is not None:
-                raise own
-            raise _failed(f"restore of checkpoint step {step} in {self.directory!r}", said, own)
-        return None
-
-    def _check(self, path: str, step: int) -> str | None:
-        """Collective: what is wrong with the multi-rank step at ``path`` (None: intact). Each
-        rank checks every W-th of the manifest's files (sizes, and checksums when stored) and the
-        ranks exchange their findings, so all reach the same verdict having read each file once.
-        A single-process step is checked as it is read."""
-        g = self.group
-        found: str | None = None
-        if is_dcp_step(path):
-            try:
-                manifest = read_manifest(path, step)
-                wrong = check_step_files(path, files_to_check(manifest, g.world),
-                                         sorted(manifest.get("files", {}))[g.rank::g.world],
-                                         drives=None if self.drives is None else self.drives.beside(path))
-                found = "; ".join(wrong) or None
-            except CheckpointCorruptError as exc:
-                found = str(exc)
-        verdicts = g.gather(found, thread="main", what=f"restore(step={step}) check")
-        bad = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v is not None]
-        return f"checkpoint step {step} in {self.directory!r} is corrupt ({'; '.join(bad)})" if bad else None
 
     def close(self) -> None:
         """Collective: stop the writer (after the queued saves), wait for every rank, release the

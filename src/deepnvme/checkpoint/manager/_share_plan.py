@@ -70,12 +70,16 @@ class SharePlans:
         g = self.group
         if same is None:
             mine = own is None and local.error is None and self.cache is not None and local.same_as(self.cache)
-            said = g.gather((mine, _describe(own or local.error)), thread=thread, what=f"save({step}) structure")
-            if any(v[1] is not None for v in said):
+            said = g.gather((step, mine, _describe(own or local.error)), thread=thread, what=f"save({step}) structure")
+            if others := [r for r, v in enumerate(said) if v[0] != step]:
+                self.discard(building)
+                raise ValueError(f"CheckpointManager.save({step}): ranks {others} passed other steps "
+                                 f"({[said[r][0] for r in others]}); every rank saves the same step")
+            if any(v[2] is not None for v in said):
                 self.cache = None
                 self.discard(building)
-                raise _failed(f"checkpoint step {step} (planning)", [v[1] for v in said], own or local.error)
-            same = all(v[0] for v in said)
+                raise _failed(f"checkpoint step {step} (planning)", [v[2] for v in said], own or local.error)
+            same = all(v[1] for v in said)
         if same and self.cache is not None:
             return self.cache
         own = own or local.error

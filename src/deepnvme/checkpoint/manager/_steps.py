@@ -28,8 +28,8 @@ from ...errors import CheckpointCorruptError
 from ...io import durable
 
 __all__ = ["FILE", "MANIFEST", "FORMAT", "RANK_STATE_KEY", "step_dir", "find_step_dirs", "list_steps",
-           "is_dcp_step", "new_building", "building_path", "delete_step", "remove_leftovers", "find_leftovers",
-           "read_manifest"]
+           "is_dcp_step", "new_building", "building_path", "new_token", "delete_step", "remove_leftovers",
+           "find_leftovers", "read_manifest"]
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +75,19 @@ def is_dcp_step(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def _hidden(directory: str, step: int, kind: str) -> str:
-    return os.path.join(directory, f".step-{step:012d}.deepnvme-{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+def _hidden(directory: str, step: int, kind: str, token: str | None = None) -> str:
+    return os.path.join(directory, f".step-{step:012d}.deepnvme-{kind}-{token or new_token()}")
 
 
-def building_path(directory: str, step: int) -> str:
-    """A fresh hidden building directory name for ``step`` (not created)."""
-    return _hidden(directory, step, "building")
+def new_token() -> str:
+    """What makes a hidden directory's name unique to this process: its pid and random bits."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def building_path(directory: str, step: int, token: str | None = None) -> str:
+    """A hidden building directory name for ``step`` (not created): fresh, or made of ``token``
+    (:func:`new_token`) so that every rank that got the token names it alike."""
+    return _hidden(directory, step, "building", token)
 
 
 def new_building(directory: str, step: int) -> str:

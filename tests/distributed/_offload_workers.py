@@ -110,7 +110,10 @@ def fsdp(rank: int, world: int, tmp: str) -> None:
     node = os.path.join(tmp, "node")   # every rank's "node-local" directory: the same one here
     off = deepnvme.offload_parameters(m, node, max_in_memory_bytes=budget, min_offload_bytes=1024)
     assert isinstance(m, FSDPModule)
-    opt = deepnvme.NVMeOptimizer(m.parameters(), torch.optim.AdamW, swap_dir=node, lr=1e-2)
+    # train() accumulates in its second step: unfused (fuse_backward="auto" would fuse after a
+    # clean first step, then refuse the second backward, as in one process)
+    opt = deepnvme.NVMeOptimizer(m.parameters(), torch.optim.AdamW, swap_dir=node, lr=1e-2,
+                                 fuse_backward=False)
     gathers = record_all_gathers(m)
     train(m, opt, rank)
     got = local_state(off.state_dict())
@@ -140,7 +143,7 @@ def fsdp(rank: int, world: int, tmp: str) -> None:
                           "buffer_size": local_bytes // 16},
         "offload_optimizer": {"device": "nvme", "nvme_path": node}}})
     m2 = model()
-    off2, opt2 = settings.apply(m2, torch.optim.AdamW, lr=1e-2)
+    off2, opt2 = settings.apply(m2, torch.optim.AdamW, lr=1e-2, fuse_backward=False)
     assert isinstance(m2, FSDPModule) and isinstance(opt2, deepnvme.NVMeOptimizer) and off2 is not None
     train(m2, opt2, rank)
     got2 = local_state(off2.state_dict())
@@ -175,3 +178,44 @@ def ddp(rank: int, world: int, tmp: str) -> None:
     dist.all_gather_object(dirs, opt_b.swap_directory)
     assert len(set(dirs)) == world and all(os.path.dirname(d) == node for d in dirs), dirs
     opt_b.close()
+
+
+
+def fsdp_fused(rank: int, world: int, tmp: str, fuse: bool | str) -> None:
+    """FSDP2 + offload + NVMeOptimizer with the update in the backward (FSDP2 runs the sharded
+    parameters' post-accumulate-grad hooks after its reduce-scatter): bitwise equal to FSDP2 +
+    AdamW in memory, no gradient written once fused; ``fuse="auto"`` fuses after the first
+    step (watched: one reduced gradient per parameter)."""
+    def steps(m: torch.nn.Module, opt: torch.optim.Optimizer, n: int, gen: torch.Generator) -> list[bool]:
+        fused = []
+        for _ in range(n):
+            tokens = torch.randint(0, VOCAB, (2, 12), generator=gen)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # FSDP2 notes that the root returns a view
+                torch.nn.functional.cross_entropy(m(tokens), tokens.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            fused.append(getattr(opt, "fuses_backward", False))
+        return fused
+
+    base = shard(model())
+    steps(base, torch.optim.AdamW(base.parameters(), lr=1e-2), 5, torch.Generator().manual_seed(100 + rank))
+    expected = local_state(base.state_dict())
+    m = shard(model())
+    node = os.path.join(tmp, "fused")
+    local_bytes = sum(p.to_local().numel() * 4 for p in m.parameters())
+    off = deepnvme.offload_parameters(m, node, max_in_memory_bytes=local_bytes // 2, min_offload_bytes=1024)
+    opt = deepnvme.NVMeOptimizer(m.parameters(), torch.optim.AdamW, swap_dir=node, lr=1e-2,
+                                 fuse_backward=fuse)
+    gen = torch.Generator().manual_seed(100 + rank)
+    assert opt.fuses_backward == (fuse is True), fuse   # "auto": watches the first step
+    assert steps(m, opt, 3, gen) == [True, True, True], fuse
+    before = off.stats().bytes_written
+    steps(m, opt, 2, gen)   # fused in both modes now: the offloaded gradients are not written
+    shards = sum(e.nbytes for e, _ in off._entries.values() if not e.resident)
+    assert off.stats().bytes_written - before == 2 * shards, (off.stats(), shards)
+    got = local_state(off.state_dict())
+    bad = [k for k in got if not torch.equal(got[k], expected[k])]
+    assert not bad, f"rank {rank}: {bad} differ from FSDP2 in memory"
+    off.close()
+    opt.close()

@@ -45,7 +45,7 @@ from ..optim._protocol import mark_offloaded, offload_of
 from ._autograd import SavedParameters
 from ._build import build
 from ._entry import Entry
-from ._fsdp import is_sharded_model
+from ._fsdp import Shard, is_sharded_model
 from ._gradients import accept_gradient
 from ._hooks import ModuleHooks, StoreResidence
 from ._order import OrderTracker
@@ -148,6 +148,13 @@ class ParameterOffload(UpdateSide):
         ``param`` is not one."""
         pair = self._dtensors.get(id(param))
         return None if pair is None else pair[0].param
+
+    def sharded_parameter(self, local: torch.Tensor) -> torch.nn.Parameter | None:
+        """The FSDP2 DTensor parameter whose shard ``local`` (a :meth:`local_parameter`) holds,
+        or None: FSDP2 runs its post-accumulate-grad hooks after the reduce-scatter."""
+        pair = self._entries.get(id(local))
+        home = None if pair is None else pair[0].home
+        return home.dtensor if isinstance(home, Shard) else None
 
     def register_external_parameter(self, module: torch.nn.Module,
                                     parameter: torch.nn.Parameter) -> None:

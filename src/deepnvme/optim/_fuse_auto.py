@@ -10,7 +10,8 @@ and, for a gradient in memory, whether that tensor was replaced or changed in pl
 first gradient, and whether a module ran its forward with a parameter that had its
 gradient already (an evaluation between ``backward()`` and ``step()`` must see the parameters
 from before the update). Only a clean step (one gradient each, none touched, no such forward,
-one process) turns fusing on from the next step. Once fused, :func:`forward_guard` refuses a
+one process, or ranks whose every parameter is an offloaded FSDP2 shard: FSDP2 runs the hooks
+after its reduce-scatter) turns fusing on from the next step. Once fused, :func:`forward_guard` refuses a
 forward with a parameter that was updated before ``step()``. After that, a fused parameter's ``.grad`` holds a
 :class:`ConsumedGradient` until ``step()``: a tensor without storage whose every operation
 raises an error naming the fix, so a later clip, norm or accumulation cannot silently see
@@ -123,8 +124,10 @@ def forward_guard(updated: set[int]) -> RemovableHandle:
 class StepObserver:
     """Hooks that watch one unfused step (see the module doc); :meth:`verdict` at ``step()``."""
 
-    def __init__(self, params: Iterable[torch.Tensor], groups: Sequence[dict[str, Any]]) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], groups: Sequence[dict[str, Any]], *,
+                 reduced: bool = False) -> None:
         self.groups = groups
+        self.reduced = reduced   # every gradient reduced across ranks before the hooks (FSDP2)
         self.options: Options | None = None     # at the step's first gradient
         self.counts: dict[int, int] = {}
         self.seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
@@ -160,7 +163,7 @@ class StepObserver:
         no gradient arrived at all (nothing learned yet: observe the next step)."""
         if not self.counts:
             return ""
-        if multi_rank():
+        if multi_rank() and not self.reduced:
             return "a multi-rank job (gradients are reduced after the backward hooks)"
         for key, n in self.counts.items():
             if n > 1:

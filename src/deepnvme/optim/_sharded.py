@@ -16,7 +16,7 @@ import torch
 
 from ._protocol import offload_of
 
-__all__ = ["ShardedOffload", "local_parameters"]
+__all__ = ["ShardedOffload", "gradient_sources", "local_parameters"]
 
 
 @runtime_checkable
@@ -25,6 +25,10 @@ class ShardedOffload(Protocol):
 
     def local_parameter(self, param: torch.Tensor) -> torch.nn.Parameter | None:
         """The plain parameter over this rank's shard of ``param``, or None."""
+        ...
+
+    def sharded_parameter(self, local: torch.Tensor) -> torch.nn.Parameter | None:
+        """The DTensor parameter whose shard the plain parameter ``local`` holds, or None."""
         ...
 
 
@@ -67,3 +71,18 @@ def local_parameters(params: Iterable[Any]) -> list[Any]:
         else:
             out.append(_local(item))
     return out
+
+
+def gradient_sources(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """The tensors whose post-accumulate-grad hooks see the gradients of ``params`` (the
+    wrapped optimizer's): for an offloaded FSDP2 shard its DTensor parameter, whose hooks FSDP2
+    runs after the reduce-scatter, else the parameter itself; and whether every one is such a
+    shard (each gradient already reduced across the ranks when the hooks see it)."""
+    sources: list[torch.Tensor] = []
+    reduced = True
+    for p in params:
+        offload = offload_of(p)
+        sharded = offload.sharded_parameter(p) if isinstance(offload, ShardedOffload) else None
+        sources.append(p if sharded is None else sharded)
+        reduced = reduced and sharded is not None
+    return sources, reduced and bool(sources)

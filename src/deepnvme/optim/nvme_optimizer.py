@@ -34,7 +34,7 @@ from ._checks import check_arguments, check_cpu, raise_failed_writes
 from ._fuse_auto import StepObserver, multi_rank
 from ._fused import FusedBackward
 from ._protocol import OffloadedParameters, find_offload, offload_of
-from ._sharded import local_parameters
+from ._sharded import gradient_sources, local_parameters
 from ._slices import Slices, is_elementwise
 from ._state import StateSwap, Writes
 from ._subgroups import Member, SubGroups
@@ -97,8 +97,9 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
             ``"auto"`` (default): the first step that has gradients runs unfused and is
             watched; fusing starts from the next step only if each parameter got one gradient
             that nothing changed before ``step()`` and no forward used before ``step()``, in a
-            single-process job on the CPU (else never, logged once). True: fused from the
-            first step; False: never. A ``step()`` with no gradient from the backward since
+            single-process job, or one whose every parameter is an offloaded FSDP2 shard (FSDP2
+            reduces a gradient before its hooks), on the CPU (else never, logged once). True:
+            fused from the first step; False: never. A ``step()`` with no gradient from the backward since
             the last one (gradients set by hand) runs unfused.
         **optimizer_kwargs: the options of ``optimizer_cls`` (``lr``, ``betas``, ...).
 
@@ -151,9 +152,9 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
                              "fuse_backward=False or 'auto'")
         self._fused = FusedBackward(self) if fuse_backward is True else None
         self._observer: StepObserver | None = None
-        if fuse_backward == "auto" and fusable and not multi_rank():
-            self._observer = StepObserver((p for _, p in self._all_params()),
-                                          self.optimizer.param_groups)
+        sources, reduced = gradient_sources(p for _, p in self._all_params())
+        if fuse_backward == "auto" and fusable and (reduced or not multi_rank()):
+            self._observer = StepObserver(sources, self.optimizer.param_groups, reduced=reduced)
 
     # --- the torch.optim.Optimizer surface -------------------------------------------------
 
@@ -271,7 +272,9 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         if self._fused is not None:
             self._fused.attach()
         if self._observer is not None:
-            self._observer.watch(p for _, p in fresh)
+            sources, reduced = gradient_sources(p for _, p in fresh)
+            self._observer.reduced = self._observer.reduced and reduced
+            self._observer.watch(sources)
 
     def _decide_fusing(self) -> bool:
         """``fuse_backward="auto"``, at ``step()``: whether fusing starts after this step."""

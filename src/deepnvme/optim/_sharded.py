@@ -35,7 +35,7 @@ class ShardedOffload(Protocol):
 def _is_dtensor(p: object) -> bool:
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:   # a torch without torch.distributed
+    except ImportError:  # a torch without torch.distributed
         return False
     return isinstance(p, DTensor)
 
@@ -46,9 +46,11 @@ def _local(p: Any) -> Any:
     offload = offload_of(p)
     local = offload.local_parameter(p) if isinstance(offload, ShardedOffload) else None
     if local is None:
-        raise ValueError(f"NVMeOptimizer got a DTensor parameter (shape {list(p.shape)}, e.g. of "
-                         "an FSDP2 model) that no offload holds; call offload_parameters on the "
-                         "fully_shard-ed model first: the optimizer then updates each rank's shards")
+        raise ValueError(
+            f"NVMeOptimizer got a DTensor parameter (shape {list(p.shape)}, e.g. of "
+            "an FSDP2 model) that no offload holds; call offload_parameters on the "
+            "fully_shard-ed model first: the optimizer then updates each rank's shards"
+        )
     return local
 
 

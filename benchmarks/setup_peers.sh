@@ -17,7 +17,8 @@
 # TORCH_EXTENSIONS_DIR and $VENV/bin first on PATH (bench_engines.py --ds-python does both): the
 # venv's ninja may differ from a system ninja, and a ninja of another version discards the build
 # log and recompiles the whole op (minutes). Finally a tensor is written and read back through
-# aio_handle as a check.
+# aio_handle as a check, and the shm_comm op that deepspeed.init_distributed loads in every rank
+# (CPU accelerator) is built too.
 set -euo pipefail
 
 VENV=${1:-${DEEPNVME_PEERS_VENV:-/work/venv-peers}}
@@ -102,5 +103,13 @@ handle.free_cpu_locked_tensor(src)
 handle.free_cpu_locked_tensor(dst)
 print(f"aio_handle round trip of {n >> 20} MiB OK: deepspeed {deepspeed.__version__}, "
       f"torch {torch.__version__}, {deepspeed.__file__}")
+# deepspeed.init_distributed builds the shared-memory collectives op (shm_comm) in every rank
+# that starts, when the accelerator offers it (the CPU one does): build it here, once, so that
+# ranks started together do not all wait on one compile (minutes on a busy 2-vCPU machine).
+from deepspeed.accelerator import get_accelerator
+shm = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if shm is not None and deepspeed.ops.__compatible_ops__.get(shm.NAME, False):
+    shm.load(verbose=False)
+    print(f"{shm.NAME} built")
 EOF
 say "done in $(( $(date +%s) - start )) s; use: python benchmarks/bench_engines.py --ds-python $VPY ..."

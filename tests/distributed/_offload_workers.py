@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 import deepnvme
 from deepnvme.offload._fsdp import fsdp_groups
 
-VOCAB, DIM = 101, 48   # 101 rows: uneven shards (padding) on 2 and 4 ranks
+VOCAB, DIM = 101, 48  # 101 rows: uneven shards (padding) on 2 and 4 ranks
 
 
 class Block(torch.nn.Module):
@@ -66,7 +66,7 @@ def train(m: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int 
         for _ in range(2 if step == 1 else 1):
             tokens = torch.randint(0, VOCAB, (2, 12), generator=gen)
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")   # FSDP2 notes that the root returns a view
+                warnings.simplefilter("ignore")  # FSDP2 notes that the root returns a view
                 torch.nn.functional.cross_entropy(m(tokens), tokens.flatten()).backward()
         opt.step()
         opt.zero_grad()
@@ -87,6 +87,7 @@ def record_all_gathers(m: torch.nn.Module) -> list[int]:
             if _g._all_gather_result is None and _g.is_sharded:
                 seen.append(_i)
             return _inner(async_op)
+
         g.group.unshard = unshard
     return seen
 
@@ -103,14 +104,15 @@ def fsdp(rank: int, world: int, tmp: str) -> None:
 
     m = shard(model())
     with pytest.raises(ValueError, match="before fully_shard"):
-        deepnvme.offload_parameters(m, os.path.join(tmp, "node"), max_in_memory_bytes=1 << 20,
-                                    dtype=torch.float64)
+        deepnvme.offload_parameters(m, os.path.join(tmp, "node"), max_in_memory_bytes=1 << 20, dtype=torch.float64)
     local_bytes = sum(p.to_local().numel() * 4 for p in m.parameters())
     budget = local_bytes // 2
-    node = os.path.join(tmp, "node")   # every rank's "node-local" directory: the same one here
+    node = os.path.join(tmp, "node")  # every rank's "node-local" directory: the same one here
     off = deepnvme.offload_parameters(m, node, max_in_memory_bytes=budget, min_offload_bytes=1024)
     assert isinstance(m, FSDPModule)
-    opt = deepnvme.NVMeOptimizer(m.parameters(), torch.optim.AdamW, swap_dir=node, lr=1e-2)
+    # train() accumulates in its second step: unfused (fuse_backward="auto" would fuse after a
+    # clean first step, then refuse the second backward, as in one process)
+    opt = deepnvme.NVMeOptimizer(m.parameters(), torch.optim.AdamW, swap_dir=node, lr=1e-2, fuse_backward=False)
     gathers = record_all_gathers(m)
     train(m, opt, rank)
     got = local_state(off.state_dict())
@@ -134,13 +136,23 @@ def fsdp(rank: int, world: int, tmp: str) -> None:
     off.close()
     opt.close()
 
-    settings = deepnvme.from_deepspeed_config({"zero_optimization": {
-        "stage": 3, "stage3_param_persistence_threshold": 256,
-        "offload_param": {"device": "nvme", "nvme_path": node, "buffer_count": 2,
-                          "buffer_size": local_bytes // 16},
-        "offload_optimizer": {"device": "nvme", "nvme_path": node}}})
+    settings = deepnvme.from_deepspeed_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 256,
+                "offload_param": {
+                    "device": "nvme",
+                    "nvme_path": node,
+                    "buffer_count": 2,
+                    "buffer_size": local_bytes // 16,
+                },
+                "offload_optimizer": {"device": "nvme", "nvme_path": node},
+            }
+        }
+    )
     m2 = model()
-    off2, opt2 = settings.apply(m2, torch.optim.AdamW, lr=1e-2)
+    off2, opt2 = settings.apply(m2, torch.optim.AdamW, lr=1e-2, fuse_backward=False)
     assert isinstance(m2, FSDPModule) and isinstance(opt2, deepnvme.NVMeOptimizer) and off2 is not None
     train(m2, opt2, rank)
     got2 = local_state(off2.state_dict())
@@ -159,8 +171,7 @@ def ddp(rank: int, world: int, tmp: str) -> None:
     b = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)))
     node = os.path.join(tmp, "node")
     opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
-    opt_b = deepnvme.NVMeOptimizer(b.parameters(), torch.optim.AdamW, swap_dir=node, lr=1e-2,
-                                   sub_group_bytes=4096)
+    opt_b = deepnvme.NVMeOptimizer(b.parameters(), torch.optim.AdamW, swap_dir=node, lr=1e-2, sub_group_bytes=4096)
     gen = torch.Generator().manual_seed(7 + rank)
     for _ in range(3):
         x = torch.randn(4, 32, generator=gen)
@@ -175,3 +186,43 @@ def ddp(rank: int, world: int, tmp: str) -> None:
     dist.all_gather_object(dirs, opt_b.swap_directory)
     assert len(set(dirs)) == world and all(os.path.dirname(d) == node for d in dirs), dirs
     opt_b.close()
+
+
+def fsdp_fused(rank: int, world: int, tmp: str, fuse: bool | str) -> None:
+    """FSDP2 + offload + NVMeOptimizer with the update in the backward (FSDP2 runs the sharded
+    parameters' post-accumulate-grad hooks after its reduce-scatter): bitwise equal to FSDP2 +
+    AdamW in memory, no gradient written once fused; ``fuse="auto"`` fuses after the first
+    step (watched: one reduced gradient per parameter)."""
+
+    def steps(m: torch.nn.Module, opt: torch.optim.Optimizer, n: int, gen: torch.Generator) -> list[bool]:
+        fused = []
+        for _ in range(n):
+            tokens = torch.randint(0, VOCAB, (2, 12), generator=gen)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # FSDP2 notes that the root returns a view
+                torch.nn.functional.cross_entropy(m(tokens), tokens.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            fused.append(getattr(opt, "fuses_backward", False))
+        return fused
+
+    base = shard(model())
+    steps(base, torch.optim.AdamW(base.parameters(), lr=1e-2), 5, torch.Generator().manual_seed(100 + rank))
+    expected = local_state(base.state_dict())
+    m = shard(model())
+    node = os.path.join(tmp, "fused")
+    local_bytes = sum(p.to_local().numel() * 4 for p in m.parameters())
+    off = deepnvme.offload_parameters(m, node, max_in_memory_bytes=local_bytes // 2, min_offload_bytes=1024)
+    opt = deepnvme.NVMeOptimizer(m.parameters(), torch.optim.AdamW, swap_dir=node, lr=1e-2, fuse_backward=fuse)
+    gen = torch.Generator().manual_seed(100 + rank)
+    assert opt.fuses_backward == (fuse is True), fuse  # "auto": watches the first step
+    assert steps(m, opt, 3, gen) == [True, True, True], fuse
+    before = off.stats().bytes_written
+    steps(m, opt, 2, gen)  # fused in both modes now: the offloaded gradients are not written
+    shards = sum(e.nbytes for e, _ in off._entries.values() if not e.resident)
+    assert off.stats().bytes_written - before == 2 * shards, (off.stats(), shards)
+    got = local_state(off.state_dict())
+    bad = [k for k in got if not torch.equal(got[k], expected[k])]
+    assert not bad, f"rank {rank}: {bad} differ from FSDP2 in memory"
+    off.close()
+    opt.close()

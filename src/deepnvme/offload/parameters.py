@@ -45,7 +45,7 @@ from ..optim._protocol import mark_offloaded, offload_of
 from ._autograd import SavedParameters
 from ._build import build
 from ._entry import Entry
-from ._fsdp import is_sharded_model
+from ._fsdp import Shard, is_sharded_model
 from ._gradients import accept_gradient
 from ._hooks import ModuleHooks, StoreResidence
 from ._order import OrderTracker
@@ -83,11 +83,19 @@ class ParameterOffload(UpdateSide):
     updates through it (it implements ``deepnvme.optim._protocol.OffloadedParameters``).
     """
 
-    def __init__(self, model: torch.nn.Module, directory: str | os.PathLike[str] | Volume, *,
-                 max_in_memory_bytes: int, prefetch: int = 2, dtype: torch.dtype | None = None,
-                 config: IOConfig | None = None,
-                 source: str | os.PathLike[str] | Init | None = None,
-                 min_offload_bytes: int | None = None, offload_gradients: bool = True) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        directory: str | os.PathLike[str] | Volume,
+        *,
+        max_in_memory_bytes: int,
+        prefetch: int = 2,
+        dtype: torch.dtype | None = None,
+        config: IOConfig | None = None,
+        source: str | os.PathLike[str] | Init | None = None,
+        min_offload_bytes: int | None = None,
+        offload_gradients: bool = True,
+    ) -> None:
         if max_in_memory_bytes < 1:
             raise OffloadMemoryError(f"max_in_memory_bytes must be >= 1, got {max_in_memory_bytes}")
         if min_offload_bytes is not None and min_offload_bytes < 0:
@@ -96,42 +104,51 @@ class ParameterOffload(UpdateSide):
         self.model = model
         self.offload_gradients = bool(offload_gradients)
         self._store = TensorStore(directory, budget=max_in_memory_bytes, config=config)
-        self._entries: dict[int, tuple[Entry, Entry]] = {}    # id(param) -> (data, grad)
-        self._dtensors: dict[int, tuple[Entry, Entry]] = {}   # FSDP2: id(DTensor param) -> pair
+        self._entries: dict[int, tuple[Entry, Entry]] = {}  # id(param) -> (data, grad)
+        self._dtensors: dict[int, tuple[Entry, Entry]] = {}  # FSDP2: id(DTensor param) -> pair
         units = Units()
         residence = StoreResidence(self._store)
         self._modules: ModuleHooks | ShardHooks = ModuleHooks(
-            model, residence, units, SavedParameters(residence, units, backward), forward)
+            model, residence, units, SavedParameters(residence, units, backward), forward
+        )
         self._grad_hooks: list[RemovableHandle] = []
         min_offload = MIN_OFFLOAD_BYTES if min_offload_bytes is None else min_offload_bytes
         if is_sharded_model(model):
             self._offload_shards(source, dtype, prefetch, min_offload)
             return
         try:
-            built = build(model, self._store, dtype=dtype, source=source, config=config,
-                          min_offload=min_offload, offload_gradients=self.offload_gradients)
+            built = build(
+                model,
+                self._store,
+                dtype=dtype,
+                source=source,
+                config=config,
+                min_offload=min_offload,
+                offload_gradients=self.offload_gradients,
+            )
             self._entries = built.entries
             for module, name, unit in built.units:
                 self._modules.add(module, name, unit)
             for data, _ in self._entries.values():
                 mark_offloaded(data.param, self)
                 if data.param.requires_grad:
-                    self._grad_hooks.append(
-                        data.param.register_post_accumulate_grad_hook(self._on_grad))
+                    self._grad_hooks.append(data.param.register_post_accumulate_grad_hook(self._on_grad))
             self._modules.install_root()
         except BaseException:
             self.close()
             raise
 
-    def _offload_shards(self, source: object, dtype: torch.dtype | None, prefetch: int,
-                        min_offload: int) -> None:
+    def _offload_shards(self, source: object, dtype: torch.dtype | None, prefetch: int, min_offload: int) -> None:
         """A ``fully_shard``-ed model: this rank's shards are offloaded (see :mod:`._ranks`)."""
         try:
             if source is not None or dtype is not None:
-                raise ValueError("offload_parameters: source= and dtype= apply to a model before "
-                                 "fully_shard; materialise and convert it first, then shard it")
-            built = build_shards(self.model, self._store, min_offload=min_offload,
-                                 offload_gradients=self.offload_gradients)
+                raise ValueError(
+                    "offload_parameters: source= and dtype= apply to a model before "
+                    "fully_shard; materialise and convert it first, then shard it"
+                )
+            built = build_shards(
+                self.model, self._store, min_offload=min_offload, offload_gradients=self.offload_gradients
+            )
             self._entries, self._dtensors = built.entries, built.by_dtensor
             for data, _ in self._entries.values():
                 mark_offloaded(data.param, self)
@@ -149,8 +166,14 @@ class ParameterOffload(UpdateSide):
         pair = self._dtensors.get(id(param))
         return None if pair is None else pair[0].param
 
-    def register_external_parameter(self, module: torch.nn.Module,
-                                    parameter: torch.nn.Parameter) -> None:
+    def sharded_parameter(self, local: torch.Tensor) -> torch.nn.Parameter | None:
+        """The FSDP2 DTensor parameter whose shard ``local`` (a :meth:`local_parameter`) holds,
+        or None: FSDP2 runs its post-accumulate-grad hooks after the reduce-scatter."""
+        pair = self._entries.get(id(local))
+        home = None if pair is None else pair[0].home
+        return home.dtensor if isinstance(home, Shard) else None
+
+    def register_external_parameter(self, module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
         """Fetch ``parameter`` for ``module``'s forward too (and keep it for its backward).
 
         For a parameter that ``module``'s own forward uses although another module owns it, e.g.
@@ -159,16 +182,21 @@ class ParameterOffload(UpdateSide):
         DeepSpeed's ``deepspeed.zero.register_external_parameter`` does the same for ZeRO-3.
         """
         if self._dtensors:
-            raise ValueError("register_external_parameter: not needed with FSDP2, whose "
-                             "all-gathers bring every parameter its modules use")
+            raise ValueError(
+                "register_external_parameter: not needed with FSDP2, whose "
+                "all-gathers bring every parameter its modules use"
+            )
         pair = self._entries.get(id(parameter))
         if pair is None:
-            raise ValueError("register_external_parameter: the parameter (shape "
-                             f"{list(parameter.shape)}) is not one of the offloaded model's")
+            raise ValueError(
+                "register_external_parameter: the parameter (shape "
+                f"{list(parameter.shape)}) is not one of the offloaded model's"
+            )
         name = next((n for n, m in self.model.named_modules() if m is module), None)
         if name is None:
-            raise ValueError(f"register_external_parameter: the module {type(module).__name__} "
-                             "is not part of the offloaded model")
+            raise ValueError(
+                f"register_external_parameter: the module {type(module).__name__} is not part of the offloaded model"
+            )
         assert not isinstance(self._modules, ShardHooks)  # FSDP2 models refused above; invariant
         self._modules.add_external(module, name, pair[0])
 
@@ -210,7 +238,7 @@ class ParameterOffload(UpdateSide):
         for name, value in self.model.state_dict(keep_vars=True).items():
             pair = self._entries.get(id(value))
             sharded = self._dtensors.get(id(value))
-            if sharded is not None:   # a DTensor of this rank's shard, as FSDP2's state dict
+            if sharded is not None:  # a DTensor of this rank's shard, as FSDP2's state dict
                 out[name] = _as_dtensor(value, self._copy(sharded[0]))
             else:
                 out[name] = self._copy(pair[0]) if pair is not None else value.detach()
@@ -218,9 +246,15 @@ class ParameterOffload(UpdateSide):
 
     def stats(self) -> OffloadStats:
         s = self._store
-        return OffloadStats(budget_bytes=s.budget, held_bytes=s.held, peak_bytes=s.peak,
-                            bytes_read=s.bytes_read, bytes_written=s.bytes_written,
-                            prefetch_hits=s.prefetch_hits, buffers_reused=s.reused)
+        return OffloadStats(
+            budget_bytes=s.budget,
+            held_bytes=s.held,
+            peak_bytes=s.peak,
+            bytes_read=s.bytes_read,
+            bytes_written=s.bytes_written,
+            prefetch_hits=s.prefetch_hits,
+            buffers_reused=s.reused,
+        )
 
     def reset_stats(self) -> None:
         s = self._store
@@ -249,18 +283,25 @@ class ParameterOffload(UpdateSide):
 
 def _as_dtensor(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
+
     assert isinstance(like, DTensor)  # an FSDP2 parameter; internal invariant
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
-def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str] | Volume, *,
-                       max_in_memory_bytes: int, prefetch: int = 2,
-                       dtype: torch.dtype | None = None,
-                       config: IOConfig | None = None,
-                       source: str | os.PathLike[str] | Init | None = None,
-                       min_offload_bytes: int | None = None,
-                       offload_gradients: bool = True) -> ParameterOffload:
+def offload_parameters(
+    model: torch.nn.Module,
+    directory: str | os.PathLike[str] | Volume,
+    *,
+    max_in_memory_bytes: int,
+    prefetch: int = 2,
+    dtype: torch.dtype | None = None,
+    config: IOConfig | None = None,
+    source: str | os.PathLike[str] | Init | None = None,
+    min_offload_bytes: int | None = None,
+    offload_gradients: bool = True,
+) -> ParameterOffload:
     """Move ``model``'s parameters (and, in training, their gradients) to files under ``directory``.
 
     Each submodule's own parameters are read in before its forward and again when the backward
@@ -324,10 +365,17 @@ def offload_parameters(model: torch.nn.Module, directory: str | os.PathLike[str]
         ValueError: a parameter not on the CPU, or on the meta device without ``source``.
         CheckpointMismatchError: ``source`` lacks a tensor the model needs, or its shape differs.
     """
-    return ParameterOffload(model, directory, max_in_memory_bytes=max_in_memory_bytes,
-                            prefetch=prefetch, dtype=dtype, config=config, source=source,
-                            min_offload_bytes=min_offload_bytes,
-                            offload_gradients=offload_gradients)
+    return ParameterOffload(
+        model,
+        directory,
+        max_in_memory_bytes=max_in_memory_bytes,
+        prefetch=prefetch,
+        dtype=dtype,
+        config=config,
+        source=source,
+        min_offload_bytes=min_offload_bytes,
+        offload_gradients=offload_gradients,
+    )
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -336,6 +384,8 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     DeepSpeed's ``deepspeed.zero.register_external_parameter``."""
     offload = offload_of(parameter)
     if not isinstance(offload, ParameterOffload):
-        raise ValueError("register_external_parameter: the parameter (shape "
-                         f"{list(parameter.shape)}) is not offloaded; call offload_parameters first")
+        raise ValueError(
+            "register_external_parameter: the parameter (shape "
+            f"{list(parameter.shape)}) is not offloaded; call offload_parameters first"
+        )
     offload.register_external_parameter(module, parameter)

@@ -10,7 +10,8 @@ and, for a gradient in memory, whether that tensor was replaced or changed in pl
 first gradient, and whether a module ran its forward with a parameter that had its
 gradient already (an evaluation between ``backward()`` and ``step()`` must see the parameters
 from before the update). Only a clean step (one gradient each, none touched, no such forward,
-one process) turns fusing on from the next step. Once fused, :func:`forward_guard` refuses a
+one process, or ranks whose every parameter is an offloaded FSDP2 shard: FSDP2 runs the hooks
+after its reduce-scatter) turns fusing on from the next step. Once fused, :func:`forward_guard` refuses a
 forward with a parameter that was updated before ``step()``. After that, a fused parameter's ``.grad`` holds a
 :class:`ConsumedGradient` until ``step()``: a tensor without storage whose every operation
 raises an error naming the fix, so a later clip, norm or accumulation cannot silently see
@@ -28,8 +29,15 @@ from torch.utils.hooks import RemovableHandle
 
 from ._protocol import offload_of
 
-__all__ = ["ConsumedGradient", "StepObserver", "clear_consumed", "forward_guard", "mark_consumed",
-           "multi_rank", "options_of"]
+__all__ = [
+    "ConsumedGradient",
+    "StepObserver",
+    "clear_consumed",
+    "forward_guard",
+    "mark_consumed",
+    "multi_rank",
+    "options_of",
+]
 
 Options = list[list[tuple[str, Any]]]
 
@@ -37,14 +45,18 @@ Options = list[list[tuple[str, Any]]]
 def options_of(groups: Sequence[dict[str, Any]]) -> Options:
     """The param groups' options (not their parameters), comparable with ``==``: a tensor
     option (a tensor ``lr``) by identity and version counter."""
+
     def key(v: Any) -> Any:
         return ("tensor", id(v), v._version) if isinstance(v, torch.Tensor) else v
-    return [sorted(((k, key(v)) for k, v in g.items() if k != "params"), key=lambda kv: kv[0])
-            for g in groups]
 
-_FIX = ("between backward() and step() a gradient fused into the backward can be neither read, "
-        "clipped, scaled nor accumulated (a second backward); create the NVMeOptimizer with "
-        "fuse_backward=False for such a loop")
+    return [sorted(((k, key(v)) for k, v in g.items() if k != "params"), key=lambda kv: kv[0]) for g in groups]
+
+
+_FIX = (
+    "between backward() and step() a gradient fused into the backward can be neither read, "
+    "clipped, scaled nor accumulated (a second backward); create the NVMeOptimizer with "
+    "fuse_backward=False for such a loop"
+)
 
 
 class ConsumedGradient(torch.Tensor):
@@ -55,24 +67,32 @@ class ConsumedGradient(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor) -> ConsumedGradient:
-        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
-                                                device=like.device, requires_grad=False)
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False
+        )
         t.shape_of = list(like.shape)
         return t
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
-                           kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: Any = (),
+        kwargs: Any = None,
+    ) -> Any:
         shapes = [a.shape_of for a in args if isinstance(a, ConsumedGradient)]
-        if not shapes and args and isinstance(args[0], (list, tuple)):   # foreach ops
+        if not shapes and args and isinstance(args[0], (list, tuple)):  # foreach ops
             shapes = [a.shape_of for a in args[0] if isinstance(a, ConsumedGradient)]
-        raise RuntimeError(f"NVMeOptimizer updated a parameter of shape {shapes[0] if shapes else '?'} "
-                           f"in the backward pass and its gradient is gone ({func} was called on "
-                           f"it): {_FIX}")
+        raise RuntimeError(
+            f"NVMeOptimizer updated a parameter of shape {shapes[0] if shapes else '?'} "
+            f"in the backward pass and its gradient is gone ({func} was called on "
+            f"it): {_FIX}"
+        )
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    def __repr__(self) -> str:   # type: ignore[override]
+    def __repr__(self) -> str:  # type: ignore[override]
         return f"ConsumedGradient(shape={self.shape_of})"
 
 
@@ -108,6 +128,7 @@ def _uses(module: torch.nn.Module, ids: set[int] | dict[int, Any]) -> torch.Tens
 def forward_guard(updated: set[int]) -> RemovableHandle:
     """A global forward pre-hook raising when a module runs with a parameter in ``updated``
     (updated in the backward, before ``step()``): its forward would see the new values."""
+
     def hook(module: torch.nn.Module, args: Any) -> None:
         p = _uses(module, updated) if updated else None
         if p is not None:
@@ -116,16 +137,21 @@ def forward_guard(updated: set[int]) -> RemovableHandle:
                 f"parameter of shape {list(p.shape)} that NVMeOptimizer already updated in the "
                 "backward (it would see the new values: an evaluation, or the next micro-batch of "
                 "gradient accumulation); run such forwards after step(), or create the "
-                "NVMeOptimizer with fuse_backward=False")
+                "NVMeOptimizer with fuse_backward=False"
+            )
+
     return torch.nn.modules.module.register_module_forward_pre_hook(hook)
 
 
 class StepObserver:
     """Hooks that watch one unfused step (see the module doc); :meth:`verdict` at ``step()``."""
 
-    def __init__(self, params: Iterable[torch.Tensor], groups: Sequence[dict[str, Any]]) -> None:
+    def __init__(
+        self, params: Iterable[torch.Tensor], groups: Sequence[dict[str, Any]], *, reduced: bool = False
+    ) -> None:
         self.groups = groups
-        self.options: Options | None = None     # at the step's first gradient
+        self.reduced = reduced  # every gradient reduced across ranks before the hooks (FSDP2)
+        self.options: Options | None = None  # at the step's first gradient
         self.counts: dict[int, int] = {}
         self.seen: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.shapes: dict[int, list[int]] = {}
@@ -152,7 +178,7 @@ class StepObserver:
         self.counts[key] = self.counts.get(key, 0) + 1
         self.shapes[key] = list(p.shape)
         grad = p.grad
-        if grad is not None and offload_of(p) is None:   # an offload takes its gradients away
+        if grad is not None and offload_of(p) is None:  # an offload takes its gradients away
             self.seen[key] = (weakref.ref(grad), grad._version)
 
     def verdict(self) -> str | None:
@@ -160,25 +186,32 @@ class StepObserver:
         no gradient arrived at all (nothing learned yet: observe the next step)."""
         if not self.counts:
             return ""
-        if multi_rank():
+        if multi_rank() and not self.reduced:
             return "a multi-rank job (gradients are reduced after the backward hooks)"
         for key, n in self.counts.items():
             if n > 1:
-                return (f"a parameter of shape {self.shapes[key]} got {n} gradients before step() "
-                        "(gradient accumulation)")
+                return (
+                    f"a parameter of shape {self.shapes[key]} got {n} gradients before step() (gradient accumulation)"
+                )
         if self.late_forward is not None:
-            return (f"{self.late_forward}.forward ran between backward() and step() (an "
-                    "evaluation or a further micro-batch: it must see the parameters as before "
-                    "the update)")
+            return (
+                f"{self.late_forward}.forward ran between backward() and step() (an "
+                "evaluation or a further micro-batch: it must see the parameters as before "
+                "the update)"
+            )
         if options_of(self.groups) != self.options:
-            return ("the optimizer's options (lr, ...) changed between backward() and step() "
-                    "(a fused update would have used the old ones)")
+            return (
+                "the optimizer's options (lr, ...) changed between backward() and step() "
+                "(a fused update would have used the old ones)"
+            )
         by_id = {id(p): p for p in self.params}
         for key, (ref, version) in self.seen.items():
             grad = by_id[key].grad
             if grad is None or ref() is not grad or grad._version != version:
-                return (f"the gradient of a parameter of shape {self.shapes[key]} was changed "
-                        "between backward() and step() (clipping, scaling or a reduction)")
+                return (
+                    f"the gradient of a parameter of shape {self.shapes[key]} was changed "
+                    "between backward() and step() (clipping, scaling or a reduction)"
+                )
         return None
 
     def reset(self) -> None:

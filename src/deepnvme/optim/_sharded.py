@@ -16,7 +16,7 @@ import torch
 
 from ._protocol import offload_of
 
-__all__ = ["ShardedOffload", "local_parameters"]
+__all__ = ["ShardedOffload", "gradient_sources", "local_parameters"]
 
 
 @runtime_checkable
@@ -27,11 +27,15 @@ class ShardedOffload(Protocol):
         """The plain parameter over this rank's shard of ``param``, or None."""
         ...
 
+    def sharded_parameter(self, local: torch.Tensor) -> torch.nn.Parameter | None:
+        """The DTensor parameter whose shard the plain parameter ``local`` holds, or None."""
+        ...
+
 
 def _is_dtensor(p: object) -> bool:
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:   # a torch without torch.distributed
+    except ImportError:  # a torch without torch.distributed
         return False
     return isinstance(p, DTensor)
 
@@ -42,9 +46,11 @@ def _local(p: Any) -> Any:
     offload = offload_of(p)
     local = offload.local_parameter(p) if isinstance(offload, ShardedOffload) else None
     if local is None:
-        raise ValueError(f"NVMeOptimizer got a DTensor parameter (shape {list(p.shape)}, e.g. of "
-                         "an FSDP2 model) that no offload holds; call offload_parameters on the "
-                         "fully_shard-ed model first: the optimizer then updates each rank's shards")
+        raise ValueError(
+            f"NVMeOptimizer got a DTensor parameter (shape {list(p.shape)}, e.g. of "
+            "an FSDP2 model) that no offload holds; call offload_parameters on the "
+            "fully_shard-ed model first: the optimizer then updates each rank's shards"
+        )
     return local
 
 
@@ -67,3 +73,18 @@ def local_parameters(params: Iterable[Any]) -> list[Any]:
         else:
             out.append(_local(item))
     return out
+
+
+def gradient_sources(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """The tensors whose post-accumulate-grad hooks see the gradients of ``params`` (the
+    wrapped optimizer's): for an offloaded FSDP2 shard its DTensor parameter, whose hooks FSDP2
+    runs after the reduce-scatter, else the parameter itself; and whether every one is such a
+    shard (each gradient already reduced across the ranks when the hooks see it)."""
+    sources: list[torch.Tensor] = []
+    reduced = True
+    for p in params:
+        offload = offload_of(p)
+        sharded = offload.sharded_parameter(p) if isinstance(offload, ShardedOffload) else None
+        sources.append(p if sharded is None else sharded)
+        reduced = reduced and sharded is not None
+    return sources, reduced and bool(sources)

@@ -34,7 +34,7 @@ from ._checks import check_arguments, check_cpu, raise_failed_writes
 from ._fuse_auto import StepObserver, multi_rank
 from ._fused import FusedBackward
 from ._protocol import OffloadedParameters, find_offload, offload_of
-from ._sharded import local_parameters
+from ._sharded import gradient_sources, local_parameters
 from ._slices import Slices, is_elementwise
 from ._state import StateSwap, Writes
 from ._subgroups import Member, SubGroups
@@ -44,9 +44,16 @@ __all__ = ["NVMeOptimizer"]
 
 log = logging.getLogger(__name__)
 
-_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
+
 class NVMeOptimizer(Updating, torch.optim.Optimizer):
     """Drop-in optimizer whose state lives in files under ``swap_dir`` between steps.
 
@@ -97,8 +104,9 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
             ``"auto"`` (default): the first step that has gradients runs unfused and is
             watched; fusing starts from the next step only if each parameter got one gradient
             that nothing changed before ``step()`` and no forward used before ``step()``, in a
-            single-process job on the CPU (else never, logged once). True: fused from the
-            first step; False: never. A ``step()`` with no gradient from the backward since
+            single-process job, or one whose every parameter is an offloaded FSDP2 shard (FSDP2
+            reduces a gradient before its hooks), on the CPU (else never, logged once). True:
+            fused from the first step; False: never. A ``step()`` with no gradient from the backward since
             the last one (gradients set by hand) runs unfused.
         **optimizer_kwargs: the options of ``optimizer_cls`` (``lr``, ``betas``, ...).
 
@@ -107,20 +115,30 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         ValueError: a bad ``buffer_count`` or ``update_threads``, or a parameter not on the CPU.
     """
 
-    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                 *, swap_dir: str | os.PathLike[str] | Volume, sub_group_bytes: int = 256 << 20,
-                 buffer_count: int = 3, config: IOConfig | None = None, stale: str = "warn",
-                 handle: AioHandle | None = None, update_threads: int | str | None = "auto",
-                 fuse_backward: bool | str = "auto", **optimizer_kwargs: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        swap_dir: str | os.PathLike[str] | Volume,
+        sub_group_bytes: int = 256 << 20,
+        buffer_count: int = 3,
+        config: IOConfig | None = None,
+        stale: str = "warn",
+        handle: AioHandle | None = None,
+        update_threads: int | str | None = "auto",
+        fuse_backward: bool | str = "auto",
+        **optimizer_kwargs: Any,
+    ) -> None:
         check_arguments(params, optimizer_cls)
         if update_threads not in ("auto", None) and (
-                isinstance(update_threads, bool) or not isinstance(update_threads, int) or update_threads < 1):
+            isinstance(update_threads, bool) or not isinstance(update_threads, int) or update_threads < 1
+        ):
             raise ValueError(f"update_threads must be an int >= 1, 'auto' or None, got {update_threads!r}")
         if fuse_backward not in (True, False, "auto"):
             raise ValueError(f"fuse_backward must be True, False or 'auto', got {fuse_backward!r}")
         if buffer_count < 2:
-            raise ValueError(f"buffer_count must be >= 2 (3 overlaps read, update and write), "
-                             f"got {buffer_count}")
+            raise ValueError(f"buffer_count must be >= 2 (3 overlaps read, update and write), got {buffer_count}")
         self.optimizer = optimizer_cls(local_parameters(params), **optimizer_kwargs)
         check_cpu(self._all_params())
         for name in _HOOK_DICTS:
@@ -133,9 +151,15 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         self._join_offload(self._all_params())
         self._subs = SubGroups(self.optimizer)
         bounds = self._subs.add(self._all_params(), self.sub_group_bytes, self._sliceable)
-        swapper = TensorSwapper(swap_dir, config=config, buffer_bytes=max(bounds + [1]),
-                                buffer_count=buffer_count, min_swap_bytes=0, stale=stale,
-                                handle=handle)
+        swapper = TensorSwapper(
+            swap_dir,
+            config=config,
+            buffer_bytes=max(bounds + [1]),
+            buffer_count=buffer_count,
+            min_swap_bytes=0,
+            stale=stale,
+            handle=handle,
+        )
         self._state = StateSwap(self.optimizer, self._subs, swapper)
         self._slices = Slices(self.optimizer, self._subs, self._state)
         self.update_threads = update_threads if isinstance(update_threads, int) else None
@@ -145,15 +169,17 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         self._current, self._done = None, -1
         fusable = self._offload is None or getattr(self._offload, "fused_gradients", False)
         if fuse_backward is True and not fusable:
-            raise ValueError(f"fuse_backward=True: the parameter offload "
-                             f"({type(self._offload).__name__}) does not hand its gradients to the "
-                             "optimizer in the backward (a model on a device); use "
-                             "fuse_backward=False or 'auto'")
+            raise ValueError(
+                f"fuse_backward=True: the parameter offload "
+                f"({type(self._offload).__name__}) does not hand its gradients to the "
+                "optimizer in the backward (a model on a device); use "
+                "fuse_backward=False or 'auto'"
+            )
         self._fused = FusedBackward(self) if fuse_backward is True else None
         self._observer: StepObserver | None = None
-        if fuse_backward == "auto" and fusable and not multi_rank():
-            self._observer = StepObserver((p for _, p in self._all_params()),
-                                          self.optimizer.param_groups)
+        sources, reduced = gradient_sources(p for _, p in self._all_params())
+        if fuse_backward == "auto" and fusable and (reduced or not multi_rank()):
+            self._observer = StepObserver(sources, self.optimizer.param_groups, reduced=reduced)
 
     # --- the torch.optim.Optimizer surface -------------------------------------------------
 
@@ -221,19 +247,23 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
             return
         if self.sub_group_bytes > found.update_bytes():
             self.sub_group_bytes = found.update_bytes()
-            log.info("NVMeOptimizer: sub_group_bytes lowered to %d to fit the parameter "
-                     "offload's budget", self.sub_group_bytes)
+            log.info(
+                "NVMeOptimizer: sub_group_bytes lowered to %d to fit the parameter offload's budget",
+                self.sub_group_bytes,
+            )
         self._offload = found
-        found.check_updatable(p for _, p in params
-                              if not self._sliceable(p) or id(p) in self._whole_io)
+        found.check_updatable(p for _, p in params if not self._sliceable(p) or id(p) in self._whole_io)
 
     def _sliceable(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is updated in slices: an element-wise optimizer, and a parameter larger
         than a sub-group whose elements are contiguous (an offloaded one always is, in its
         file). An offloaded one whose whole update fits the offload's budget is read in and
         written back whole (its state still goes slice by slice): noted in ``_whole_io``."""
-        if not (is_elementwise(type(self.optimizer)) and p.numel() > 0
-                and p.numel() * p.element_size() > self.sub_group_bytes):
+        if not (
+            is_elementwise(type(self.optimizer))
+            and p.numel() > 0
+            and p.numel() * p.element_size() > self.sub_group_bytes
+        ):
             return False
         offload = self._offload if offload_of(p) is not None else None
         if offload is None:
@@ -260,9 +290,11 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
             bounds = self._subs.add(fresh, self.sub_group_bytes, self._sliceable)
             swapper = self._state.swapper
             if max(bounds + [0]) > swapper.buffer_bytes:
-                raise ValueError(f"the new group's sub-groups need {max(bounds)} bytes of state but "
-                                 f"the swap buffers hold {swapper.buffer_bytes}; create the "
-                                 "NVMeOptimizer with all groups, or with a larger parameter first")
+                raise ValueError(
+                    f"the new group's sub-groups need {max(bounds)} bytes of state but "
+                    f"the swap buffers hold {swapper.buffer_bytes}; create the "
+                    "NVMeOptimizer with all groups, or with a larger parameter first"
+                )
         except BaseException:  # leave the optimizer as it was: the group is not added
             self._offload, self.sub_group_bytes = offload, sub_group_bytes
             del self.optimizer.param_groups[n_groups:]
@@ -271,7 +303,9 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         if self._fused is not None:
             self._fused.attach()
         if self._observer is not None:
-            self._observer.watch(p for _, p in fresh)
+            sources, reduced = gradient_sources(p for _, p in fresh)
+            self._observer.reduced = self._observer.reduced and reduced
+            self._observer.watch(sources)
 
     def _decide_fusing(self) -> bool:
         """``fuse_backward="auto"``, at ``step()``: whether fusing starts after this step."""
@@ -280,12 +314,11 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
             return False
         reason = observer.verdict()
         if reason == "":
-            return False   # no gradient yet: watch the next step
+            return False  # no gradient yet: watch the next step
         observer.remove()
         self._observer = None
         if reason is not None:
-            log.info("NVMeOptimizer: the update stays after the backward (fuse_backward='auto'): "
-                     "%s", reason)
+            log.info("NVMeOptimizer: the update stays after the backward (fuse_backward='auto'): %s", reason)
             return False
         return True
 
@@ -314,7 +347,7 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
                 raise_failed_writes(writes)
                 if i + 1 < n:
                     state.prefetch(i + 1)
-                fresh = self._subs.layouts[i] is None   # the wrapped optimizer creates its state
+                fresh = self._subs.layouts[i] is None  # the wrapped optimizer creates its state
                 fut = self._run_sub_group(i, lambda i=i: self._update(i))  # type: ignore[misc]
                 if fresh and self._offload is not None:
                     trim_heap()  # the created state left the heap: give it back now
@@ -326,14 +359,16 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         if self._offload is not None:
             try:
                 self._offload.finish_updates()
-            except OSError as exc:   # a slice of a parameter could not be written
+            except OSError as exc:  # a slice of a parameter could not be written
                 failed = failed or exc
         if failed is not None:
             raise self._step_error(failed, self._done) from failed
         if fuse_next:
             self._fused = FusedBackward(self)
-            log.info("NVMeOptimizer: the update is fused into the backward from the next step "
-                     "(fuse_backward='auto': one gradient per parameter, unchanged before step())")
+            log.info(
+                "NVMeOptimizer: the update is fused into the backward from the next step "
+                "(fuse_backward='auto': one gradient per parameter, unchanged before step())"
+            )
         elif self._observer is not None:
             self._observer.reset()
         return loss
@@ -380,5 +415,7 @@ class NVMeOptimizer(Updating, torch.optim.Optimizer):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"NVMeOptimizer({type(self.optimizer).__name__}, sub_groups={len(self._subs)}, "
-                f"swap_dir={self.swap_directory!r})")
+        return (
+            f"NVMeOptimizer({type(self.optimizer).__name__}, sub_groups={len(self._subs)}, "
+            f"swap_dir={self.swap_directory!r})"
+        )

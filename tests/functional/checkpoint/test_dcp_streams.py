@@ -182,6 +182,20 @@ def test_failed_write_stream_raises_the_oserror_and_never_writes_later(tmp_path)
     fs.close()
 
 
+def test_a_write_failing_inside_torch_save_raises_the_oserror_not_the_zip_writers(tmp_path):
+    # DCP writes each item with torch.save: its zip writer answers a failed write with its own
+    # RuntimeError ("unexpected pos"); the stream's error is what the caller must see
+    fs = _EngineFileSystem(checkpoint_config(None))
+    fs._handle = AioHandle(config=fs.config, posix=_FullOnce())
+    with pytest.raises(OSError) as info:
+        with fs.create_stream(tmp_path / "__0_0.distcp", "wb") as s:
+            for _ in range(8):  # one item after another, as DCP writes them
+                torch.save(torch.randn(1 << 20), s)
+    assert info.value.errno == errno.ENOSPC and "offset" in str(info.value), info.value
+    assert os.listdir(tmp_path) == []
+    fs.close()
+
+
 def _track_handles(monkeypatch, delay: float = 0.0) -> list:
     created = []
 

@@ -287,6 +287,7 @@ class StreamingWriteStream(io.RawIOBase):
         self._chunk = chunk
         self._cur = self._fill = self._base = 0
         self._finished = False  # committed, failed or aborted: close() never writes again
+        self.error: BaseException | None = None  # a failed write, kept: torch.save reports its own error instead
 
     def writable(self) -> bool:
         return True
@@ -327,6 +328,13 @@ class StreamingWriteStream(io.RawIOBase):
 
     def _submit(self) -> None:
         """Write the current buffer's bytes; then wait for the next buffer's previous write."""
+        try:
+            self._submit_buffer()
+        except BaseException as exc:
+            self.error = self.error or exc
+            raise
+
+    def _submit_buffer(self) -> None:
         if self._fill:
             if self.running is not None:
                 self.running.update(self._views[self._cur][:self._fill])

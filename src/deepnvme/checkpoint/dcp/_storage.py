@@ -117,8 +117,10 @@ class _EngineFileSystem(FileSystem):
                                       buffers=_WRITE_BUFFERS, running=running, item_hashing=self.hashing)
         try:
             yield stream
-        except BaseException:
+        except BaseException as exc:
             stream.abort()  # a failed serialization must not leave a partial file
+            if stream.error is not None and stream.error is not exc:  # the cause, not torch.save's
+                raise stream.error from None  # follow-on "unexpected pos" of its zip writer
             raise
         stream.close()
         if running is not None:

@@ -313,7 +313,8 @@ def vllm_stream(runs: Sequence[Run]) -> Rows:
 def offload_ranks(runs: Sequence[Run]) -> Rows:
     out = header("device", "mode", "step s", "CPU s", "written per step GB (/ one process)", "read per step GB",
                  "peak RSS MiB", "held / budget MiB", left=2)
-    names = {"single": "one process", "fsdp": "FSDP2 + offload, per rank", "fsdp_memory": "FSDP2 in memory, per rank"}
+    names = {"single": "one process", "fsdp": "FSDP2 + offload, per rank", "fsdp_memory": "FSDP2 in memory, per rank",
+             "deepspeed": "DeepSpeed ZeRO-3 on NVMe, per rank"}
     for src, data in runs:
         summary = data["summary"]
         one = summary["single"]["written_per_step"]
@@ -321,16 +322,19 @@ def offload_ranks(runs: Sequence[Run]) -> Rows:
             r = summary.get(mode)
             if r is None:
                 continue
-            written = r.get("written_per_step")
+            written = r.get("written_per_step", r.get("io_write_bytes"))  # DeepSpeed: its swap files' writes
             out.append(row(src.device, label, f"{r['step_s']:.2f}", f"{r['cpu_s']:.2f}",
                            f"{written / 1e9:.3f} ({written / one:.3f}x)" if written else "-",
                            f"{r['read_per_step'] / 1e9:.3f}" if r.get("read_per_step") else "-",
                            f"{r['rss'] / MiB:.0f}",
                            f"{r['peak_held'] / MiB:.0f} / {r['budget'] / MiB:.0f}" if r.get("budget") else "-"))
-    a, load = runs[0][1]["args"], runs[0][1]["load_average"][0]
+    a, first = runs[0][1]["args"], runs[0][1]
+    load = (first["load_average"] if "load_average" in first else first["load_average_start"])[0]
+    versus = "; ".join(f"{src.device}: FSDP2 + offload step / DeepSpeed's {data['summary']['step_vs_deepspeed']:.2f}"
+                       for src, data in runs if "step_vs_deepspeed" in data["summary"])
     return out, (f"{a['layers']} x Linear({a['dim']}) + ReLU, AdamW, batch {a['batch']} per rank, "
                  f"{a['world']} gloo ranks; load average {load:.0f} at the start (a shared machine): "
-                 "read the bytes first.")
+                 "read the bytes first." + (f" {versus}." if versus else ""))
 
 
 def hf_load(runs: Sequence[Run]) -> Rows:
@@ -478,10 +482,10 @@ TABLES: dict[str, Table] = {
                                    Source(RAM, "2026-11-26-load-into-dirs-ramdev.json"))),
     "dcp": Table(dcp, (Source(DISK, "2026-11-25-dcp3-disk.json"), Source(RAM, "2026-11-25-dcp3-ramdev.json"))),
     "offload": Table(offload, (
-        Source(DISK, "2026-11-26-offload6-disk-kg0-1205.json", "on NVMe (default)"),
-        Source(DISK, "2026-11-26-offload6-disk-kg1-1206.json", "in memory"),
-        Source(RAM, "2026-11-26-offload6-ramdev-kg0.json", "on NVMe (default)"),
-        Source(RAM, "2026-11-26-offload6-ramdev-kg1.json", "in memory"))),
+        Source(DISK, "2026-11-29-offload-params-disk-kg0.json", "default (fused)"),
+        Source(DISK, "2026-11-29-offload-params-disk-kg1.json", "in memory"),
+        Source(RAM, "2026-11-29-offload-params-ramdev-ds-quiet.json", "default (fused)"),
+        Source(RAM, "2026-11-29-offload-params-ramdev-kg1.json", "in memory"))),
     "vllm_load": Table(vllm_load, (Source(DISK, "2026-11-26-vllm-load-disk-reuse.json"),
                                    Source(RAM, "2026-11-26-vllm-load-ramdev-reuse.json"))),
     "vllm_stream": Table(vllm_stream, (
@@ -489,8 +493,8 @@ TABLES: dict[str, Table] = {
         Source(RAM, "2026-11-26-vllm-offload-ramdev-trim2.json", "OpenMP default"),
         Source(RAM, "2026-11-26-vllm-offload-ramdev-passive.json", PASSIVE))),
     # two runs of one session on the same machine: the disk's speed moved between them
-    "offload_ranks": Table(offload_ranks, (Source(DISK, "2026-11-27-offload-ranks-disk.json"),
-                                           Source(RAM, "2026-11-27-offload-ranks-ramdev.json"))),
+    "offload_ranks": Table(offload_ranks, (Source(DISK, "2026-11-29-offload-ranks-disk.json"),
+                                           Source(RAM, "2026-11-29-offload-ranks-ramdev.json"))),
     "hf_load": Table(hf_load, (Source(DISK, "2026-11-28-hf-load-r28-disk.json"),
                                Source(RAM, "2026-11-28-hf-load-r28-ramdev.json"))),
     "gpu_io": Table(gpu_io, (Source("H200", "2026-11-27-gpu-io-h200-run2.json", "run 2"),

@@ -282,6 +282,25 @@ def _summary(reps: list[list[dict[str, Any]]], world: int, savers: list[str]) ->
     return out
 
 
+def share_copy_seconds(nbytes: int, reps: int = 5) -> float:
+    """Median seconds of one plain copy of ``nbytes`` (the largest rank's share) into memory already
+    touched, with deepnvme's ParallelCopy, in this process alone (the ranks' snapshots copy both
+    shares at once on the same cores, so the ratio to it is a conservative one)."""
+    import torch
+
+    from deepnvme.memory.copy import ParallelCopy
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        copy = ParallelCopy()
+        copy.add(dst, src)
+        copy.finish()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", required=True, help="folder on the device under test (its contents are replaced)")
@@ -339,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
                       dcp_bytes_per_save_over_state=n["bytes_per_save"] / state)
         met["added_vs_dcp <= 0.5"] = ratios["added_vs_dcp"] is not None and ratios["added_vs_dcp"] <= 0.5
         met["restore_speedup >= 1.2"] = ratios["restore_speedup_vs_dcp_load"] >= 1.2
+    if d is not None and d["bytes_per_rank"]:
+        ratios["share_copy_s"] = share_copy_seconds(max(d["bytes_per_rank"]))
+        ratios["snapshot_blocked_over_share_copy"] = d["blocked_s"] / ratios["share_copy_s"]
+        met["snapshot blocked <= 1.1x the share's copy"] = ratios["snapshot_blocked_over_share_copy"] <= 1.1
     if f is not None:
         ratios["fenced_blocked_over_step"] = f["blocked_s"] / f["step_s"]
         met["fenced blocked < 2 % of a step"] = ratios["fenced_blocked_over_step"] < 0.02

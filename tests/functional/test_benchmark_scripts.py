@@ -150,6 +150,7 @@ def test_bench_manager_ranks(tmp_path):
         assert name in out
     data = json.loads((tmp_path / "out.json").read_text())
     assert data["configs"]["deepnvme"]["bytes_per_rank"][1] > 0  # both ranks wrote their share
+    assert data["ratios"]["share_copy_s"] > 0 and data["ratios"]["snapshot_blocked_over_share_copy"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 

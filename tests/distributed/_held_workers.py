@@ -217,6 +217,16 @@ def decided(rank: int, world: int, root: str) -> None:
     assert mgr.restore(state) == 12
     got = snapshot(model, opt)
     assert same(got["model"], expected["model"]) and same(got["optim"], expected["optim"])
+
+    # a save walked in save() (as for FSDP modules) right after a held one: the held save's writer
+    # may have replaced the cached plan meanwhile, so it plans again rather than trust the cache
+    real_walks = _ranks.walks_later
+    _ranks.walks_later = lambda state: False
+    said.clear()
+    assert mgr.save(14, state)
+    mgr.wait()
+    _ranks.walks_later = real_walks
+    assert [w for t, w in said if t == "main"] == ["save(14)", "save(14) planning"], said
     mgr.close()
 
     with deepnvme.CheckpointManager(os.path.join(root, "timed"), staging="fenced", every_seconds=3600,

@@ -95,6 +95,7 @@ class RankSteps(RankReads):
         self.layout = layout or Layout(rank=group.rank, nodes=(tuple(range(group.world)),))
         self.tiers, self.after_commit, self.closing = tiers, after_commit, closing
         self._token: str | None = None  # rank 0's, from the last vote: the building folders' names
+        self._held_last = False  # whether the last due save was held (its writer may replace the cached plan)
         self.plans = SharePlans(group, rng_key, drives=None if drives is None else len(drives.folders),
                                 discard=lambda building: self._discard(building) if self.layout.leader else None)
         # one staging arena for every save: settle() waits for the previous write before staging
@@ -123,7 +124,8 @@ class RankSteps(RankReads):
         # the structure is compared with the cached plan's before the vote when the save looks
         # due here, so that a steady-state save needs no planning exchange (see _agree)
         plans = self.plans
-        early = not held and plans.cache is not None and (force or rule(last_step, since_last))
+        # after a held save, whose writer may still replace the cache, the structure is not compared early
+        early = not held and not self._held_last and plans.cache is not None and (force or rule(last_step, since_last))
         local = plans.plan(state, rng, rank_state) if early else None
         same = local is not None and local.error is None and plans.cache is not None and local.same_as(plans.cache)
         vote: Any = (step, force, same, held)
@@ -151,7 +153,8 @@ class RankSteps(RankReads):
                 self._prepare(building)
         except BaseException as exc:  # reported to every rank below
             own = exc
-        if all(v[3] for v in votes):
+        self._held_last = all(v[3] for v in votes)  # alike on every rank
+        if self._held_last:
             call, own = self._hold(step, building, state, rng, rank_state, own)
         else:
             call, own = self._stage(step, building, state, local or plans.plan(state, rng, rank_state), own,
@@ -183,6 +186,7 @@ class RankSteps(RankReads):
         except BaseException as exc:  # reported by the writer thread
             own = exc
         call, _ = self._hold(step, building, state, rng, rank_state, own)
+        self._held_last = True
         self._start().submit(call)
         return call
 

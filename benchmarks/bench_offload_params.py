@@ -116,6 +116,7 @@ def run_mode(args: argparse.Namespace) -> dict:
             buffer_count=args.buffers,
             lr=1e-4,
             update_threads=("auto" if args.update_threads is None else args.update_threads),
+            fuse_backward={"auto": "auto", "0": False, "1": True}[args.fuse_backward],
         )
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
 
@@ -221,6 +222,8 @@ def parse() -> argparse.Namespace:
         help="1: offload_parameters(offload_gradients=False), gradients kept in memory "
         "as DeepSpeed's ZeRO-3 keeps them",
     )
+    ap.add_argument("--fuse-backward", choices=("auto", "0", "1"), default="auto",
+                    help="NVMeOptimizer(fuse_backward=): the update in the backward pass (default auto)")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--report", help="only print the table of a --json file written earlier")
     ap.add_argument(

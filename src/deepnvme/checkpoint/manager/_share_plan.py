@@ -76,28 +76,30 @@ class SharePlans:
                 raise ValueError(f"CheckpointManager.save({step}): ranks {others} passed other steps "
                                  f"({[said[r][0] for r in others]}); every rank saves the same step")
             if any(v[2] is not None for v in said):
-                self.cache = None
-                self.discard(building)
-                raise _failed(f"checkpoint step {step} (planning)", [v[2] for v in said], own or local.error)
+                raise self._failed(step, building, [v[2] for v in said], own or local.error)
             same = all(v[1] for v in said)
         if same and self.cache is not None:
             return self.cache
         own = own or local.error
         plans = g.gather((local.plan, _describe(own), local.keys), thread=thread, what=f"save({step}) planning")
         if any(p[1] is not None for p in plans):
-            self.cache = None
-            self.discard(building)
-            raise _failed(f"checkpoint step {step} (planning)", [p[1] for p in plans], own)
+            raise self._failed(step, building, [p[1] for p in plans], own)
         cache = self.cache = local.cached([p[0] for p in plans], g.rank,
                                            {rng_entry(r): p[2] for r, p in enumerate(plans) if p[2] is not None},
-                                           drives=None if self.drives is None else self.drives)
+                                           drives=self.drives)
         self.planned += 1
         return cache
+
+    def _failed(self, step: int, building: str, said: list[Any], own: BaseException | None) -> BaseException:
+        """A failed planning on some rank: no plan is reused, the building folder goes; the error."""
+        self.cache = None
+        self.discard(building)
+        return _failed(f"checkpoint step {step} (planning)", said, own)
 
     @staticmethod
     def finish(step: int, local: LocalPlan, cache: PlanCache) -> tuple[DefaultSavePlanner, SavePlan, Metadata]:
         """This rank's planner, its final plan of the save and a copy of the metadata (whose
         storage_data is set per save)."""
-        if local.planner is None:  # not reached: a failed plan raised in _agree
+        if local.planner is None:  # not reached: a failed plan raised in agree
             raise RuntimeError(f"CheckpointManager.save({step}): no save planner")
         return local.planner, local.planner.finish_plan(cache.final), dataclasses.replace(cache.metadata)

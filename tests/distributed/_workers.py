@@ -218,8 +218,9 @@ def checked(rank: int, world: int, directory: str, single: str) -> None:
         assert mgr.restore(state, step=2, rank_state=mine) == 2
         assert mine["pos"] == 10 * rank + 2 and torch.equal(mine["seen"], torch.full((3,), rank))
         assert mine["other"] == "kept"
-        try:
+        try:  # a held save (DCP's walk on the writer thread): reported at wait()
             mgr.save(3, {**state, "_deepnvme_rank_state": 1})
+            mgr.wait()
         except deepnvme.DistributedSaveError as exc:
             assert "reserved" in str(exc) and "rank 0, 1" in str(exc), exc
         else:

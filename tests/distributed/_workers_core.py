@@ -15,8 +15,9 @@ from ._workers import model_and_optim, same, snapshot, train
 
 
 def steady(rank: int, world: int, directory: str) -> None:
-    """A steady-state save runs no planning exchange (only the step vote); a change of structure
-    plans again; a restore reads each replicated item on one rank and broadcasts it, bitwise."""
+    """A steady-state save runs no planning exchange and, after the second save, no collective on
+    the training thread and no DCP walk there, while the values at save() are saved; a change of
+    structure plans again; a restore reads each replicated item on one rank and broadcasts it, bitwise."""
     model, opt = model_and_optim(ddp=True)
     state: dict[str, Any] = {"model": model, "optim": opt, "meta": {"epoch": 1}}
     mgr = deepnvme.CheckpointManager(directory, keep=3, timeout=30)
@@ -47,13 +48,28 @@ def steady(rank: int, world: int, directory: str) -> None:
         for p in model.parameters():
             p.add_(1.0)
     mgr.wait()
-    assert ranks.plans.planned == 1 and [w for t, w in said if t == "main"] == ["save(2)"], said
+    # held: no collective on this thread, the structure compared on the writer thread; save(2)
+    # still walked in save() (the share's tensors are found on the writer thread of a held save)
+    assert ranks.plans.planned == 1 and [w for t, w in said if t == "main"] == [], said
+    assert [w for t, w in said if t == "writer"][0] == "save(2) structure", said
+    assert (ranks.snapshots.walked, ranks.snapshots.fast) == (1, 0)
     again = ranks._arenas.arenas()[0]
     assert again is not None and again.data_ptr() == arena.data_ptr()  # the same arena, reused
-    state["extra"] = torch.full((5,), float(rank == 0))  # a new entry: planned again
-    assert mgr.save(3, state)
+    train(model, opt)
+    expected3 = snapshot(model, opt)
+    assert mgr.save(3, state)  # the steady state: the share copied in save() without DCP's walk
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+        for s in opt.state.values():
+            s["exp_avg"].add_(1.0)
     mgr.wait()
-    assert ranks.plans.planned == 2
+    assert (ranks.snapshots.walked, ranks.snapshots.fast, ranks.plans.planned) == (1, 1, 1)
+    assert ranks._arenas.arenas()[0].data_ptr() == arena.data_ptr()
+    state["extra"] = torch.full((5,), float(rank == 0))  # a new entry: planned again
+    assert mgr.save(4, state)
+    mgr.wait()
+    assert ranks.plans.planned == 2 and ranks.snapshots.walked == 2
     del state["extra"]
 
     read: list[int] = []
@@ -79,12 +95,15 @@ def steady(rank: int, world: int, directory: str) -> None:
     got = snapshot(model, opt)
     assert same(got["model"], expected["model"]) and same(got["optim"], expected["optim"])
     assert state["meta"] == {"epoch": 2}
+    assert mgr.restore(state, step=3) == 3
+    got = snapshot(model, opt)
+    assert same(got["model"], expected3["model"]) and same(got["optim"], expected3["optim"])
     counts: list[Any] = [None] * world
     dist.all_gather_object(counts, read[0])
     assert asked[0] == sum(counts) and max(counts) < 0.7 * asked[0], (counts, asked)  # each item read once
     mgr.close()
     assert [n for n in sorted(os.listdir(directory)) if n.startswith("step-")] == [
-        f"step-{s:012d}" for s in (1, 2, 3)]
+        f"step-{s:012d}" for s in (2, 3, 4)]
 
 
 def _dtensors(world: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

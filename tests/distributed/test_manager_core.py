@@ -12,7 +12,7 @@ import torch
 import deepnvme
 from deepnvme.checkpoint.manager._ranks import PHASES
 
-from . import _workers_core
+from . import _snapshot_workers, _workers_core
 from ._ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
@@ -20,6 +20,10 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 def test_steady_saves_reuse_the_plan_and_restore_reads_each_item_once(tmp_path):
     run_ranks(_workers_core.steady, 2, str(tmp_path), str(tmp_path / "ck"), deadline=240)
+
+
+def test_held_snapshots_copy_the_share_without_the_walk_while_tensors_stay_in_place(tmp_path):
+    run_ranks(_snapshot_workers.moved, 2, str(tmp_path), str(tmp_path / "ck"), deadline=240)
 
 
 @pytest.mark.parametrize("where", ["data", "header"])

@@ -56,8 +56,8 @@ from ._steps import FORMAT, MANIFEST, step_dir
 
 __all__ = ["KIND", "LocalPlan", "PlanCache", "state_dicts", "begin_state_dicts", "walk_modules", "walks_later",
            "load_into", "local_plan", "global_plans",
-           "placed_plans", "stage",
-           "StagedPlanner", "write_share", "Written", "item_sums", "finish_step", "read_step", "ReadHints", "rng_entry"]
+           "placed_plans", "stage", "StagedPlanner", "stage_tensors", "write_share", "Written", "item_sums",
+           "finish_step", "read_step", "ReadHints", "rng_entry"]
 
 KIND = "dcp"  # the manifest's "layout" of a multi-rank step
 Staged = dict[MetadataIndex, "torch.Tensor | io.BytesIO"]
@@ -253,12 +253,8 @@ class LocalPlan:
 
 def stage(planner: DefaultSavePlanner, plan: SavePlan, pool: ArenaPool) -> tuple[Staged, Lease]:
     """A snapshot of this rank's share: each tensor the plan assigns it (DTensor shards: the
-    local shard) copied into one arena leased from ``pool`` (reused across saves, so a steady
-    state of saves allocates nothing and the copies land in memory already faulted in), and the
-    pickled bytes of its plain items. Memory: this rank's share, pages rounded up. Release the
-    lease once the share is written. Each staged tensor's storage is exactly its own bytes of the
-    arena (``torch.frombuffer``), not the whole arena: DCP's writer clones every tensor whose
-    storage is larger than the tensor, which for arena views was a second copy of the share."""
+    local shard) copied into one arena leased from ``pool`` (:func:`stage_tensors`), and the
+    pickled bytes of its plain items. Release the lease once the share is written."""
     staged: Staged = {}
     tensors: list[tuple[MetadataIndex, torch.Tensor]] = []
     for item in plan.items:
@@ -267,6 +263,18 @@ def stage(planner: DefaultSavePlanner, plan: SavePlan, pool: ArenaPool) -> tuple
             tensors.append((item.index, data.detach()))
         else:
             staged[item.index] = data
+    copies, lease = stage_tensors(tensors, pool)
+    staged.update(copies)
+    return staged, lease
+
+
+def stage_tensors(tensors: list[tuple[MetadataIndex, torch.Tensor]], pool: ArenaPool) -> tuple[Staged, Lease]:
+    """``tensors`` copied into one arena leased from ``pool`` (reused across saves, so a steady
+    state of saves allocates nothing and the copies land in memory already faulted in).
+    Memory: their bytes, pages rounded up. Each copy's storage is exactly its own bytes of the
+    arena (``torch.frombuffer``), not the whole arena: DCP's writer clones every tensor whose
+    storage is larger than the tensor, which for arena views was a second copy of the share."""
+    staged: Staged = {}
     lease = pool.take(arena_bytes(t.numel() * t.element_size() for _, t in tensors))
     try:
         arena, offset, copy = lease.tensor, 0, ParallelCopy()

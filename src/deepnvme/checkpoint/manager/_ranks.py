@@ -5,9 +5,11 @@ node (:mod:`._nodes`; :mod:`._tiers`: restore across the nodes, their replicas a
 A save (:meth:`RankSteps.save`, the caller's thread): the ranks vote on the step (rank 0's view
 of the committed steps and of the interval rule decides for all); each rank plans with DCP and
 the ranks agree on the global plan, reused with no planning exchange while the structure holds
-(:mod:`._share_plan`); each rank copies its share (the snapshot) and returns. A fenced save of
-state without FSDP modules is *held*: DCP's walk, planning and staging run on the writer thread
-while the loop goes on, and the next optimizer step waits until the share is staged. On the
+(:mod:`._share_plan`); each rank copies its share (the snapshot) and returns. A save of state
+without FSDP modules is *held* (a snapshot: after the manager's first save): DCP's walk and the
+plan agreement run on the writer thread while the loop goes on; a snapshot's share is copied in
+``save()`` from the tensors the previous save found (:mod:`._snapshot_share`), a fenced save is
+staged there and the next optimizer step waits until it is. On the
 writer thread: each rank writes and fsyncs its files into the step's hidden building directory,
 the ranks vote (every rank's success or error, and its checksums, computed while writing), then
 rank 0 writes ``.metadata`` and the manifest, publishes ``step-N`` in one rename, applies
@@ -52,6 +54,7 @@ from ._lock import DirectoryLock, tidy
 from ._nodes import Layout, publish_nodes, retire_nodes
 from ._rank_reads import RankReads
 from ._share_plan import SharePlans
+from ._snapshot_share import Snapped, SnapshotShare
 from ._steps import (
     building_path,
     list_steps,
@@ -101,6 +104,7 @@ class RankSteps(RankReads):
         # one staging arena for every save: settle() waits for the previous write before staging
         self._arenas = ArenaPool(1, what="CheckpointManager staging arenas")
         self.fences = fences  # fenced staging (:mod:`._fenced_share`); None: snapshots
+        self.snapshots = SnapshotShare(self.plans, self._arenas)  # held snapshots (:mod:`._snapshot_share`)
         same_volume(group, drives)
         if self.layout.leader:
             tidy(directory, remove=None if drives is None else drives.remove_leftovers)
@@ -117,7 +121,8 @@ class RankSteps(RankReads):
         runs once the save is due, first: it waits for the previous save and raises its error (the
         same on every rank). ``rank_state``: this rank's own entries, kept apart (:mod:`._rank_state`)."""
         g = self.group
-        held = self.fences is not None and walks_later(state)  # the walk may run on the writer thread
+        # the walk may run on the writer thread (a snapshot's: after the first save, which plans in save())
+        held = (self.fences is not None or self._token is not None) and walks_later(state)
         if held and by_step and last_step is not None and self._token is not None:  # all decide alike: no vote
             return self._save_held(step, state, force=force, rng=rng, rule=rule, settle=settle,
                                    last_step=last_step, rank_state=rank_state)
@@ -193,16 +198,19 @@ class RankSteps(RankReads):
     def _hold(self, step: int, building: str, state: Mapping[str, Any], rng: bool,
               rank_state: Mapping[str, Any] | None, own: BaseException | None) -> tuple[Call, BaseException | None]:
         """A held save (see the module): only what the loop may change before its next optimizer
-        step is taken here; :meth:`_write_held` does the rest. The call and this rank's error."""
-        fences, keys, begun = self.fences, None if rank_state is None else sorted(rank_state), {}
-        if fences is None:  # not reached: only fenced saves are held
-            raise RuntimeError("CheckpointManager: a held save without fences")
+        step (fenced), or its share (a snapshot, :mod:`._snapshot_share`), is taken here;
+        :meth:`_write_held` does the rest. The call and this rank's error."""
+        keys, begun = None if rank_state is None else sorted(rank_state), {}
+        snapped: Snapped | None = None
         try:
             begun = self.plans.begin(state, rng, rank_state, copy_plain=True)
+            if self.fences is None and own is None:
+                at_phase("staging")
+                snapped = self.snapshots.take(state, begun, keys)
         except BaseException as exc:  # heard by every rank on the writer thread
             own = own or exc
-        gate = fences.hold(state)
-        return Call(fn=lambda: self._write_held(step, building, state, begun, keys, fences, gate, own)), own
+        gate = None if self.fences is None else self.fences.hold(state)
+        return Call(fn=lambda: self._write_held(step, building, state, begun, keys, gate, snapped, own)), own
 
     def _stage(self, step: int, building: str, state: Mapping[str, Any], local: LocalPlan,
                own: BaseException | None, *, same: bool) -> tuple[Call, BaseException | None]:
@@ -225,24 +233,35 @@ class RankSteps(RankReads):
                                            cache.rank_keys, cache.placed)), own
 
     def _write_held(self, step: int, building: str, state: Mapping[str, Any], begun: dict[str, Any],
-                    keys: list[str] | None, fences: ShareFences, gate: threading.Event,
+                    keys: list[str] | None, gate: threading.Event | None, snapped: Snapped | None,
                     own: BaseException | None) -> None:
-        """The writer thread, for :meth:`_hold`: walk, agree on the plan, stage the fence, let the
-        held optimizer step go on, then write and commit as :meth:`_write`."""
+        """The writer thread, for :meth:`_hold`: walk (unless ``save()`` did), agree on the plan,
+        stage the fence and let the held optimizer step go on (or finish the snapshot), then
+        write and commit as :meth:`_write`."""
         fence: ShareFence | None = None
         try:
             local = LocalPlan(None, None, keys, own) if own is not None else \
+                snapped.local if snapped is not None and snapped.local is not None else \
                 self.plans.local(lambda: walk_modules(state, begun), keys)
             cache = self.plans.agree(step, building, local, None, thread="writer", same=None)
             planner, mine, metadata = self.plans.finish(step, local, cache)
             try:
                 at_phase("staging")
-                fence = fences.stage(planner, mine, state)
+                if self.fences is not None:
+                    fence = self.fences.stage(planner, mine, state)
+                elif snapped is not None:
+                    self.snapshots.complete(snapped, planner, mine, cache, state, begun)
             except BaseException as exc:  # voted below, so every rank fails the save
                 own = exc
+        except BaseException:
+            if snapped is not None:
+                snapped.release()
+            raise
         finally:
-            fences.release(gate)
-        self._write(step, building, mine, {}, None, fence, metadata, own, cache.rank_keys, cache.placed)
+            if gate is not None and self.fences is not None:
+                self.fences.release(gate)
+        staged, lease = ({}, None) if snapped is None else (snapped.staged, snapped.lease)
+        self._write(step, building, mine, staged, lease, fence, metadata, own, cache.rank_keys, cache.placed)
 
     def _prepare(self, building: str) -> None:
         """A node's lowest rank: the writer lock (at the first save; leftovers of killed saves

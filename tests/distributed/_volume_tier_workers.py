@@ -69,8 +69,8 @@ def _check_node(folders: list[str], ranks: list[int], manifest: dict[str, Any], 
 
 
 def replicas_on_volumes(rank: int, world: int, root: str, per_node: int) -> None:
-    """Nodes on volumes with replicas=2: every node's files and replicas placed on its own two
-    drives; one node's drives lost entirely: restore reads the replicas, bitwise, and the node
+    """Nodes on volumes with replicas=2 (and durable=): every node's files and replicas placed on
+    its own two drives; one node's drives lost entirely: restore reads the replicas, bitwise, and the node
     heals across its drives, so losing the other node afterwards is survivable too. A node
     opened with one drive missing is a VolumeLayoutError on every rank."""
     log = Records()
@@ -79,7 +79,8 @@ def replicas_on_volumes(rank: int, world: int, root: str, per_node: int) -> None
     model, opt = model_and_optim(ddp=True)
     state: dict[str, Any] = {"model": model, "optim": opt, "meta": {"epoch": 0}}
     opts: dict[str, Any] = {"keep": 2, "replicas": 2, "timeout": 30}
-    with deepnvme.CheckpointManager(vol / "ck", **opts) as mgr:
+    lasting = os.path.join(root, "durable")
+    with deepnvme.CheckpointManager(vol / "ck", **opts, durable=lasting, keep_durable=1) as mgr:
         for step in (1, 2, 3):
             train(model, opt)
             state["meta"] = {"epoch": step}

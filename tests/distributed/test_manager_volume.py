@@ -69,6 +69,12 @@ def test_replicas_on_two_nodes_each_with_a_volume(tmp_path):
     target = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
     dcp.load(target, checkpoint_id=str(plain))
     assert all(torch.equal(target["model"][k], expected["model"][k]) for k in expected["model"])
+    # the durable copy, drained from both nodes' drives, is a plain DCP folder
+    assert sorted(os.listdir(tmp_path / "durable" / "step-000000000003")) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
+    target = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+    dcp.load(target, checkpoint_id=str(tmp_path / "durable" / "step-000000000003"))
+    assert all(torch.equal(target["model"][k], expected["model"][k]) for k in expected["model"])
 
 
 @pytest.mark.slow

@@ -183,6 +183,8 @@ class StepDrives:
         final = self.across(step_dir(folder or self.home, step))
         for here, there in zip(self.across(building)[1:], final[1:]):
             if os.path.isdir(here):
+                if os.path.isdir(there) and not os.path.isdir(final[0]):  # a leftover of a killed publish
+                    shutil.rmtree(there)
                 durable.publish_dir(here, there)
         durable.publish_dir(building, final[0])
 

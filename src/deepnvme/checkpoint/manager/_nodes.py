@@ -75,7 +75,7 @@ class Layout:
             raise ValueError(
                 f"CheckpointManager(replicas=2): each rank's replica goes to rank + local world size "
                 f"({self.local_world}) on another node, but the nodes (ranks sharing a host and "
-                f"directory) are {[list(n) for n in self.nodes]}: give each node its own directory, "
+                f"directory) are {[list(n) for n in self.nodes]}: give each node its own directory or volume, "
                 "with the same number of consecutive ranks on every node, or use replicas=1")
 
 

@@ -149,3 +149,70 @@ def replicas_on_volumes(rank: int, world: int, root: str, per_node: int) -> None
             shutil.rmtree(d)
     dist.barrier()
     restore(True)
+
+
+def failed_commit_on_volumes(rank: int, world: int, root: str) -> None:
+    """Two nodes on volumes, replicas=2, two data files per rank (so each node's step has a part
+    on both drives). Node 1's drive 0 fails to publish step 2 after its drive 1 published its
+    part: every rank raises, naming rank 1; step 2 is taken back on both nodes and every drive.
+    Then node 1's drive 0 fails to publish the replica of step 3: raised on every rank, the
+    replica's part on drive 1 removed, step 3 stays committed. Step 1 restores bitwise; leftovers
+    of a killed replica publish are removed at the first save."""
+    from deepnvme.checkpoint.dcp import _storage
+    from deepnvme.checkpoint.manager import _drives
+
+    real_init = _storage.NVMeStorageWriter.__init__
+
+    def two_files(self: Any, path: Any, **kwargs: Any) -> None:
+        real_init(self, path, **{"thread_count": 2, **kwargs})
+
+    _storage.NVMeStorageWriter.__init__ = two_files  # type: ignore[method-assign]
+    node = rank
+    folders = [os.path.join(d, "ck") for d in drives_of(root, node)]
+    replicas = [_replicas.replica_dir(f, 1 - rank) for f in folders]
+    crashed = os.path.join(replicas[1], STEP.format(9))
+    os.makedirs(crashed)  # a part on drive 1 that drive 0 never listed
+    model, opt = model_and_optim(ddp=True)
+    state: dict[str, Any] = {"model": model, "optim": opt}
+    mgr = deepnvme.CheckpointManager(Volume(drives_of(root, node)) / "ck", keep=3, replicas=2, timeout=30)
+    train(model, opt)
+    assert mgr.save(1, state)
+    mgr.wait()
+    expected = snapshot(model, opt)
+    assert not os.path.exists(crashed)
+    assert set(_placed_files([os.path.join(f, STEP.format(1)) for f in folders]).values()) == {0, 1}
+    real = _drives.durable.publish_dir
+    refused: list[str] = []
+
+    def failing(src: str, dst: str) -> None:
+        if dst in refused:
+            raise OSError(28, "No space left on device (injected)")
+        real(src, dst)
+
+    _drives.durable.publish_dir = failing  # type: ignore[assignment]
+    for step, target, what in ((2, folders[0], "checkpoint step 2"), (3, replicas[0], "replicating checkpoint step 3")):
+        refused[:] = [os.path.join(target, STEP.format(step))] if rank == 1 else []
+        train(model, opt)
+        assert mgr.save(step, state)
+        try:
+            mgr.wait()
+        except deepnvme.DeepNVMeIOError as exc:
+            assert "rank 1" in str(exc) and what in str(exc), exc
+        else:
+            raise AssertionError(f"a failed publish of step {step} on node 1 was not reported")
+        dist.barrier()
+        for n in range(2):  # nothing of the failed step or replica is left on any drive
+            for d in range(2):
+                base = os.path.join(root, f"node{n}-d{d}", "ck")
+                for folder in (base, _replicas.replica_dir(base, 1 - n)):
+                    names = os.listdir(folder) if os.path.isdir(folder) else []
+                    left = [x for x in names if x.startswith(".step-") or (x == STEP.format(2))
+                            or (x == STEP.format(3) and folder != base and n == 1)]
+                    assert not left, (folder, left)
+    _drives.durable.publish_dir = real  # type: ignore[assignment]
+    assert mgr.steps() == [1, 3]
+    _zero(model)
+    assert mgr.restore(state, step=1) == 1
+    got = snapshot(model, opt)
+    assert same(got["model"], expected["model"]) and same(got["optim"], expected["optim"])
+    mgr.close()

@@ -81,3 +81,7 @@ def test_replicas_on_two_nodes_each_with_a_volume(tmp_path):
 def test_replicas_on_two_nodes_of_two_ranks_each_with_a_volume(tmp_path):
     root = str(tmp_path)
     run_ranks(_volume_tier_workers.replicas_on_volumes, 4, root, root, 2, deadline=280)
+
+
+def test_a_failed_publish_on_one_node_takes_the_step_back_on_every_drive(tmp_path):
+    run_ranks(_volume_tier_workers.failed_commit_on_volumes, 2, str(tmp_path), str(tmp_path), deadline=120)

@@ -152,11 +152,11 @@ def replicas_on_volumes(rank: int, world: int, root: str, per_node: int) -> None
 
 
 def failed_commit_on_volumes(rank: int, world: int, root: str) -> None:
-    """Two nodes on volumes, replicas=2, two data files per rank (so each node's step has a part
+    """Two nodes on volumes, replicas=2, two data files per rank (so each node's step has a folder
     on both drives). Node 1's drive 0 fails to publish step 2 after its drive 1 published its
-    part: every rank raises, naming rank 1; step 2 is taken back on both nodes and every drive.
+    folder: every rank raises, naming rank 1; step 2 is taken back on both nodes and every drive.
     Then node 1's drive 0 fails to publish the replica of step 3: raised on every rank, the
-    replica's part on drive 1 removed, step 3 stays committed. Step 1 restores bitwise; leftovers
+    replica's folder on drive 1 removed, step 3 stays committed. Step 1 restores bitwise; leftovers
     of a killed replica publish are removed at the first save."""
     from deepnvme.checkpoint.dcp import _storage
     from deepnvme.checkpoint.manager import _drives
@@ -171,7 +171,7 @@ def failed_commit_on_volumes(rank: int, world: int, root: str) -> None:
     folders = [os.path.join(d, "ck") for d in drives_of(root, node)]
     replicas = [_replicas.replica_dir(f, 1 - rank) for f in folders]
     crashed = os.path.join(replicas[1], STEP.format(9))
-    os.makedirs(crashed)  # a part on drive 1 that drive 0 never listed
+    os.makedirs(crashed)  # a step folder on drive 1 that drive 0 never listed
     model, opt = model_and_optim(ddp=True)
     state: dict[str, Any] = {"model": model, "optim": opt}
     mgr = deepnvme.CheckpointManager(Volume(drives_of(root, node)) / "ck", keep=3, replicas=2, timeout=30)

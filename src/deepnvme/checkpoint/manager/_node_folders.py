@@ -5,8 +5,8 @@ On a volume every folder the tiers use (a step, a replica of another node's step
 building or gathering folder) exists under the same name below the manager folder of each drive;
 each data file lies whole on one drive, and drive 0's folder holds ``.metadata``, the manifest
 and a placement record (:mod:`.._placed`) naming every data file's drive. A folder is published
-with the other drives' parts first and drive 0's last, which is what lists it, and removed drive
-0's first. On a plain directory every drive index is 0 and there is no placement record.
+with the other drives' folders first and drive 0's last, which is what lists it, and removed
+drive 0's first. On a plain directory every drive index is 0 and there is no placement record.
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ class NodeFolders:
 
     def building(self, folder: str, step: int) -> str:
         """A new hidden building folder for ``step`` in ``folder`` (made if missing) on drive 0;
-        :meth:`slot` makes its part on another drive when a file goes there."""
+        :meth:`slot` makes its folder on another drive when a file goes there."""
         os.makedirs(folder, exist_ok=True)
         return new_building(folder, step)
 
     def slot(self, building: str, name: str, drive: int) -> str:
-        """Where the file ``name`` of the folder ``building`` lies on ``drive`` (the drive's
-        part of the folder made if missing)."""
+        """Where the file ``name`` of the folder ``building`` lies on ``drive`` (the folder
+        made on that drive if missing)."""
         here = self.across(building)[drive]
         os.makedirs(here, exist_ok=True)
         return os.path.join(here, name)
@@ -91,14 +91,14 @@ class NodeFolders:
         write_placement(self.across(building), files, named=self.across(final or building))
 
     def publish(self, building: str, folder: str, step: int) -> None:
-        """Publish ``building`` as ``step-N`` of ``folder`` (drive 0's part last)."""
+        """Publish ``building`` as ``step-N`` of ``folder`` (drive 0's folder last)."""
         if self.drives is None:
             durable.publish_dir(building, step_dir(folder, step))
         else:
             self.drives.publish(building, step, folder)
 
     def discard(self, building: str, folder: str | None = None, step: int | None = None) -> None:
-        """Remove ``building`` on every drive, and with ``step``, that step's parts of ``folder``
+        """Remove ``building`` on every drive, and with ``step``, that step's folders in ``folder``
         on other drives when drive 0's is not published (a commit that stopped half way)."""
         if self.drives is None:
             shutil.rmtree(building, ignore_errors=True)
@@ -106,7 +106,7 @@ class NodeFolders:
             self.drives.discard(building, step, folder)
 
     def delete(self, folder: str, step: int) -> None:
-        """Remove the committed ``step`` of ``folder``: drive 0's part first (it is unlisted)."""
+        """Remove the committed ``step`` of ``folder``: drive 0's folder first (it is unlisted)."""
         if self.drives is None:
             delete_step(folder, step)
         else:
@@ -114,8 +114,8 @@ class NodeFolders:
                                else folder)
 
     def remove_leftovers(self, folder: str) -> None:
-        """Remove the hidden folders killed work left in ``folder`` on every drive (and parts of
-        steps on other drives that drive 0 does not list); each removal is logged."""
+        """Remove the hidden folders killed work left in ``folder`` on every drive (and folders
+        of steps on other drives that drive 0 does not list); each removal is logged."""
         if self.drives is None:
             remove_leftovers(folder)
         else:

@@ -12,7 +12,7 @@ manifest are linked from the node's own copy of the step, which is identical on 
 On a volume (:mod:`._node_folders`) the replica folder exists on every drive of the receiving
 node: the replicas of the node's sources are placed on its drives balanced by bytes, on top of
 the node's own files of the step, every rank of the node computing the same placement; drive 0's
-part (with a placement record) is published last.
+folder (with a placement record) is published last.
 Retention keeps the same number of replicas as steps. Runs on the manager's writer thread, so a
 save's replication ends before the next save starts; the ranks vote on the outcome, and a
 failure is raised by every rank at its next ``save()``, ``wait()`` or ``close()``.

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import deepnvme
 from deepnvme import Volume, VolumeLayoutError
 from deepnvme.checkpoint.manager import _replicas
+from deepnvme.cli.main import main
 
 from ._tier_workers import Records, _zero
 from ._workers import model_and_optim, same, snapshot, train
@@ -216,3 +217,8 @@ def failed_commit_on_volumes(rank: int, world: int, root: str) -> None:
     got = snapshot(model, opt)
     assert same(got["model"], expected["model"]) and same(got["optim"], expected["optim"])
     mgr.close()
+    if rank == 0:  # deepnvme verify finds each data file on the drive the step's placement record names
+        assert main(["verify", folders[0]]) == 0
+        step1 = os.path.join(folders[1], STEP.format(1))
+        os.truncate(os.path.join(step1, next(n for n in os.listdir(step1) if n.endswith(".distcp"))), 10)
+        assert main(["verify", folders[0]]) == 1

@@ -142,8 +142,8 @@ def test_a_whole_volume_as_directory_and_refused_options(tmp_path):
         mgr.wait()
         assert mgr.steps() == [1, 2]
     assert (tmp_path / "d1" / STEP.format(2) / "state.pt").is_file()
-    with pytest.raises(ValueError, match=r"replicas=2\) on a Volume"):
-        deepnvme.CheckpointManager(vol, replicas=2)
+    with pytest.raises(ValueError, match=r"replicas=2\) keeps copies on other nodes.*two nodes"):
+        deepnvme.CheckpointManager(vol, replicas=2)  # one process: one node
     with pytest.raises(TypeError, match="or a Volume"):
         deepnvme.CheckpointManager(3)  # type: ignore[arg-type]
 

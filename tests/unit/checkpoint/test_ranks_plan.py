@@ -9,14 +9,17 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
 import deepnvme
+from deepnvme.checkpoint.dcp._volume import PlacedPrefix
 from deepnvme.checkpoint.manager._dcp_step import (
     begin_state_dicts,
     global_plans,
     local_plan,
+    placed_plans,
     state_dicts,
     walk_modules,
     walks_later,
 )
+from deepnvme.checkpoint.manager._node_folders import NodeFolders
 from deepnvme.checkpoint.manager._ranks import _failed
 
 
@@ -98,3 +101,26 @@ def test_a_held_save_refuses_param_groups_that_changed_before_the_walk():
 def test_fsdp_modules_are_walked_in_save():
     assert walks_later(_trained())
     assert walks_later({"meta": 1})
+
+
+def test_each_node_places_only_its_own_ranks_files_on_its_drives():
+    planned = _replicas(4)
+    final, _ = global_plans(planned[0][0], [plan for _, plan in planned])
+    out, placed = placed_plans(final, 2, (2, 3))  # the second node of two, two ranks each
+    assert placed and {name[:4] for name in placed} == {"__2_", "__3_"}
+    assert all(not isinstance(out[r].storage_data, PlacedPrefix) for r in (0, 1))  # another node's
+    assert all(isinstance(out[r].storage_data, PlacedPrefix) for r in (2, 3))
+    assert set(placed.values()) == {0, 1}  # both of the node's drives hold files
+    assert placed_plans(final, 2)[1].keys() > placed.keys()  # one node: every rank's files
+
+
+def test_replicas_are_placed_on_top_of_the_nodes_own_bytes():
+    class Two:  # the drive folders a NodeFolders needs: placement is pure
+        folders = ("/d0/ck", "/d1/ck")
+
+    folders = NodeFolders("/d0/ck", Two())  # type: ignore[arg-type]
+    assert folders.place({"a": 10, "b": 10, "c": 3, ".metadata": 5, "manifest.json": 1}, used=[15, 0]) == {
+        "a": 1, "b": 1, "c": 0, ".metadata": 0, "manifest.json": 0}
+    assert NodeFolders("/plain", None).place({"a": 10, "b": 7}) == {"a": 0, "b": 0}
+    assert folders.drive_of("/d1/ck/step-000000000001/__0_0.distcp") == 1
+    assert folders.drive_of("/d0/ck/.deepnvme-replicas/rank-00001/x") == 0

@@ -21,7 +21,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -201,12 +201,20 @@ def global_plans(planner: DefaultSavePlanner, plans: list[SavePlan]) -> tuple[li
     return final, metadata
 
 
-def placed_plans(final: list[SavePlan], drives: int) -> tuple[list[SavePlan], dict[str, int]]:
-    """The final plans with each data file given one of ``drives`` drives, balanced by bytes over
-    every rank's files (:func:`..dcp._volume.place_plans`, cut as :func:`write_share`'s writer
-    cuts them), and data file -> drive. Deterministic."""
+def placed_plans(final: list[SavePlan], drives: int, ranks: Sequence[int] | None = None
+                 ) -> tuple[list[SavePlan], dict[str, int]]:
+    """The final plans with each data file of ``ranks`` (None: every rank; one node's ranks)
+    given one of ``drives`` drives, balanced by bytes over those ranks' files
+    (:func:`..dcp._volume.place_plans`, cut as :func:`write_share`'s writer cuts them), and data
+    file -> drive. The other ranks' plans are left as they are. Deterministic."""
     cut = NVMeStorageWriter(os.devnull)  # the writer's defaults: how many files each rank writes
-    return place_plans(final, drives, thread_count=cut.thread_count, single_file_per_rank=cut.single_file_per_rank)
+    ranks = range(len(final)) if ranks is None else ranks
+    placed, where = place_plans([final[r] for r in ranks], drives, thread_count=cut.thread_count,
+                                single_file_per_rank=cut.single_file_per_rank)
+    out = list(final)
+    for r, plan in zip(ranks, placed):
+        out[r] = plan
+    return out, where
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,15 +247,16 @@ class LocalPlan:
                 and self.plan.planner_data == cache.local.planner_data)
 
     def cached(self, plans: list[SavePlan], rank: int, rank_keys: dict[str, list[str]], *,
-               drives: int | None = None) -> PlanCache:
+               drives: int | None = None, node: Sequence[int] | None = None) -> PlanCache:
         """The global plan made from every rank's local ``plans``, kept (see :class:`PlanCache`);
-        ``drives``: the data files placed on a volume of that many drives."""
+        ``drives``: the data files of ``node``'s ranks (None: all) placed on a volume of that
+        many drives."""
         if self.planner is None or self.plan is None:
             raise RuntimeError("a failed local plan has no global plan")
         final, metadata = global_plans(self.planner, plans)
         placed: dict[str, int] = {}
         if drives is not None:
-            final, placed = placed_plans(final, drives)
+            final, placed = placed_plans(final, drives, node)
         return PlanCache(self.plan, self.keys, final[rank], metadata, rank_keys, placed)
 
 

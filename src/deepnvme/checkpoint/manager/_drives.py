@@ -14,9 +14,12 @@ alternate drives. The manifest names the drive (``"drive"``) and the drive folde
 records name the drives in order and the stripe unit, so reopening with other drives, another
 order or stripe, or a drive not mounted raises :class:`~deepnvme.VolumeLayoutError`.
 
-A step saved by several ranks (one node) is a DCP checkpoint whose data files
-:mod:`._dcp_step` places on the drives (:func:`..dcp._volume.place_plans`), with ``.metadata``,
-the placement record and the manifest in drive 0's ``step-N``; the same folders and order hold.
+A step saved by several ranks is a DCP checkpoint whose data files :mod:`._dcp_step` places on
+the drives (:func:`..dcp._volume.place_plans`), with ``.metadata``, the placement record and the
+manifest in drive 0's ``step-N``; the same folders and order hold. Ranks on several nodes each
+pass their node's volume: each node places its own ranks' files on its own drives, and keeps the
+replicas of another node's files (``.deepnvme-replicas/``, :mod:`._replicas`) across them too:
+the folders below drive 0's manager folder exist under the same relative name on every drive.
 
 Commit order: the file's step folder on drive ``d`` is published first, drive 0's (with the
 manifest) last, which is what lists the step; retention unlists on drive 0 first. A crash in
@@ -29,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import threading
 from collections.abc import Callable
 
@@ -49,6 +53,7 @@ from ._steps import (
     remove_leftovers,
     step_dir,
 )
+from ._votes import describe
 
 __all__ = ["MARKER", "StepDrives", "open_drives", "same_volume", "take_directory"]
 
@@ -149,7 +154,13 @@ class StepDrives:
     def at(self, path: str) -> VolumePath:
         """The folder named as ``path`` (a step or building folder in drive 0's folder) on every
         drive: what :class:`~deepnvme.checkpoint.dcp.NVMeStorageWriter`/``Reader`` take."""
-        return self.target / os.path.basename(os.path.normpath(path))
+        return self.target / self._relative(path)
+
+    def _relative(self, path: str) -> str:
+        """``path``'s name relative to drive 0's folder (itself: ``"."``; a folder below it),
+        else its base name."""
+        norm, home = os.path.normpath(path), os.path.normpath(self.home)
+        return os.path.relpath(norm, home) if norm == home or norm.startswith(home + os.sep) else os.path.basename(norm)
 
     def holds(self, path: str) -> bool:
         """Whether ``path`` is a folder in drive 0's manager folder (a step, building or pin folder,
@@ -161,66 +172,72 @@ class StepDrives:
         return self.across(path) if self.holds(path) else None
 
     def across(self, path: str) -> tuple[str, ...]:
-        """The folder named as ``path`` in every drive's folder, drive 0's first."""
-        return tuple(os.path.join(folder, os.path.basename(os.path.normpath(path))) for folder in self.folders)
+        """The folder named as ``path`` (in or below drive 0's folder) in every drive's folder,
+        drive 0's first."""
+        return tuple(os.path.normpath(os.path.join(folder, self._relative(path))) for folder in self.folders)
 
-    def publish(self, building: str, step: int) -> None:
-        """Publish the step built in the folders named ``building``: each other drive's (where
-        it has files) first, drive 0's last, which lists the step (:func:`durable.publish_dir`)."""
-        for folder, here in zip(self.folders[1:], self.across(building)[1:]):
+    def publish(self, building: str, step: int, folder: str | None = None) -> None:
+        """Publish the step built in the folders named ``building`` as ``step-N`` of ``folder``
+        (drive 0's manager folder or one below it; None: the manager folder): each other drive's
+        (where it has files) first, drive 0's last, which lists the step (:func:`durable.publish_dir`)."""
+        final = self.across(step_dir(folder or self.home, step))
+        for here, there in zip(self.across(building)[1:], final[1:]):
             if os.path.isdir(here):
-                durable.publish_dir(here, step_dir(folder, step))
-        durable.publish_dir(building, step_dir(self.home, step))
+                if os.path.isdir(there) and not os.path.isdir(final[0]):  # a leftover of a killed publish
+                    shutil.rmtree(there)
+                durable.publish_dir(here, there)
+        durable.publish_dir(building, final[0])
 
-    def discard(self, building: str, step: int | None = None) -> None:
+    def discard(self, building: str, step: int | None = None, folder: str | None = None) -> None:
         """Remove the folders named ``building`` on every drive (a failed save's) and, when
-        drive 0 did not publish ``step``, the step's folders published on the other drives."""
+        drive 0 did not publish ``step`` (in ``folder``, as for :meth:`publish`), the step's
+        folders published on the other drives."""
         for here in self.across(building):
             shutil.rmtree(here, ignore_errors=True)
-        if step is not None and not os.path.isdir(step_dir(self.home, step)):
-            for folder in self.folders[1:]:
-                shutil.rmtree(step_dir(folder, step), ignore_errors=True)
+        final = None if step is None else self.across(step_dir(folder or self.home, step))
+        if final is not None and not os.path.isdir(final[0]):
+            for there in final[1:]:
+                shutil.rmtree(there, ignore_errors=True)
 
-    def delete(self, step: int) -> None:
-        """Remove committed ``step``: drive 0's folder first (the step is no longer listed),
-        then its file's folder on the other drives."""
-        delete_step(self.home, step)
-        for folder in self.folders[1:]:
-            if os.path.isdir(step_dir(folder, step)):
-                delete_step(folder, step)
-        self.forget(step)
+    def delete(self, step: int, folder: str | None = None) -> None:
+        """Remove committed ``step`` of ``folder`` (as for :meth:`publish`): drive 0's folder
+        first (the step is no longer listed), then its files' folders on the other drives."""
+        folders = self.across(folder or self.home)
+        delete_step(folders[0], step)
+        for here in folders[1:]:
+            if os.path.isdir(step_dir(here, step)):
+                delete_step(here, step)
+        if folder is None:
+            self.forget(step)
 
-    def leftovers(self) -> list[str]:
-        """What killed saves and removals left on every drive: hidden building and deleting
-        folders, and ``step-N`` folders of other drives that drive 0 does not hold."""
-        listed = {s for s, _ in find_step_dirs(self.home)}
-        found = [path for folder in self.folders for path in find_leftovers(folder)]
-        for folder in self.folders[1:]:
-            found += [path for s, path in find_step_dirs(folder) if s not in listed]
+    def leftovers(self, folder: str | None = None) -> list[str]:
+        """What killed saves and removals left in ``folder`` (as for :meth:`publish`) on every
+        drive: hidden building and deleting folders, and ``step-N`` folders of other drives that
+        drive 0 does not hold."""
+        folders = self.across(folder or self.home)
+        listed = {s for s, _ in find_step_dirs(folders[0])}
+        found = [path for here in folders for path in find_leftovers(here)]
+        for here in folders[1:]:
+            found += [path for s, path in find_step_dirs(here) if s not in listed]
         return found
 
-    def remove_leftovers(self) -> list[str]:
+    def remove_leftovers(self, folder: str | None = None) -> list[str]:
         """Remove :meth:`leftovers` (call only while holding the directory's lock); each
         removal is logged."""
         removed = []
-        for path in self.leftovers():
+        for path in self.leftovers(folder):
             shutil.rmtree(path)
             log.warning("deepnvme.CheckpointManager: removed %s, left by an interrupted save or removal", path)
             removed.append(path)
         return removed
 
 
-def open_drives(directory: object, *, replicas: int) -> StepDrives | None:
-    """The drive folders of a manager on a volume, its layout checked (None: a plain directory);
-    ``ValueError`` for ``replicas=2``, which a volume does not support."""
+def open_drives(directory: object) -> StepDrives | None:
+    """The drive folders of a manager on a volume (None: a plain directory); not yet checked
+    (:meth:`StepDrives.check`: one process at once, several ranks in :func:`same_volume`)."""
     if not isinstance(directory, (Volume, VolumePath)):
         return None
-    if replicas != 1:
-        raise ValueError("CheckpointManager(replicas=2) on a Volume is not supported: replicas need one "
-                         "directory per node, on several nodes, and a volume holds one node's steps")
-    drives = StepDrives(directory)
-    drives.check()
-    return drives
+    return StepDrives(directory)
 
 
 def take_directory(directory: str, drives: StepDrives | None) -> DirectoryLock:
@@ -240,10 +257,32 @@ def take_directory(directory: str, drives: StepDrives | None) -> DirectoryLock:
     return lock
 
 
-def same_volume(group: RankGroup, drives: StepDrives | None) -> None:
-    """Collective at construction: ``ValueError`` unless every rank passed the same volume (or
-    every rank a plain directory)."""
-    volumes = group.gather(None if drives is None else drives.folders, thread="main", what="CheckpointManager()")
-    if len(set(volumes)) > 1:
+def same_volume(group: RankGroup, drives: StepDrives | None, nodes: tuple[tuple[int, ...], ...]) -> None:
+    """Collective at construction: every rank's volume checked (:meth:`StepDrives.check`; a
+    :class:`VolumeLayoutError` on any rank is raised on every rank, naming it), and
+    ``ValueError`` unless the ranks of each node passed the same volume, every node a volume or
+    every node a plain directory, and no drive folder serves two nodes."""
+    problem: VolumeLayoutError | None = None
+    try:
+        if drives is not None:
+            drives.check()
+    except VolumeLayoutError as exc:
+        problem = exc
+    said = group.gather((None if drives is None else drives.folders, socket.gethostname(), describe(problem)),
+                        thread="main", what="CheckpointManager() volumes")
+    if bad := [(r, v[2][1]) for r, v in enumerate(said) if v[2] is not None]:
+        if problem is not None:
+            raise problem
+        raise VolumeLayoutError(f"CheckpointManager: the volume of rank {bad[0][0]} does not open: {bad[0][1]}"
+                                + "".join(f"; rank {r}: {m}" for r, m in bad[1:]), path=None)
+    volumes = [v[0] for v in said]
+    owner: dict[tuple[str, str], int] = {}  # (host, drive folder) -> the first node using it
+    for i, ranks in enumerate(nodes):
+        for folder in volumes[ranks[0]] or ():
+            owner.setdefault((said[ranks[0]][1], os.path.realpath(folder)), i)
+    shared = len(owner) < sum(len(volumes[n[0]] or ()) for n in nodes)
+    split = any(len({volumes[r] for r in ranks}) > 1 for ranks in nodes)
+    if len({v is None for v in volumes}) > 1 or split or shared:
         raise ValueError(f"CheckpointManager: the ranks passed different volumes or directories (drive folders "
-                         f"by rank: {volumes}); every rank passes the same Volume")
+                         f"by rank: {volumes}; nodes: {[list(n) for n in nodes]}); the ranks of a node pass "
+                         "the same Volume, each node its own drives (no drive folder serves two nodes)")

@@ -68,8 +68,8 @@ class CheckpointManager:
         directory: where the steps live (created, with missing parents, at the first save); a
             :class:`~deepnvme.Volume` or a folder on one (``vol / "ckpts"``) places each step's
             ``state.pt`` whole on one drive, balanced by bytes, with the step tree in drive 0's
-            folder; over several ranks of one node, each DCP data file whole on one drive (see
-            docs/checkpoints.md, "On a volume"; not ``replicas=2``).
+            folder; over several ranks, each DCP data file whole on one drive of its node's
+            volume, with ``replicas=2`` too (see docs/checkpoints.md, "On a volume").
         keep: newest committed steps kept; older ones are removed after a newer one commits
             (None: keep all).
         every_steps: ``save()`` writes when ``step % every_steps == 0`` (None: no step rule).
@@ -95,7 +95,7 @@ class CheckpointManager:
         timeout: seconds a rank waits for the others in the manager's own collectives before a
             :class:`~deepnvme.RanksTimeoutError` naming the ranks that did not arrive.
         replicas: 2: each rank's files of a step are also kept on another node (several ranks,
-            one ``directory`` per node; see docs/checkpoints.md, "Tiers").
+            one ``directory`` or volume per node; see docs/checkpoints.md, "Tiers").
         durable: a directory every rank sees (NFS, Lustre): every ``durable_every``-th committed
             step is copied there in the background, ``keep_durable`` of them kept (None: all);
             ``restore`` falls back to it when the nodes lack a step.
@@ -116,7 +116,7 @@ class CheckpointManager:
         lasting = None if durable is None else os.path.abspath(as_path(durable, "CheckpointManager(durable=)"))
         check_tier_options(replicas=replicas, durable=lasting, durable_every=durable_every,
                            keep_durable=keep_durable)
-        self._drives = open_drives(directory, replicas=replicas)
+        self._drives = open_drives(directory)
         stager = resolve_manager_stager(staging, legacy)
         self.directory = (self._drives.home if self._drives is not None
                           else os.path.abspath(as_path(directory, "CheckpointManager",

@@ -8,7 +8,9 @@ and sends both to the other nodes, so each node's ``step-N`` is self-describing:
 the whole step holds and which of those files it has. Then every node renames its directory
 into place; a node that fails makes the others take their step back. A step is listed only
 where every rank's files are on some node or tier (:mod:`._tiers`), so a crash between two
-nodes' renames leaves a step that no listing shows.
+nodes' renames leaves a step that no listing shows. A node on a volume (:mod:`._node_folders`)
+places its ranks' files on its own drives and records where in its own placement record, which
+the shared manifest does not list (each node's differs).
 """
 
 from __future__ import annotations
@@ -16,14 +18,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ...io import durable
 from ._group import RankGroup
-from ._steps import MANIFEST, delete_step, list_steps, step_dir
+from ._node_folders import NodeFolders
+from ._steps import MANIFEST, list_steps, step_dir
 from ._votes import Failure, describe
 
 __all__ = ["Layout", "discover", "publish_nodes", "retire_nodes"]
@@ -74,7 +75,7 @@ class Layout:
             raise ValueError(
                 f"CheckpointManager(replicas=2): each rank's replica goes to rank + local world size "
                 f"({self.local_world}) on another node, but the nodes (ranks sharing a host and "
-                f"directory) are {[list(n) for n in self.nodes]}: give each node its own directory, "
+                f"directory) are {[list(n) for n in self.nodes]}: give each node its own directory or volume, "
                 "with the same number of consecutive ranks on every node, or use replicas=1")
 
 
@@ -88,20 +89,23 @@ def discover(group: RankGroup, directory: str) -> Layout:
     return Layout(rank=group.rank, nodes=tuple(tuple(ranks) for ranks in order.values()))
 
 
-def _sizes(building: str) -> dict[str, int]:
-    return {n: os.path.getsize(os.path.join(building, n)) for n in os.listdir(building) if n != MANIFEST}
+def _sizes(folders: NodeFolders, building: str) -> dict[str, int]:
+    return {n: os.path.getsize(p) for n, p in folders.files(building).items() if n != MANIFEST}
 
 
-def publish_nodes(g: RankGroup, layout: Layout, *, directory: str, building: str, step: int,
-                  finish: Callable[[], None]) -> tuple[list[Failure | None], BaseException | None]:
+def publish_nodes(g: RankGroup, layout: Layout, *, folders: NodeFolders, building: str, step: int,
+                  finish: Callable[[], None], placed: Mapping[str, int]
+                  ) -> tuple[list[Failure | None], BaseException | None]:
     """The writer thread, after every rank wrote its files: commit ``step`` on every node (see
     the module). ``finish()`` (rank 0) writes ``.metadata`` and the manifest into ``building``.
-    Returns every rank's failure (all None: committed everywhere) and this rank's own error."""
+    ``placed``: on a volume, this node's data files -> drive. Returns every rank's failure (all
+    None: committed everywhere) and this rank's own error."""
     own: BaseException | None = None
     sizes: dict[str, int] | None = None
+    directory = folders.directory
     if layout.leader:
         try:
-            sizes = _sizes(building)
+            sizes = _sizes(folders, building)
         except OSError as exc:
             own = exc
     reports = g.gather((sizes, describe(own)), thread="writer", what=f"step {step} files")
@@ -131,7 +135,8 @@ def publish_nodes(g: RankGroup, layout: Layout, *, directory: str, building: str
                 for name, data in ((".metadata", sent[0][0]), (MANIFEST, sent[0][1])):
                     with open(os.path.join(building, name), "wb") as out:
                         out.write(data)
-            durable.publish_dir(building, step_dir(directory, step))
+            folders.seal(building, placed, step_dir(directory, step))
+            folders.publish(building, directory, step)
             published = True
         except BaseException as exc:
             own = exc
@@ -143,19 +148,20 @@ def publish_nodes(g: RankGroup, layout: Layout, *, directory: str, building: str
     if any(failures) and layout.leader:  # take the step back where it was published
         try:
             if published:
-                delete_step(directory, step)
+                folders.delete(directory, step)
             else:
-                shutil.rmtree(building, ignore_errors=True)
+                folders.discard(building, directory, step)
         except OSError as exc:
             log.error("deepnvme.CheckpointManager: could not take back step %d in %r after a failed "
                       "commit on another node: %s", step, directory, exc)
     return failures, own
 
 
-def retire_nodes(g: RankGroup, layout: Layout, directory: str, keep: int | None) -> None:
+def retire_nodes(g: RankGroup, layout: Layout, folders: NodeFolders, keep: int | None) -> None:
     """The writer thread, after a commit: each node removes its steps that are neither among the
     newest ``keep`` complete on every node nor newer than the newest of those (a step another
     node never published). Failures are logged; the next commit tries again."""
+    directory = folders.directory
     mine = list_steps(directory) if layout.leader else None
     lists = [set(s) for s in g.gather(mine, thread="writer", what="retention") if s is not None]
     complete = sorted(set.intersection(*lists)) if lists else []
@@ -164,7 +170,7 @@ def retire_nodes(g: RankGroup, layout: Layout, directory: str, keep: int | None)
     kept = set(complete[-keep:])
     for old in [s for s in mine if s not in kept and s < complete[-1]]:
         try:
-            delete_step(directory, old)
+            folders.delete(directory, old)
         except OSError as exc:
             log.error("deepnvme.CheckpointManager: could not remove step %d from %r (keep=%s): %s; "
                       "the next save tries again", old, directory, keep, exc)

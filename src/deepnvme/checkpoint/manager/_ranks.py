@@ -47,10 +47,11 @@ from ._dcp_step import (
     walks_later,
     write_share,
 )
-from ._drives import StepDrives, same_volume, take_directory
+from ._drives import StepDrives, take_directory
 from ._fenced_share import ShareFence, ShareFences
 from ._group import RankGroup
 from ._lock import DirectoryLock, tidy
+from ._node_folders import NodeFolders
 from ._nodes import Layout, publish_nodes, retire_nodes
 from ._rank_reads import RankReads
 from ._share_plan import SharePlans
@@ -90,7 +91,7 @@ class RankSteps(RankReads):
                  drives: StepDrives | None = None) -> None:
         self.directory, self.group, self.config, self.rng_key = directory, group, config, rng_key
         self.algorithm = algorithm  # per-file checksums (None: off), see _dcp_step.file_sums
-        self.drives = drives  # on a volume: data files placed on its drives (one node)
+        self.drives = drives  # on a volume: data files placed on its drives (each node on its own)
         self._commit = StepCommit(directory, keep=keep, algorithm=None, drives=drives)  # retention
         self._lock: DirectoryLock | None = None
         self._writer: Writer | None = None
@@ -100,12 +101,12 @@ class RankSteps(RankReads):
         self._token: str | None = None  # rank 0's, from the last vote: the building folders' names
         self._held_last = False  # whether the last due save was held (its writer may replace the cached plan)
         self.plans = SharePlans(group, rng_key, drives=None if drives is None else len(drives.folders),
+                                node=self.layout.nodes[self.layout.node],
                                 discard=lambda building: self._discard(building) if self.layout.leader else None)
         # one staging arena for every save: settle() waits for the previous write before staging
         self._arenas = ArenaPool(1, what="CheckpointManager staging arenas")
         self.fences = fences  # fenced staging (:mod:`._fenced_share`); None: snapshots
         self.snapshots = SnapshotShare(self.plans, self._arenas)  # held snapshots (:mod:`._snapshot_share`)
-        same_volume(group, drives)
         if self.layout.leader:
             tidy(directory, remove=None if drives is None else drives.remove_leftovers)
 
@@ -302,7 +303,7 @@ class RankSteps(RankReads):
         what = f"checkpoint step {step} in {self.directory!r} (earlier steps are intact)"
         try:
             if len(self.layout.nodes) > 1:  # each node publishes its own directory
-                self._commit_nodes(step, building, metadata, written, own, rank_keys, what)
+                self._commit_nodes(step, building, metadata, written, own, rank_keys, placed, what)
             else:
                 self._commit_one(step, building, metadata, written, own, rank_keys, placed, what)
         finally:
@@ -356,23 +357,26 @@ class RankSteps(RankReads):
             self.drives.discard(building, step)
 
     def _commit_nodes(self, step: int, building: str, metadata: Metadata, written: Written,
-                      own: BaseException | None, rank_keys: dict[str, list[str]], what: str) -> None:
-        """One directory per node: every rank hears every vote, each node's leader publishes."""
+                      own: BaseException | None, rank_keys: dict[str, list[str]], placed: dict[str, int],
+                      what: str) -> None:
+        """One directory (or volume) per node: every rank hears every vote, each node's leader
+        publishes (``placed``: on a volume, this node's data files -> drive)."""
         g = self.group
         votes = g.gather((written, _describe(own)), thread="writer", what=f"step {step} vote")
         at_phase("agreement")
         if any(v[1] is not None for v in votes):
             if self.layout.leader:
-                shutil.rmtree(building, ignore_errors=True)
+                self._discard(building)
             raise _failed(what, [v[1] for v in votes], own)
-        failures, own = publish_nodes(g, self.layout, directory=self.directory, building=building, step=step,
+        folders = NodeFolders(self.directory, self.drives)
+        failures, own = publish_nodes(g, self.layout, folders=folders, building=building, step=step,
                                       finish=lambda: finish_step(
                                           building, step, metadata, [v[0] for v in votes], self.config,
-                                          algorithm=self.algorithm, rank_state=rank_keys))
+                                          algorithm=self.algorithm, rank_state=rank_keys), placed=placed)
         if any(failures):
             raise _failed(what, failures, own)
         at_phase("retention")
-        retire_nodes(g, self.layout, self.directory, self._commit.keep)
+        retire_nodes(g, self.layout, folders, self._commit.keep)
 
     def close(self) -> None:
         """Collective: stop the writer (after the queued saves), wait for every rank, release the

@@ -9,6 +9,10 @@ node's own steps, so they never look like one::
 
 built under a hidden name and published in one rename, as a step is (``.metadata`` and the
 manifest are linked from the node's own copy of the step, which is identical on every node).
+On a volume (:mod:`._node_folders`) the replica folder exists on every drive of the receiving
+node: the replicas of the node's sources are placed on its drives balanced by bytes, on top of
+the node's own files of the step, every rank of the node computing the same placement; drive 0's
+folder (with a placement record) is published last.
 Retention keeps the same number of replicas as steps. Runs on the manager's writer thread, so a
 save's replication ends before the next save starts; the ranks vote on the outcome, and a
 failure is raised by every rank at its next ``save()``, ``wait()`` or ``close()``.
@@ -18,13 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
+from typing import Any
 
-from ...io import durable
 from ._group import RankGroup
+from ._node_folders import SHARED, NodeFolders
 from ._nodes import Layout
 from ._policy import retention_victims
-from ._steps import MANIFEST, delete_step, list_steps, new_building, read_manifest, remove_leftovers, step_dir
+from ._steps import list_steps, read_manifest, step_dir
 from ._transfer import Transfer, exchange, link_or_copy
 from ._votes import describe, failed
 
@@ -40,30 +44,35 @@ def replica_dir(directory: str, rank: int) -> str:
     return os.path.join(directory, REPLICAS, f"rank-{rank:05d}")
 
 
-def replicate(g: RankGroup, layout: Layout, directory: str, step: int, keep: int | None,
+def replicate(g: RankGroup, layout: Layout, folders: NodeFolders, step: int, keep: int | None,
               tidied: set[int]) -> None:
     """The writer thread, after ``step`` committed on every node: send this rank's files to its
     partner, receive and publish its source's (see the module), vote; raise the same error on
-    every rank when any failed (the step itself stays committed). ``tidied``: the source ranks
-    whose replica folder had its leftovers removed already (updated)."""
+    every rank when any failed (the step itself stays committed). ``folders``: this node's.
+    ``tidied``: the source ranks whose replica folder had its leftovers removed already (updated)."""
+    directory = folders.directory
     source = (g.rank - layout.local_world) % g.world
     local = step_dir(directory, step)
+    target = replica_dir(directory, source)
     own: BaseException | None = None
     building: str | None = None
+    placed: dict[str, int] = {}
     send = receive = None
     try:
         manifest = read_manifest(local, step)
         files, ranks = manifest["files"], manifest["ranks"]
+        found = folders.files(local)
         send = Transfer(g.ranks[layout.partner(g.rank)],
-                        [(os.path.join(local, n), files[n]) for n in ranks[g.rank]["files"]])
-        target = replica_dir(directory, source)
-        os.makedirs(target, exist_ok=True)
+                        [(found.get(n, os.path.join(local, n)), files[n]) for n in ranks[g.rank]["files"]])
         if source not in tidied:
-            remove_leftovers(target)
+            os.makedirs(target, exist_ok=True)
+            folders.remove_leftovers(target)
             tidied.add(source)
-        building = new_building(target, step)
-        receive = Transfer(g.ranks[source], [(os.path.join(building, n), files[n]) for n in ranks[source]["files"]])
-        for name in (".metadata", MANIFEST):
+        building = folders.building(target, step)
+        placed = {n: d for n, d in _placement(folders, layout, manifest, found).items() if n in ranks[source]["files"]}
+        receive = Transfer(g.ranks[source], [(folders.slot(building, n, placed[n]), files[n])
+                                             for n in ranks[source]["files"]])
+        for name in SHARED:
             link_or_copy(os.path.join(local, name), os.path.join(building, name))
     except BaseException as exc:  # the exchange below still runs, so no rank waits for this one
         own = exc
@@ -75,16 +84,27 @@ def replicate(g: RankGroup, layout: Layout, directory: str, step: int, keep: int
     own = own or got
     if own is None and building is not None:
         try:
-            durable.publish_dir(building, step_dir(replica_dir(directory, source), step))
+            folders.seal(building, placed, step_dir(target, step))
+            folders.publish(building, target, step)
         except BaseException as exc:
             own = exc
     if own is not None and building is not None:
-        shutil.rmtree(building, ignore_errors=True)
+        folders.discard(building, target, step)
     votes = g.gather(describe(own), thread="writer", what=f"step {step} replication")
     if any(votes):
         raise failed(f"replicating checkpoint step {step} (committed on every node; its replica is not) "
                      f"from rank r to rank r + {layout.local_world}", votes, own)
-    _retire(replica_dir(directory, source), keep)
+    _retire(folders, target, keep)
+
+
+def _placement(folders: NodeFolders, layout: Layout, manifest: dict[str, Any], found: dict[str, str]
+               ) -> dict[str, int]:
+    """The drive of every replica file this node receives of a step (its ranks' sources' files),
+    balanced by bytes on top of the node's own files of the step (``found``: name -> path); the
+    same on every rank of the node."""
+    sources = sorted({(r - layout.local_world) % layout.world for r in layout.nodes[layout.node]})
+    sizes = {n: int(manifest["files"][n]) for s in sources for n in manifest["ranks"][s]["files"]}
+    return folders.place(sizes, used=folders.fill({n: p for n, p in found.items() if n not in SHARED}))
 
 
 def _expected(directory: str, step: int, rank: int) -> list[tuple[str, int]]:
@@ -102,11 +122,11 @@ def _placeholder(g: RankGroup, layout: Layout, directory: str, step: int) -> Tra
     return Transfer(g.ranks[layout.partner(g.rank)], _expected(directory, step, g.rank))
 
 
-def _retire(folder: str, keep: int | None) -> None:
+def _retire(folders: NodeFolders, folder: str, keep: int | None) -> None:
     """Delete the oldest replicas in ``folder`` beyond ``keep`` (failures logged)."""
     for old in retention_victims(list_steps(folder), keep):
         try:
-            delete_step(folder, old)
+            folders.delete(folder, old)
         except OSError as exc:
             log.error("deepnvme.CheckpointManager: could not remove the replica of step %d in %r: %s", old,
                       folder, exc)

@@ -26,11 +26,13 @@ __all__ = ["SharePlans"]
 class SharePlans:
     """The planning of one multi-rank manager's saves on this rank (see the module). ``discard(building)``
     removes a failed save's building folders (a node's lowest rank; no-op on the others);
-    ``drives``: the data files placed on a volume of that many drives."""
+    ``drives``: the data files of this rank's ``node`` (its group ranks) placed on a volume of
+    that many drives (each node places its own ranks' files on its own drives)."""
 
     def __init__(self, group: RankGroup, rng_key: str, *, drives: int | None,
-                 discard: Callable[[str], None]) -> None:
+                 discard: Callable[[str], None], node: tuple[int, ...] | None = None) -> None:
         self.group, self.rng_key, self.drives, self.discard = group, rng_key, drives, discard
+        self.node = node
         self.cache: PlanCache | None = None  # the last save's plan, reused while the structure holds
         self.planned = 0  # saves that ran DCP's global planning (and its exchange)
 
@@ -86,7 +88,7 @@ class SharePlans:
             raise self._failed(step, building, [p[1] for p in plans], own)
         cache = self.cache = local.cached([p[0] for p in plans], g.rank,
                                            {rng_entry(r): p[2] for r, p in enumerate(plans) if p[2] is not None},
-                                           drives=self.drives)
+                                           drives=self.drives, node=self.node)
         self.planned += 1
         return cache
 

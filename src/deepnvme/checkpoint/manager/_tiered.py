@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...config import IOConfig
-from ._drives import StepDrives
+from ._drives import StepDrives, same_volume
 from ._durable import Drainer
 from ._group import RankGroup
+from ._node_folders import NodeFolders
 from ._nodes import discover
 from ._replicas import replicate
 from ._tiers import Tiers
@@ -45,6 +46,8 @@ class Tiering:
                  drives: StepDrives | None = None) -> None:
         self.group, self.directory, self.keep, self.replicas = group, directory, keep, replicas
         self.layout = discover(group, directory)
+        same_volume(group, drives, self.layout.nodes)
+        self.folders = NodeFolders(directory, drives)
         if replicas == 2:
             self.layout.check_replicas()
         self.drainer = None if durable is None else Drainer(durable, source=directory, every=durable_every,
@@ -57,7 +60,7 @@ class Tiering:
         if self.drainer is not None:
             self.drainer.offer(step)
         if self.replicas == 2:
-            replicate(self.group, self.layout, self.directory, step, self.keep, self._tidied)
+            replicate(self.group, self.layout, self.folders, step, self.keep, self._tidied)
 
     def close(self) -> None:
         if self.drainer is not None:
@@ -71,8 +74,10 @@ def open_tiers(ranks: RankGroup | None, directory: str, *, keep: int | None, con
     """A manager's steps over several ranks (``ranks``) with their tiers, or, for one process
     (``ranks`` None), its durable drain (None without ``durable``). Collective with ranks.
     ``fenced``: ``(staging_bytes,)`` for fenced saves of each rank's share (None: snapshots).
-    ``drives``: ``directory`` is drive 0's folder of a volume (its ranks on one node)."""
+    ``drives``: ``directory`` is drive 0's folder of a volume (this rank's node's)."""
     if ranks is None:
+        if drives is not None:
+            drives.check()
         if replicas != 1:
             raise ValueError("CheckpointManager(replicas=2) keeps copies on other nodes: it needs "
                              "torch.distributed ranks on at least two nodes")
@@ -83,10 +88,6 @@ def open_tiers(ranks: RankGroup | None, directory: str, *, keep: int | None, con
 
     tiering = Tiering(ranks, directory, keep=keep, replicas=replicas, durable=durable,
                       durable_every=durable_every, keep_durable=keep_durable, drives=drives)
-    if drives is not None and len(tiering.layout.nodes) > 1:
-        raise ValueError(f"CheckpointManager on a Volume: the ranks form {len(tiering.layout.nodes)} nodes "
-                         f"{[list(n) for n in tiering.layout.nodes]}; a volume holds the steps of one node's "
-                         "ranks (several nodes: give each a plain directory)")
     return RankSteps(directory, ranks, keep=keep, config=config, rng_key=rng_key, algorithm=algorithm,
                      layout=tiering.layout, tiers=tiering.tiers, after_commit=tiering.after_commit,
                      closing=tiering.close,

@@ -15,7 +15,9 @@ first (each shared read to a rank whose node holds the file) and only the byte r
 ranks read travel, into sparse files; a node whose own copy of the step was lost gets its ranks'
 files and its replicas' whole, and republishes them once the step is restored (it heals). Only
 where the nodes together lack some file does the durable tier serve the step (all ranks read it
-there; any world size).
+there; any world size). On a volume (:mod:`._node_folders`) a node's files of a step, its
+replicas and its gathering folder lie on its drives, each file whole on one, and the gathering
+folder gets a placement record naming where each file is, so DCP reads it as a volume folder.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import json
 import logging
 import os
 import pickle
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,13 +34,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import CheckpointCorruptError, FileNotFoundIOError
-from ...io import durable
+from .._placed import PLACEMENT_NAME
 from ._dcp_step import ReadHints
 from ._drives import StepDrives
 from ._group import RankGroup
+from ._node_folders import SHARED, NodeFolders
 from ._nodes import Layout
 from ._replicas import REPLICAS, replica_dir
-from ._steps import MANIFEST, list_steps, new_building, read_manifest, step_dir
+from ._steps import MANIFEST, list_steps, read_manifest, step_dir
 from ._transfer import Ranges, Transfer, exchange, link_or_copy
 from ._votes import describe, failed
 
@@ -94,7 +96,7 @@ class Tiers:
                  replicas: int = 1, *, drives: StepDrives | None = None) -> None:
         self.group, self.layout, self.directory, self.durable = group, layout, directory, durable
         self.replicas = replicas
-        self.drives = drives  # a volume (one node): its own steps' files lie on every drive
+        self.folders = NodeFolders(directory, drives)  # on a volume: this node's files on its drives
         self._where: dict[int, dict[str, str]] = {}  # on a leader: step -> file name -> path here
 
     def survey(self) -> Survey:
@@ -118,7 +120,7 @@ class Tiers:
                 path = step_dir(folder, step)
                 try:
                     manifest = read_manifest(path, step)
-                    found = self._files(path) if own else {n: os.path.join(path, n) for n in os.listdir(path)}
+                    found = self.folders.files(path)
                     names = list(found)
                 except (OSError, CheckpointCorruptError) as exc:
                     log.warning("deepnvme.CheckpointManager: ignoring %s: %s", path, exc)
@@ -132,11 +134,6 @@ class Tiers:
                 out[step] = (required, sizes, whole or (own and set(required) <= set(names)),
                              sorted(names) if own else mine)
         return out
-
-    def _files(self, path: str) -> dict[str, str]:
-        """Each file of this node's own step folder ``path`` by name: on a volume, on its drive."""
-        folders = (path,) if self.drives is None else self.drives.across(path)[::-1]  # drive 0's last: it wins
-        return {n: os.path.join(here, n) for here in folders if os.path.isdir(here) for n in os.listdir(here)}
 
     def sources(self, survey: Survey, step: int, reads: Reads | None = None) -> Iterator[Source]:
         """Collective, lazily: where to read ``step`` (:meth:`prepare`), then, if that copy turns
@@ -255,16 +252,10 @@ class Tiers:
         held = (survey.holdings[g.rank] or {}).get(step) if layout.leader else None
         whole = held is not None and held[2]
         mine = plan.ranges.get(g.rank, {})
+        at: dict[str, str] = {}  # file -> its path in the gathering folder (on its drive)
         if layout.leader and not whole:
             try:
-                os.makedirs(self.directory, exist_ok=True)
-                building = new_building(self.directory, step)
-                for name, path in self._where.get(step, {}).items():
-                    link_or_copy(path, os.path.join(building, name))
-                for name, (size, kept) in mine.items():  # read in no range here: a sparse file
-                    if kept is not None and not kept:
-                        with open(os.path.join(building, name), "wb") as placeholder:
-                            placeholder.truncate(size)
+                building, at = self._gathering(step, mine)
             except BaseException as exc:  # the transfers below still run, so no rank waits for this one
                 own = exc
         got = 0
@@ -275,8 +266,7 @@ class Tiers:
                 out = Transfer(g.ranks[dst], [(self._where[step][n], size) for n, size in listed], spans)
                 own = exchange(g.group("main"), send=out, receive=None) or own
             elif g.rank == dst:
-                into = Transfer(g.ranks[src], [(os.devnull if building is None else os.path.join(building, n), s)
-                                               for n, s in listed], spans)
+                into = Transfer(g.ranks[src], [(at.get(n, os.devnull), s) for n, s in listed], spans)
                 got += into.nbytes
                 own = exchange(g.group("main"), send=None, receive=into) or own
         if layout.leader and not whole:
@@ -295,9 +285,9 @@ class Tiers:
                 return
             try:
                 if restored and heal is not None:
-                    self._heal(building, step, *heal)
+                    self._heal(at, step, *heal)
             finally:
-                shutil.rmtree(building, ignore_errors=True)
+                self.folders.discard(building)
 
         if any(v[1] for v in views):
             done(False)
@@ -305,30 +295,55 @@ class Tiers:
                          [v[1] for v in views], own)
         return Source(str(chosen), done, ReadHints(local=plan.local, present=present))
 
-    def _heal(self, gathered: str, step: int, ours: list[str], sources: dict[int, list[str]]) -> None:
+    def _gathering(self, step: int, lacking: dict[str, tuple[int, Ranges | None]]) -> tuple[str, dict[str, str]]:
+        """A node's hidden folder to read ``step`` from: hard links to the step's files this
+        node holds (each on its drive), and a place for each file it ``lacks`` (file -> (size,
+        ranges)), on the drive :meth:`NodeFolders.place` gives it; a file read in no range here
+        is a sparse placeholder. Returns the folder (drive 0's) and each file's path in it."""
+        building = self.folders.building(self.directory, step)
+        try:
+            drive = {n: self.folders.drive_of(p) for n, p in self._where.get(step, {}).items() if n != PLACEMENT_NAME}
+            at = {n: self.folders.slot(building, n, d) for n, d in drive.items()}
+            for name, path in at.items():
+                link_or_copy(self._where[step][name], path)
+            drive |= self.folders.place({n: size for n, (size, _) in lacking.items()},
+                                        used=self.folders.fill({n: p for n, p in at.items() if n not in SHARED}))
+            for name, (size, kept) in lacking.items():
+                at[name] = self.folders.slot(building, name, drive[name])
+                if kept is not None and not kept:  # read in no range here: a sparse file
+                    with open(at[name], "wb") as placeholder:
+                        placeholder.truncate(size)
+            self.folders.seal(building, drive)
+        except BaseException:
+            self.folders.discard(building)
+            raise
+        return building, at
+
+    def _heal(self, gathered: dict[str, str], step: int, ours: list[str], sources: dict[int, list[str]]) -> None:
         """This node's copy of ``step`` was lost and the step was restored from the others:
-        publish it again from the ``gathered`` files (its ranks' files, ``.metadata`` and the
-        manifest), and the replicas it kept of ``sources`` (rank -> files), each built under a
-        hidden name and renamed into place, so that losing another node is survivable. Failures
-        are logged (the restore itself succeeded)."""
-        shared = [".metadata", MANIFEST]
+        publish it again from the ``gathered`` files (file -> path: its ranks' files,
+        ``.metadata`` and the manifest), and the replicas it kept of ``sources`` (rank -> files),
+        each built under a hidden name (each file on the drive it was gathered on) and renamed
+        into place, so that losing another node is survivable. Failures are logged (the restore
+        itself succeeded)."""
         targets = [(self.directory, ours)] if not os.path.isdir(step_dir(self.directory, step)) else []
         targets += [(replica_dir(self.directory, s), files) for s, files in sources.items()
                     if not os.path.isdir(step_dir(replica_dir(self.directory, s), step))]
         for folder, files in targets:
             building: str | None = None
             try:
-                os.makedirs(folder, exist_ok=True)
-                building = new_building(folder, step)
-                for name in [*files, *shared]:
-                    link_or_copy(os.path.join(gathered, name), os.path.join(building, name))
-                durable.publish_dir(building, step_dir(folder, step))
+                building = self.folders.building(folder, step)
+                drive = {n: self.folders.drive_of(gathered[n]) for n in [*files, *SHARED]}
+                for name, d in drive.items():
+                    link_or_copy(gathered[name], self.folders.slot(building, name, d))
+                self.folders.seal(building, drive, step_dir(folder, step))
+                self.folders.publish(building, folder, step)
                 log.info("deepnvme.CheckpointManager: rebuilt step %d in %r from the other nodes", step, folder)
-            except OSError as exc:
+            except (OSError, KeyError) as exc:
                 log.error("deepnvme.CheckpointManager: could not rebuild step %d in %r after restoring it "
                           "from the other nodes: %s", step, folder, exc)
                 if building is not None:
-                    shutil.rmtree(building, ignore_errors=True)
+                    self.folders.discard(building, folder, step)
 
 
 @dataclass

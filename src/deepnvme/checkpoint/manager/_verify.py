@@ -6,6 +6,7 @@ The pickled object is parsed first without its data (``meta`` tensors), so a dam
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,7 @@ from ...config import IOConfig
 from ...errors import CheckpointCorruptError, CheckpointFormatError, VolumeLayoutError
 from ...formats.torchsave import torch_skeleton
 from ...formats.torchzip import RecordSpan
-from .._placed import read_placement
+from .._placed import PLACEMENT_NAME, read_placement
 from ..loader import load as load_file
 from ._checksums import checksum, file_checksum, hasher, named_storages
 from ._steps import FILE, MANIFEST, find_step_dirs, is_dcp_step, read_manifest
@@ -192,13 +193,30 @@ def check_step_files(path: str, manifest: Mapping[str, Any], names: list[str] | 
     return wrong
 
 
-def _node_files(path: str, manifest: Mapping[str, Any]) -> list[str] | None:
+def _recorded_drives(path: str) -> list[str] | None:
+    """The drive folders a multi-rank step on a volume names in its placement record (``path``
+    is drive 0's folder; None: no record, a plain folder). A damaged record: ``[path]``, which
+    :func:`check_step_files` reports."""
+    try:
+        with open(os.path.join(path, PLACEMENT_NAME), encoding="utf-8") as f:
+            drives = json.load(f).get("drives")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError):
+        return [path]
+    if not isinstance(drives, list) or not drives or not all(isinstance(d, str) for d in drives):
+        return [path]
+    return [path, *drives[1:]]  # drive 0's folder is where the record was found
+
+
+def _node_files(path: str, manifest: Mapping[str, Any], drives: Sequence[str] | None = None) -> list[str] | None:
     """The files the step directory ``path`` of one node should hold when the step was saved on
     several nodes (its manifest names them): ``.metadata`` and the files of the node's ranks,
-    for the node whose files are here. None for a step in one directory or one holding every
-    file (the durable tier): all its files."""
+    for the node whose files are here (``drives``: on a volume, in the step's folder on every
+    drive). None for a step in one directory or one holding every file (the durable tier): all
+    its files."""
     nodes = manifest.get("nodes") or []
-    here = set(os.listdir(path))
+    here = {n for d in drives or [path] if os.path.isdir(d) for n in os.listdir(d)}
     if len(nodes) < 2 or set(manifest.get("files", {})) <= here:  # one node, or a durable copy: all
         return None
     ranks = manifest["ranks"]
@@ -209,10 +227,11 @@ def _node_files(path: str, manifest: Mapping[str, Any]) -> list[str] | None:
 def _check_ranks_step(path: str, step: int | None) -> CheckResult:
     """A step saved by several ranks (a DCP checkpoint): every file the manifest names is there
     with its size and, when stored, its per-file checksum (on one node of several: that node's
-    files)."""
+    files; on a volume, each on the drive its placement record names)."""
     try:
         manifest = read_manifest(path, step)
-        if wrong := check_step_files(path, manifest, _node_files(path, manifest)):
+        drives = _recorded_drives(path)
+        if wrong := check_step_files(path, manifest, _node_files(path, manifest, drives), drives=drives):
             raise CheckpointCorruptError(f"checkpoint step {manifest.get('step', step)}: {'; '.join(wrong)}")
     except CheckpointCorruptError as exc:
         return CheckResult(path=path, step=step, problem=str(exc), checksum=None, tensors=0)

@@ -11,6 +11,10 @@ repetition, these savers for ``--warmup`` + ``--steps`` steps each:
 * ``deepnvme_fenced``: the same with ``staging="fenced"`` (no copy at ``save()``; the next optimizer step
   copies what is not written yet); its time blocked per save is the ``save()`` call plus the fence's
   wait at the next optimizer step;
+* ``copy``: no checkpoint, but at the save's place in the loop a plain copy (deepnvme's ``ParallelCopy``)
+  of 1/W of the state into memory kept from step to step: what a snapshot's copy of this rank's share
+  costs in this loop, with the other ranks copying theirs at the same time (the denominator of the
+  snapshot's blocked-time target; ``share_copy_s`` is the same copy in the parent alone);
 * ``dcp_async``: ``torch.distributed.checkpoint.async_save`` with ``FileSystemWriter``, a persistent
   ``DefaultStager(StagingOptions(True, True, True, False))`` (pinned memory, shared memory, async
   staging; torchtitan's non-blocking copy needs an accelerator), ``AsyncCheckpointerType.PROCESS``
@@ -55,6 +59,7 @@ from typing import Any
 from _volume_bench import drive_paths, loadavg, manager_target, remove_target, step_files
 
 SAVERS = ("none", "deepnvme", "deepnvme_fenced", "dcp_async")
+EXTRA_SAVERS = ("copy",)  # by --savers only
 VOLUME_SAVERS = ("deepnvme_volume", "deepnvme_fenced_volume")  # with --volume
 MANAGERS = ("deepnvme", "deepnvme_fenced", *VOLUME_SAVERS)
 TARGETS = {"added_vs_dcp_max": 0.5, "restore_speedup_min": 1.2, "bytes_per_state": 1.0, "largest_share_max": 1.1}
@@ -114,6 +119,12 @@ class Saver:
             import deepnvme
             self._mgr = deepnvme.CheckpointManager(self.target, keep=2, rng=False,
                                                    staging="fenced" if "fenced" in kind else "snapshot")
+        elif kind == "copy":
+            import torch
+            import torch.distributed as dist
+            share = job.state_bytes // dist.get_world_size()
+            self._src = torch.ones(share, dtype=torch.uint8)  # stands for the share's tensors
+            self._dst = torch.zeros(share, dtype=torch.uint8)  # the reused, touched staging memory
         elif kind == "dcp_async":
             import torch.distributed as dist
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -137,6 +148,11 @@ class Saver:
                 self.fenced.append(fence - self._fence_seen)
             self._fence_seen = fence
             self._mgr.save(step, {"model": self.job.module, "opt": self.job.opt})
+        elif self.kind == "copy":
+            from deepnvme.memory.copy import ParallelCopy
+            copy = ParallelCopy()
+            copy.add(self._dst, self._src)
+            copy.finish()
         elif self.kind == "dcp_async":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -260,7 +276,10 @@ def _summary(reps: list[list[dict[str, Any]]], world: int, savers: list[str]) ->
         # a step lasts as long as its slowest rank: per step the maximum over ranks, then the median
         steps = [max(r[kind]["step_s"][i] for r in rep) for rep in reps for i in range(len(rep[0][kind]["step_s"]))]
         c: dict[str, Any] = {"step_s": med(steps)}
-        if kind != "none":
+        if kind == "copy":
+            c["blocked_s"] = med([max(r[kind]["blocked_s"][i] for r in rep) for rep in reps
+                                  for i in range(len(rep[0][kind]["blocked_s"]))])
+        elif kind != "none":
             blocked = [max(r[kind]["blocked_s"][i] for r in rep) for rep in reps
                        for i in range(len(rep[0][kind]["blocked_s"]))]
             restores = [max(r[kind]["restore_s"] for r in rep) for rep in reps]
@@ -328,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         args.volume_paths = drive_paths(args.volume) if args.volume else None
     except ValueError as exc:
         ap.error(str(exc))
-    known = SAVERS + (VOLUME_SAVERS if args.volume else ())
+    known = SAVERS + EXTRA_SAVERS + (VOLUME_SAVERS if args.volume else ())
     savers = (args.savers or (",".join(SAVERS) if not args.volume else "none,deepnvme,deepnvme_volume")).split(",")
     if savers[0] != "none" or not set(savers) <= set(known) or len(set(savers)) != len(savers):
         ap.error(f"--savers: distinct names of {known}, 'none' first")
@@ -362,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         ratios["share_copy_s"] = share_copy_seconds(max(d["bytes_per_rank"]))
         ratios["snapshot_blocked_over_share_copy"] = d["blocked_s"] / ratios["share_copy_s"]
         met["snapshot blocked <= 1.1x the share's copy"] = ratios["snapshot_blocked_over_share_copy"] <= 1.1
+        if (c := summary.get("copy")) is not None:  # the same copy in the same loop, every rank copying
+            ratios["copy_in_loop_s"] = c["blocked_s"]
+            ratios["snapshot_blocked_over_copy_in_loop"] = d["blocked_s"] / c["blocked_s"]
+            met["snapshot blocked <= 1.1x the share's copy in the loop"] = \
+                ratios["snapshot_blocked_over_copy_in_loop"] <= 1.1
     if f is not None:
         ratios["fenced_blocked_over_step"] = f["blocked_s"] / f["step_s"]
         met["fenced blocked < 2 % of a step"] = ratios["fenced_blocked_over_step"] < 0.02
@@ -372,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios["fenced_added_vs_dcp"] = f["added_s"] / n["added_s"] if n["added_s"] > 0 else None
     for kind in savers:
         c = summary[kind]
-        extra = "" if kind == "none" else (
+        extra = "" if kind == "none" else f"  blocked {c['blocked_s']:.3f} s" if kind == "copy" else (
             f"  added {c['added_s']:.3f} s  blocked {c['blocked_s']:.3f} s  bytes {c['bytes_per_save'] / 1e6:.0f} MB "
             f"per rank {[round(b / 1e6) for b in c['bytes_per_rank']]}  restore (cold) {c['restore_s']:.3f} s")
         print(f"{kind:10s} step {c['step_s']:.3f} s{extra}")

@@ -6,7 +6,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _SerialCpuLoader
 
 from deepnvme.checkpoint._arena import ArenaPool
-from deepnvme.checkpoint.manager._dcp_step import local_plan, stage
+from deepnvme.checkpoint.manager._dcp_step import local_plan
+from deepnvme.checkpoint.manager._staging import stage
 
 
 def test_a_staged_share_hands_dcp_tensors_it_does_not_clone():

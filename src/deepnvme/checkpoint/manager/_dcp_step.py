@@ -44,8 +44,6 @@ from torch.utils._pytree import tree_map
 from ...config import IOConfig
 from ...errors import DeepNVMeError
 from ...io.volume import VolumePath
-from ...memory.copy import ParallelCopy
-from .._arena import ArenaPool, Lease, arena_bytes
 from .._placed import write_placement
 from ..dcp import NVMeStorageReader, NVMeStorageWriter
 from ..dcp._sums import ItemSums, item_key
@@ -56,7 +54,7 @@ from ._steps import FORMAT, MANIFEST, step_dir
 
 __all__ = ["KIND", "LocalPlan", "PlanCache", "state_dicts", "begin_state_dicts", "walk_modules", "walks_later",
            "load_into", "local_plan", "global_plans",
-           "placed_plans", "stage", "StagedPlanner", "stage_tensors", "write_share", "Written", "item_sums",
+           "placed_plans", "StagedPlanner", "write_share", "Written", "item_sums",
            "finish_step", "read_step", "ReadHints", "rng_entry"]
 
 KIND = "dcp"  # the manifest's "layout" of a multi-rank step
@@ -258,54 +256,6 @@ class LocalPlan:
         if drives is not None:
             final, placed = placed_plans(final, drives, node)
         return PlanCache(self.plan, self.keys, final[rank], metadata, rank_keys, placed)
-
-
-def stage(planner: DefaultSavePlanner, plan: SavePlan, pool: ArenaPool) -> tuple[Staged, Lease]:
-    """A snapshot of this rank's share: each tensor the plan assigns it (DTensor shards: the
-    local shard) copied into one arena leased from ``pool`` (:func:`stage_tensors`), and the
-    pickled bytes of its plain items. Release the lease once the share is written."""
-    staged: Staged = {}
-    tensors: list[tuple[MetadataIndex, torch.Tensor]] = []
-    for item in plan.items:
-        data = planner.resolve_data(item)
-        if isinstance(data, torch.Tensor):
-            tensors.append((item.index, data.detach()))
-        else:
-            staged[item.index] = data
-    copies, lease = stage_tensors(tensors, pool)
-    staged.update(copies)
-    return staged, lease
-
-
-def stage_tensors(tensors: list[tuple[MetadataIndex, torch.Tensor]], pool: ArenaPool) -> tuple[Staged, Lease]:
-    """``tensors`` copied into one arena leased from ``pool`` (reused across saves, so a steady
-    state of saves allocates nothing and the copies land in memory already faulted in).
-    Memory: their bytes, pages rounded up. Each copy's storage is exactly its own bytes of the
-    arena (``torch.frombuffer``), not the whole arena: DCP's writer clones every tensor whose
-    storage is larger than the tensor, which for arena views was a second copy of the share."""
-    staged: Staged = {}
-    lease = pool.take(arena_bytes(t.numel() * t.element_size() for _, t in tensors))
-    try:
-        arena, offset, copy = lease.tensor, 0, ParallelCopy()
-        # a memoryview of the arena through a view of it, which holds the arena's storage (freeing
-        # the arena swaps the arena tensor's storage out; views stay valid, like the ones before)
-        whole = arena[:].numpy().data if tensors else None
-        for index, src in tensors:
-            n = src.numel() * src.element_size()
-            own = arena[offset:offset + n] if whole is None or not n else torch.frombuffer(
-                whole[offset:offset + n], dtype=torch.uint8)
-            dst = own.view(src.dtype).view(src.shape)
-            if n and src.device.type == "cpu" and src.is_contiguous() and not src.is_conj() and not src.is_neg():
-                copy.add(arena[offset:offset + n], src.reshape(-1).view(torch.uint8))
-            elif n:
-                dst.copy_(src)
-            staged[index] = dst
-            offset += arena_bytes([n])
-        copy.finish()
-    except BaseException:
-        lease.release()
-        raise
-    return staged, lease
 
 
 class StagedPlanner(SavePlanner):

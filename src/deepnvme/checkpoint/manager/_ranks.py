@@ -42,7 +42,6 @@ from ._dcp_step import (
     StagedPlanner,
     Written,
     finish_step,
-    stage,
     walk_modules,
     walks_later,
     write_share,
@@ -56,6 +55,7 @@ from ._nodes import Layout, publish_nodes, retire_nodes
 from ._rank_reads import RankReads
 from ._share_plan import SharePlans
 from ._snapshot_share import Snapped, SnapshotShare
+from ._staging import stage
 from ._steps import (
     building_path,
     list_steps,
@@ -396,6 +396,7 @@ class RankSteps(RankReads):
         finally:
             if self._lock is not None:
                 self._lock.release()
+            self.snapshots.close()
             self._arenas.close()
             self.group.close()
         if drained is not None:

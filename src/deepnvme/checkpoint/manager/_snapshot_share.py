@@ -35,8 +35,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from .._arena import ArenaPool, Lease
-from ._dcp_step import LocalPlan, PlanCache, Staged, _Later, stage, stage_tensors, walk_modules
+from ._dcp_step import LocalPlan, PlanCache, Staged, _Later, walk_modules
 from ._share_plan import SharePlans
+from ._staging import Places, arena_places, stage, stage_tensors
 
 __all__ = ["Listing", "list_tensors", "SnapshotShare", "Snapped"]
 
@@ -131,12 +132,14 @@ class SnapshotShare:
         self.plans, self.pool = plans, pool
         self._sources: _Sources | None = None  # written by the writer thread, read after settle()
         self.walked = self.fast = 0
+        self._kept: tuple[tuple[Any, ...], Places] | None = None  # see _places
 
     def take(self, state: Mapping[str, Any], begun: dict[str, Any], keys: list[str] | None) -> Snapped:
         """``save()``: this rank's share of ``state`` copied (see the module)."""
         listing, src, cache = list_tensors(state, begun), self._sources, self.plans.cache
         if src is not None and src.cache is cache and listing.signature == src.signature:
-            staged, lease = stage_tensors([(index, listing.tensors[at]) for index, at in src.items], self.pool)
+            tensors = [(index, listing.tensors[at]) for index, at in src.items]
+            staged, lease = stage_tensors(tensors, self.pool, lambda arena: self._places(src, arena, tensors))
             self.fast += 1
             return Snapped(staged, lease, None)
         self.walked += 1
@@ -147,6 +150,20 @@ class SnapshotShare:
             staged, lease = stage(local.planner, local.planner.finish_plan(cache.final), self.pool)
             return Snapped(staged, lease, local)
         return Snapped(_copy_all(local.planner, local.plan), None, local)
+
+    def _places(self, src: _Sources, arena: torch.Tensor, tensors: list[tuple[MetadataIndex, torch.Tensor]]
+                ) -> Places:
+        """The share's places in ``arena``, kept from save to save while the sources and the arena
+        are the same (their views cost as much CPU as a tenth of the copy)."""
+        key = (src, arena, arena.data_ptr(), arena.numel())
+        if self._kept is None or any(a is not b for a, b in zip(self._kept[0][:2], key[:2])) \
+                or self._kept[0][2:] != key[2:]:
+            self._kept = (key, arena_places(arena, [t for _, t in tensors]))
+        return self._kept[1]
+
+    def close(self) -> None:
+        """Drop the kept places (they hold the arena's memory)."""
+        self._kept = None
 
     def complete(self, snapped: Snapped, planner: DefaultSavePlanner, mine: SavePlan, cache: PlanCache,
                  state: Mapping[str, Any], begun: Mapping[str, Any]) -> None:

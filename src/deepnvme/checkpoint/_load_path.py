@@ -12,7 +12,9 @@ O_DIRECT read lands in it while page-cache pages are not.
 (the default) takes the cached measurement of the file's device, made on first use by
 :func:`measure` on the file being loaded (cold slices of it, both paths alternating) and kept
 in ``$DEEPNVME_CACHE_DIR/load-paths.json`` (default ``~/.cache/deepnvme``), keyed by device
-and kernel. ``deepnvme tune --load`` remeasures; ``deepnvme report`` shows the choice and why.
+and kernel. ``deepnvme tune --load`` remeasures with whole cold loads of a scratch file, each in
+a fresh process (:func:`measure_whole`, :mod:`._load_probe`); ``deepnvme report`` shows the
+choice and why.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import logging
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,7 +43,8 @@ from ..io.posix import evict_page_cache
 from ..memory.views import aligned_empty, storage_bytes
 
 __all__ = ["LoadPaths", "Path", "PROBE_SLICE", "MARGIN", "choose", "measure", "load_paths",
-           "cache_file", "cached_paths", "forget", "device_of", "lookup", "remeasure", "measure_dir"]
+           "cache_file", "cached_paths", "forget", "device_of", "lookup", "remeasure", "measure_dir",
+           "measure_whole", "WHOLE_MARGIN", "WHOLE_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,10 @@ MARGIN = 1.5
 gives the caller memory of its own, not views of the page cache, and the slices overstate
 the mapped path (benchmarks/LOG.md, 2026-11-28: 1.25x in the probe on the development disk,
 0.56x in whole-file loads there the same hour)."""
+WHOLE_MARGIN = 1.1
+"""The margin for :func:`measure_whole`'s timings, which are the loads themselves."""
+WHOLE_BYTES = 1 << 30
+"""The size of ``deepnvme tune --load``'s probe file (whole-file timings)."""
 _FORMAT = "deepnvme-load-paths"
 _VERSION = 1
 
@@ -202,14 +211,18 @@ def load_paths(path: str, cfg: IOConfig, *,
         return choice
 
 
-def remeasure(path: str, cfg: IOConfig) -> LoadPaths:
-    """Measure on ``path`` now (for ``deepnvme tune --load``), replacing the device's cached
-    choice. Raises :class:`DeepNVMeError` if ``path`` is too small for one round."""
+def remeasure(path: str, cfg: IOConfig, *, rates: Mapping[str, float] | None = None) -> LoadPaths:
+    """Measure on ``path`` now (slices; or take the whole-file ``rates`` of
+    :func:`measure_whole`), replacing the device's cached choice. Raises
+    :class:`DeepNVMeError` if ``path`` is too small for one round."""
     key, name = device_of(path)
-    rates = measure(path, cfg)
+    whole = rates is not None
+    rates = rates if rates is not None else measure(path, cfg)
     if rates is None:
         raise DeepNVMeError(f"{path!r}: need at least {4 * PROBE_SLICE} bytes to measure load paths")
-    fresh, into, why = choose(rates)
+    fresh, into, why = choose(rates, margin=WHOLE_MARGIN if whole else MARGIN)
+    if whole:
+        why = f"whole {os.path.getsize(path) / 1e9:.2f} GB loads in fresh processes: {why}"
     choice = LoadPaths(name, fresh, into, why, "measured", dict(rates), time.time())
     entry = _entry_key(key)
     with _lock:
@@ -264,6 +277,26 @@ def measure(path: str, cfg: IOConfig) -> dict[str, float] | None:
     return {k: PROBE_SLICE / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
+def measure_whole(path: str, count: int, numel: int, *, rounds: int = 3) -> dict[str, float]:
+    """GB/s of each path (the keys of :func:`measure`) loading the whole safetensors file
+    ``path`` (``count`` uint8 tensors ``t0``... of ``numel`` bytes) cold, each load in a fresh
+    process (:mod:`._load_probe`), the order alternating per round; medians. Blocks (seconds per
+    load); ``DeepNVMeError`` with the probe's error output if one fails."""
+    from ._load_probe import KINDS
+
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    for r in range(rounds):
+        for kind in (KINDS if r % 2 == 0 else KINDS[::-1]):
+            evict_page_cache(path)
+            done = subprocess.run([sys.executable, "-m", "deepnvme.checkpoint._load_probe", path, kind,
+                                   str(count), str(numel)], capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise DeepNVMeError(f"load probe {kind} of {path!r} failed (exit status {done.returncode}): "
+                                    f"{done.stderr.strip()[-800:]}")
+            times[kind].append(float(json.loads(done.stdout.strip().splitlines()[-1])["seconds"]))
+    return {k: count * numel / statistics.median(v) / 1e9 for k, v in times.items()}
+
+
 def lookup(path: str) -> LoadPaths | None:
     """The choice already made for the device holding ``path`` (a file or directory): this
     process's, else the cache file's; None if not measured yet. Measures nothing."""
@@ -275,20 +308,21 @@ def lookup(path: str) -> LoadPaths | None:
     return cached_paths().get(entry)
 
 
-def measure_dir(directory: str, cfg: IOConfig) -> LoadPaths:
-    """Measure the load paths of ``directory``'s device on a new temporary file there
-    (``PROBE_ROUNDS x 4 x PROBE_SLICE`` bytes, written and fsynced first, removed after), and
-    cache the choice. Blocks (seconds)."""
-    size = PROBE_ROUNDS * 4 * PROBE_SLICE
+def measure_dir(directory: str, cfg: IOConfig, *, size: int = WHOLE_BYTES, rounds: int = 3) -> LoadPaths:
+    """Measure the load paths of ``directory``'s device on a new temporary safetensors file there
+    (``size`` bytes of 16 MiB tensors, written durably, removed after): whole loads, each in a
+    fresh process, ``rounds`` of each path (:func:`measure_whole`); cache the choice. Blocks."""
+    from .safetensors import save_safetensors
+
+    numel = min(16 << 20, max(1 << 20, size // 4))
+    count = max(1, size // numel)
     path = durable.create_temp(directory, "deepnvme-load-probe")
     try:
-        block = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-        with open(path, "wb") as f:
-            for _ in range(size // block.numel()):
-                f.write(block.numpy().tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        return remeasure(path, cfg)
+        gen = torch.Generator().manual_seed(0)
+        tensors = {f"t{i}": torch.randint(0, 256, (numel,), dtype=torch.uint8, generator=gen) for i in range(count)}
+        save_safetensors(tensors, path, config=cfg)
+        del tensors
+        return remeasure(path, cfg, rates=measure_whole(path, count, numel, rounds=rounds))
     finally:
         try:
             os.unlink(path)

@@ -52,12 +52,17 @@ def add_tune_parser(subparsers: Any) -> None:
     t.add_argument("--load", action="store_true",
                    help="measure only how loaders read on --dir's device (O_DIRECT or a mapping "
                         "through the page cache) and keep the faster for later loads")
+    t.add_argument("--load-size", type=positive_size, default=1 << 30, metavar="SIZE",
+                   help="--load: the probe file's size (default: 1G); every path loads it whole, "
+                        "cold, in a fresh process")
+    t.add_argument("--load-rounds", type=positive_int, default=3, metavar="N",
+                   help="--load: loads of each path (default: 3; medians)")
     t.set_defaults(func=_cmd_tune)
 
 
 def _cmd_load(args: Any) -> int:
     """``tune --load``: measure the load paths on --dir's device, cache and print the choice."""
-    choice = measure_dir(args.dir, checkpoint_config(None))
+    choice = measure_dir(args.dir, checkpoint_config(None), size=args.load_size, rounds=args.load_rounds)
     if args.json:
         print_json({**choice.to_dict(), "cache": cache_file()})
         return 0

@@ -136,3 +136,24 @@ def test_mapped_into_a_file_that_shrank_names_it(tmp_path):
         read_fresh(dict(index.tensors), "mapped", checkpoint_config(None))
     with pytest.raises(DeepNVMeIOError):
         read_fresh(dict(index.tensors), "direct", checkpoint_config(None))
+
+
+@pytest.mark.parametrize("kind", ["fresh_direct", "fresh_mapped", "into_direct", "into_mapped"])
+def test_the_whole_file_probe_loads_each_way(tmp_path, kind):
+    from deepnvme.checkpoint import _load_probe
+
+    path = str(tmp_path / "probe.safetensors")
+    save_file({f"t{i}": torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(3)}, path)
+    assert _load_probe.run(path, kind, 3, 1 << 20) > 0
+    with pytest.raises(ValueError, match="holds 3 tensors, expected 4|t3"):
+        _load_probe.run(path, kind, 4, 1 << 20)
+
+
+def test_whole_file_timings_run_in_fresh_processes_and_name_a_failing_probe(tmp_path):
+    path = str(tmp_path / "probe.safetensors")
+    save_file({f"t{i}": torch.zeros(1 << 20, dtype=torch.uint8) for i in range(2)}, path)
+    rates = _load_path.measure_whole(path, 2, 1 << 20, rounds=1)
+    assert set(rates) == {"fresh_direct", "fresh_mapped", "into_direct", "into_mapped"}
+    assert all(v > 0 for v in rates.values())
+    with pytest.raises(deepnvme.DeepNVMeError, match=r"load probe fresh_direct of .*probe.safetensors.* failed"):
+        _load_path.measure_whole(path, 5, 1 << 20, rounds=1)

@@ -302,9 +302,11 @@ def test_tune_load_measures_caches_and_report_shows_it(run_cli, leftovers, tmp_p
     code, out, err = run_cli("report", "--dir", str(tmp_path), "--json")
     check = next(c for c in json.loads(out)["checks"] if c["name"] == "load path")
     assert check["status"] == "OK" and "not measured" in check["value"] and "tune --load" in check["value"]
-    code, out, err = run_cli("tune", "--load", "--dir", str(tmp_path), "--json")
+    code, out, err = run_cli("tune", "--load", "--dir", str(tmp_path), "--json", "--load-size", "32M",
+                             "--load-rounds", "1")
     assert code == 0, err
     data = json.loads(out)
+    assert data["reason"].startswith("whole 0.03 GB loads in fresh processes:"), data["reason"]
     assert data["fresh"] in ("direct", "mapped") and data["into"] in ("direct", "mapped")
     assert set(data["rates"]) == {"fresh_direct", "fresh_mapped", "into_direct", "into_mapped"}
     assert "GB/s" in data["reason"] and data["cache"] == str(tmp_path / "cache" / "load-paths.json")

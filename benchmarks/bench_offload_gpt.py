@@ -19,11 +19,14 @@ torch and a warm-up step, reset after the first step), ``--reps`` interleaved re
 - ``deepspeed`` (with ``--ds-python``): ZeRO-3, ``offload_param`` and ``offload_optimizer`` on
   nvme under ``dir``, one parameter buffer of the largest parameter's size per parameter it swaps
   (fewer fail with "Not enough buffers": DeepSpeed's buffers are fixed-size, so it holds more than
-  the budget), ``sub_group_size`` a quarter of the budget, torch's AdamW, DeepSpeed's CPU
-  accelerator and gloo (one rank).
+  the budget), ``max_in_cpu`` 0 (its default keeps every parameter in memory), live parameters
+  the budget, ``sub_group_size`` and prefetch a quarter of it, aio at its defaults (1 MiB
+  block), torch's AdamW, DeepSpeed's CPU accelerator and gloo (one rank).
 
-Reported: the median step (s), CPU seconds per step (getrusage, all threads), peak RSS, and
-each offloaded mode's step over DeepSpeed's. GB = 1e9 bytes.
+Reported: the median step (s), CPU seconds per step (getrusage, all threads), MB read and
+written per step at the block layer (/proc/self/io: what really went to the storage, both sides),
+peak RSS, each offloaded mode's step over DeepSpeed's, and DeepSpeed's swap files per folder.
+MB, GB = 1e6, 1e9 bytes.
 
     python benchmarks/bench_offload_gpt.py --dir /mnt/nvme/x --ds-python /venv-ds/bin/python \
         --json benchmarks/results/out.json
@@ -119,14 +122,26 @@ def warm_up(threads: int) -> int:
     return status("VmRSS")
 
 
+def io_bytes() -> tuple[int, int]:
+    """(read_bytes, write_bytes) of this process from /proc/self/io: what reached the block
+    layer (O_DIRECT and io_uring/libaio requests of every thread; page-cache hits not counted)."""
+    got = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            key, _, val = line.partition(":")
+            got[key] = int(val)
+    return got["read_bytes"], got["write_bytes"]
+
+
 def time_steps(step: Callable[[], None], steps: int, baseline: int,
                after_first: Callable[[], None] | None = None) -> dict[str, Any]:
     """One untimed step (it creates the optimizer state), VmHWM reset, then ``steps`` timed:
-    wall and CPU seconds each, and the peak RSS above ``baseline``."""
-    times, cpu = [], []
+    wall and CPU seconds each, block-layer bytes read and written each (/proc/self/io), and
+    the peak RSS above ``baseline``."""
+    times, cpu, read, written = [], [], [], []
     first = 0
     for i in range(steps + 1):
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        r0, io0 = resource.getrusage(resource.RUSAGE_SELF), io_bytes()
         t0 = time.perf_counter()
         step()
         if i == 0:
@@ -137,9 +152,12 @@ def time_steps(step: Callable[[], None], steps: int, baseline: int,
                 after_first()
             continue
         times.append(time.perf_counter() - t0)
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        r1, io1 = resource.getrusage(resource.RUSAGE_SELF), io_bytes()
         cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
-    return {"step_s": times, "cpu_s": cpu, "rss": status("VmHWM") - baseline, "rss_first_step": first}
+        read.append(io1[0] - io0[0])
+        written.append(io1[1] - io0[1])
+    return {"step_s": times, "cpu_s": cpu, "io_read_bytes": read, "io_write_bytes": written,
+            "rss": status("VmHWM") - baseline, "rss_first_step": first}
 
 
 def budget_of(args: argparse.Namespace, n_params: int) -> int:
@@ -222,14 +240,23 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
                               # one fixed-size buffer (the largest parameter) per swapped parameter in
                               # flight: with fewer, ZeRO-3 asserts "Not enough buffers 0 for swapping 1"
                               # (8 did too), so one per parameter it swaps (over the persistence threshold)
-                              "buffer_count": max(8, swapped + 2), "max_in_cpu": 0},
+                              "buffer_count": max(8, swapped + 2),
+                              # the default (1e9 elements) copies every partition "permanently to
+                              # CPU" (stage3's flat buffer) and swaps no parameter at all
+                              "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
                                   "buffer_count": 4},
+            # the budget: live parameters, prefetch and optimizer sub-groups (the defaults, 1e9
+            # elements, would hold the whole model's fp32 state in one sub-group in memory)
             "stage3_max_live_parameters": budget_elems,
             "stage3_param_persistence_threshold": PERSISTENCE,
             "stage3_prefetch_bucket_size": budget_elems // 4,
             "sub_group_size": budget_elems // 4,
         },
+        # aio left at DeepSpeed's defaults (block 1 MiB, queue depth 8, 1 thread): it swaps only
+        # partitions of at least max(1 MiB, block_size) bytes (swap_tensor's min_aio_bytes) and
+        # keeps smaller ones in memory; every parameter over PERSISTENCE here is >= 1 MiB, and
+        # the run reports its swap files and the bytes it reads and writes per step.
     }
     with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
         model = make_model(args)
@@ -240,8 +267,21 @@ def run_deepspeed(args: argparse.Namespace) -> dict[str, Any]:
         engine.backward(loss_of(engine(x), y))
         engine.step()
 
+    out = time_steps(step, args.steps, baseline)
     return {"mode": "deepspeed", "n_params": n_params, "deepspeed": deepspeed.__version__,
-            **time_steps(step, args.steps, baseline), "torch_threads_after": torch.get_num_threads()}
+            "aio": engine.aio_config(), "swap_files": swap_files(nvme), **out,
+            "torch_threads_after": torch.get_num_threads()}
+
+
+def swap_files(folder: str) -> dict[str, int]:
+    """Bytes of DeepSpeed's swap files under ``folder`` per subfolder (its parameter and
+    optimizer swap folders): that it swaps, and what."""
+    sizes: dict[str, int] = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            key = os.path.relpath(root, folder)
+            sizes[key] = sizes.get(key, 0) + os.path.getsize(os.path.join(root, f))
+    return sizes
 
 
 def make_model_meta(args: argparse.Namespace) -> GPT:
@@ -304,20 +344,30 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> d
             continue
         rows[mode] = {"step_s": statistics.median(t for r in ok for t in r["step_s"]),
                       "cpu_s": statistics.median(t for r in ok for t in r["cpu_s"]),
+                      "read_mb": statistics.median(b for r in ok for b in r["io_read_bytes"]) / 1e6,
+                      "written_mb": statistics.median(b for r in ok for b in r["io_write_bytes"]) / 1e6,
                       "rss_mib": max(r["rss"] for r in ok) / 2**20}
+        if "swap_files" in ok[0]:
+            rows[mode]["swap_files_mb"] = {k: v / 1e6 for k, v in ok[0]["swap_files"].items()}
     ds = rows.get("deepspeed", {}).get("step_s")
     first = next(r for rs in runs.values() for r in rs if "error" not in r)
     print(f"GPT {first['n_params'] / 1e6:.1f} M fp32 params (vocab {args.vocab}, dim {args.dim}, "
           f"{args.layers} layers), AdamW, {args.batch} x {args.seq} tokens, budget "
           f"{args.budget_frac} of the parameters' bytes; {args.threads} torch threads; medians of "
           f"{args.reps} x {args.steps} steps; {args.dir}")
-    print(f"{'mode':<12}{'step s':>9}{'CPU s':>8}{'peak RSS MiB':>14}{'/ DeepSpeed':>13}")
+    print(f"{'mode':<12}{'step s':>9}{'CPU s':>8}{'read MB':>9}{'written MB':>12}{'peak RSS MiB':>14}"
+          f"{'/ DeepSpeed':>13}")
     for mode, row in rows.items():
         if "error" in row:
             print(f"{mode:<12} failed: {row['error']}")
             continue
         ratio = f"{row['step_s'] / ds:.2f}" if ds else "-"
-        print(f"{mode:<12}{row['step_s']:>9.2f}{row['cpu_s']:>8.2f}{row['rss_mib']:>14.0f}{ratio:>13}")
+        print(f"{mode:<12}{row['step_s']:>9.2f}{row['cpu_s']:>8.2f}{row['read_mb']:>9.0f}"
+              f"{row['written_mb']:>12.0f}{row['rss_mib']:>14.0f}{ratio:>13}")
+    for mode, row in rows.items():
+        if "swap_files_mb" in row:
+            print(f"{mode} swap files after the run (MB): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in row["swap_files_mb"].items()))
     return rows
 
 
@@ -331,6 +381,7 @@ def main() -> None:
     modes = [m for m in args.modes.split(",") if m] + (["deepspeed"] if args.ds_python else [])
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     os.makedirs(args.dir, exist_ok=True)
+    load_start = os.getloadavg()
     for rep in range(args.reps):
         order = modes if rep % 2 == 0 else modes[::-1]   # interleaved, each order once
         for mode in order:
@@ -343,6 +394,7 @@ def main() -> None:
             json.dump({"command": " ".join(sys.argv), "args": {k: v for k, v in vars(args).items()
                                                             if k != "child"},
                        "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
+                       "load_average_start": load_start, "load_average_end": os.getloadavg(),
                        "runs": runs, "summary": rows}, f, indent=1)
 
 

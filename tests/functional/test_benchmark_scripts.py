@@ -190,6 +190,37 @@ def test_bench_offload_params(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_bench_offload_gpt(tmp_path):
+    # a tiny GPT at a quarter budget: the offloaded mode reports what it read and wrote per step
+    js = tmp_path / "gpt.json"
+    out = run("bench_offload_gpt.py", "--dir", str(tmp_path / "d"), "--vocab", "1024", "--dim", "128",
+              "--layers", "4", "--heads", "4", "--seq", "8", "--steps", "1", "--reps", "1", "--threads", "1",
+              "--modes", "memory,defaults", "--json", str(js), cwd=tmp_path)
+    assert "read MB" in out and "written MB" in out
+    summary = json.loads(js.read_text())["summary"]
+    assert summary["memory"]["written_mb"] == 0 and summary["defaults"]["written_mb"] >= 0
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout
+    if "tmpfs" not in fs:  # tmpfs writes never reach a block device (/proc/self/io counts 0)
+        assert summary["defaults"]["written_mb"] > 0 and summary["defaults"]["read_mb"] > 0
+    assert not (tmp_path / "d" / "defaults").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DEEPNVME_BENCH_DS_PYTHON"),
+                    reason="set DEEPNVME_BENCH_DS_PYTHON to a python with DeepSpeed "
+                           "(benchmarks/setup_peers.sh)")
+def test_bench_offload_gpt_deepspeed_swaps(tmp_path):
+    # DeepSpeed's peer really swaps: parameter and optimizer swap files, bytes written per step
+    js = tmp_path / "gpt.json"
+    run("bench_offload_gpt.py", "--dir", str(tmp_path / "d"), "--vocab", "2048", "--dim", "512",
+        "--layers", "1", "--heads", "4", "--seq", "8", "--steps", "1", "--reps", "1", "--threads", "1",
+        "--modes", "", "--ds-python", os.environ["DEEPNVME_BENCH_DS_PYTHON"], "--json", str(js), cwd=tmp_path)
+    row = json.loads(js.read_text())["summary"]["deepspeed"]
+    folders = row["swap_files_mb"]
+    assert any("params" in k for k in folders) and any("optimizer" in k for k in folders)
+    assert row["written_mb"] > 0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vLLM is not installed here (tools/test_vllm.sh builds its side environment)")
 def test_bench_vllm_load(tmp_path):

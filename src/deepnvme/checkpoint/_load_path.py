@@ -13,7 +13,7 @@ O_DIRECT read lands in it while page-cache pages are not.
 :func:`measure` on the file being loaded (cold slices of it, both paths alternating) and kept
 in ``$DEEPNVME_CACHE_DIR/load-paths.json`` (default ``~/.cache/deepnvme``), keyed by device
 and kernel. ``deepnvme tune --load`` remeasures with whole cold loads of a scratch file, each in
-a fresh process (:func:`measure_whole`, :mod:`._load_probe`); ``deepnvme report`` shows the
+a fresh process (:mod:`._load_probe`); ``deepnvme report`` shows the
 choice and why.
 """
 
@@ -25,14 +25,10 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
-
-import torch
 
 from ..config import IOConfig
 from ..errors import DeepNVMeError
@@ -43,8 +39,8 @@ from ..io.posix import evict_page_cache
 from ..memory.views import aligned_empty, storage_bytes
 
 __all__ = ["LoadPaths", "Path", "PROBE_SLICE", "MARGIN", "choose", "measure", "load_paths",
-           "cache_file", "cached_paths", "forget", "device_of", "lookup", "remeasure", "measure_dir",
-           "measure_whole", "WHOLE_MARGIN", "WHOLE_BYTES"]
+           "cache_file", "cached_paths", "forget", "device_of", "lookup", "remeasure",
+           "WHOLE_MARGIN", "WHOLE_BYTES", "KINDS"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +60,8 @@ WHOLE_MARGIN = 1.1
 """The margin for :func:`measure_whole`'s timings, which are the loads themselves."""
 WHOLE_BYTES = 1 << 30
 """The size of ``deepnvme tune --load``'s probe file (whole-file timings)."""
+KINDS = ("fresh_direct", "fresh_mapped", "into_direct", "into_mapped")
+"""The four timings: a fresh load or ``load_into``, through O_DIRECT or the mapping."""
 _FORMAT = "deepnvme-load-paths"
 _VERSION = 1
 
@@ -213,7 +211,7 @@ def load_paths(path: str, cfg: IOConfig, *,
 
 def remeasure(path: str, cfg: IOConfig, *, rates: Mapping[str, float] | None = None) -> LoadPaths:
     """Measure on ``path`` now (slices; or take the whole-file ``rates`` of
-    :func:`measure_whole`), replacing the device's cached choice. Raises
+    :func:`._load_probe.measure_whole`), replacing the device's cached choice. Raises
     :class:`DeepNVMeError` if ``path`` is too small for one round."""
     key, name = device_of(path)
     whole = rates is not None
@@ -245,7 +243,7 @@ def measure(path: str, cfg: IOConfig) -> dict[str, float] | None:
     if rounds == 0:
         return None
     evict_page_cache(path)
-    kinds = ("fresh_direct", "fresh_mapped", "into_direct", "into_mapped")
+    kinds = KINDS
     times: dict[str, list[float]] = {k: [] for k in kinds}
     mapping = map_private(path)
     touched = aligned_empty(PROBE_SLICE, 0, min_bytes=0)
@@ -277,26 +275,6 @@ def measure(path: str, cfg: IOConfig) -> dict[str, float] | None:
     return {k: PROBE_SLICE / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
-def measure_whole(path: str, count: int, numel: int, *, rounds: int = 3) -> dict[str, float]:
-    """GB/s of each path (the keys of :func:`measure`) loading the whole safetensors file
-    ``path`` (``count`` uint8 tensors ``t0``... of ``numel`` bytes) cold, each load in a fresh
-    process (:mod:`._load_probe`), the order alternating per round; medians. Blocks (seconds per
-    load); ``DeepNVMeError`` with the probe's error output if one fails."""
-    from ._load_probe import KINDS
-
-    times: dict[str, list[float]] = {k: [] for k in KINDS}
-    for r in range(rounds):
-        for kind in (KINDS if r % 2 == 0 else KINDS[::-1]):
-            evict_page_cache(path)
-            done = subprocess.run([sys.executable, "-m", "deepnvme.checkpoint._load_probe", path, kind,
-                                   str(count), str(numel)], capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                raise DeepNVMeError(f"load probe {kind} of {path!r} failed (exit status {done.returncode}): "
-                                    f"{done.stderr.strip()[-800:]}")
-            times[kind].append(float(json.loads(done.stdout.strip().splitlines()[-1])["seconds"]))
-    return {k: count * numel / statistics.median(v) / 1e9 for k, v in times.items()}
-
-
 def lookup(path: str) -> LoadPaths | None:
     """The choice already made for the device holding ``path`` (a file or directory): this
     process's, else the cache file's; None if not measured yet. Measures nothing."""
@@ -306,25 +284,3 @@ def lookup(path: str) -> LoadPaths | None:
         if entry in _memo:
             return _memo[entry]
     return cached_paths().get(entry)
-
-
-def measure_dir(directory: str, cfg: IOConfig, *, size: int = WHOLE_BYTES, rounds: int = 3) -> LoadPaths:
-    """Measure the load paths of ``directory``'s device on a new temporary safetensors file there
-    (``size`` bytes of 16 MiB tensors, written durably, removed after): whole loads, each in a
-    fresh process, ``rounds`` of each path (:func:`measure_whole`); cache the choice. Blocks."""
-    from .safetensors import save_safetensors
-
-    numel = min(16 << 20, max(1 << 20, size // 4))
-    count = max(1, size // numel)
-    path = durable.create_temp(directory, "deepnvme-load-probe")
-    try:
-        gen = torch.Generator().manual_seed(0)
-        tensors = {f"t{i}": torch.randint(0, 256, (numel,), dtype=torch.uint8, generator=gen) for i in range(count)}
-        save_safetensors(tensors, path, config=cfg)
-        del tensors
-        return remeasure(path, cfg, rates=measure_whole(path, count, numel, rounds=rounds))
-    finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass

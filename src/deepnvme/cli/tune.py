@@ -17,7 +17,8 @@ from rich.table import Table
 from ..bench import Trial, TuneInterrupted, TuneResult, TuneSpace, default_space, load_space, run_tune
 from ..bench._files import check_writable
 from ..bench.tune import OBJECTIVES
-from ..checkpoint._load_path import cache_file, measure_dir
+from ..checkpoint._load_path import cache_file
+from ..checkpoint._load_probe import measure_dir
 from ..config import checkpoint_config
 from ..errors import DeepNVMeError
 from ._args import positive_float, positive_int, positive_size

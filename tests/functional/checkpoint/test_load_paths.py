@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import deepnvme
-from deepnvme.checkpoint import _load_path
+from deepnvme.checkpoint import _load_path, _load_probe
 from deepnvme.checkpoint._load_path import PROBE_SLICE, cache_file, load_paths, lookup, measure
 from deepnvme.config import checkpoint_config
 from deepnvme.errors import DeepNVMeIOError
@@ -140,8 +140,6 @@ def test_mapped_into_a_file_that_shrank_names_it(tmp_path):
 
 @pytest.mark.parametrize("kind", ["fresh_direct", "fresh_mapped", "into_direct", "into_mapped"])
 def test_the_whole_file_probe_loads_each_way(tmp_path, kind):
-    from deepnvme.checkpoint import _load_probe
-
     path = str(tmp_path / "probe.safetensors")
     save_file({f"t{i}": torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(3)}, path)
     assert _load_probe.run(path, kind, 3, 1 << 20) > 0
@@ -152,8 +150,8 @@ def test_the_whole_file_probe_loads_each_way(tmp_path, kind):
 def test_whole_file_timings_run_in_fresh_processes_and_name_a_failing_probe(tmp_path):
     path = str(tmp_path / "probe.safetensors")
     save_file({f"t{i}": torch.zeros(1 << 20, dtype=torch.uint8) for i in range(2)}, path)
-    rates = _load_path.measure_whole(path, 2, 1 << 20, rounds=1)
+    rates = _load_probe.measure_whole(path, 2, 1 << 20, rounds=1)
     assert set(rates) == {"fresh_direct", "fresh_mapped", "into_direct", "into_mapped"}
     assert all(v > 0 for v in rates.values())
     with pytest.raises(deepnvme.DeepNVMeError, match=r"load probe fresh_direct of .*probe.safetensors.* failed"):
-        _load_path.measure_whole(path, 5, 1 << 20, rounds=1)
+        _load_probe.measure_whole(path, 5, 1 << 20, rounds=1)

@@ -146,8 +146,10 @@ def _spawn(fn: Any, world: int, *args: Any) -> dict[str, Any]:
         return dict(json.loads(Path(out).read_text()))
 
 
-def _drop_caches() -> None:
+def _drop_caches(enabled: bool) -> None:
     os.sync()
+    if not enabled:
+        return
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
 
@@ -161,6 +163,8 @@ def main() -> int:
     ap.add_argument("--state-mb", type=int, default=1024, help="parameters + AdamW state, MiB")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
+                    help="do not drop the page cache before each restore (warm: a smoke test without root)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     load_start = loadavg()
@@ -170,7 +174,7 @@ def main() -> int:
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     for rep in range(args.reps):
         for kind in (KINDS if rep % 2 == 0 else KINDS[::-1]):
-            _drop_caches()
+            _drop_caches(args.drop_caches)
             got = _spawn(_restore_main, args.to, args, kind)
             if got["digest"] != saved["digest"]:
                 raise SystemExit(f"{kind} restored other values: digest {got['digest']} != {saved['digest']}")

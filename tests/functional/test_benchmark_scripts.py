@@ -144,13 +144,25 @@ def test_bench_manager(tmp_path):
 def test_bench_manager_ranks(tmp_path):
     out = run("bench_manager_ranks.py", "--dir", str(tmp_path / "ck"), "--state-mb", "1", "--width", "64",
               "--batch", "4", "--steps", "1", "--warmup", "0", "--reps", "1", "--no-drop-caches",
-              "--dcp-checkpointer", "thread", "--json", str(tmp_path / "out.json"), cwd=tmp_path)
+              "--dcp-checkpointer", "thread", "--savers", "none,copy,deepnvme,dcp_async",
+              "--json", str(tmp_path / "out.json"), cwd=tmp_path)
     for name in ("none", "deepnvme", "dcp_async", "restore (cold)", "restore_speedup_vs_dcp_load",
-                 "target added_vs_dcp <= 0.5"):
+                 "target added_vs_dcp <= 0.5", "snapshot_blocked_over_copy_in_loop"):
         assert name in out
     data = json.loads((tmp_path / "out.json").read_text())
     assert data["configs"]["deepnvme"]["bytes_per_rank"][1] > 0  # both ranks wrote their share
     assert data["ratios"]["share_copy_s"] > 0 and data["ratios"]["snapshot_blocked_over_share_copy"] > 0
+    assert data["configs"]["copy"]["blocked_s"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_bench_manager_reshard(tmp_path):
+    out = run("bench_manager_reshard.py", "--dir", str(tmp_path / "ck"), "--world", "2", "--to", "1",
+              "--state-mb", "2", "--width", "64", "--reps", "1", "--no-drop-caches",
+              "--json", str(tmp_path / "out.json"), cwd=tmp_path)
+    assert "restore 2 -> 1 ranks" in out
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["bytes"]["deepnvme"] > 0 and data["bytes"]["dcp"] > 0 and data["speedup_vs_dcp_load"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 

@@ -437,6 +437,9 @@ class FaultyQueue:
         faked, self.faked = self.faked, []
         return faked + self.inner.submit_and_wait(0 if faked else wait, single)
 
+    def tidy(self):
+        return self.inner.tidy()
+
     def close(self):
         self.inner.close()
 

@@ -87,6 +87,10 @@ class AioQueue:
             pack(iocbs, tag * size, tag, 0, 0, cmd, 0, fd, address, length, offset)
         self._queued += tags
 
+    def tidy(self) -> bool:
+        """Nothing to drop (no registered buffers): False."""
+        return False
+
     def submit_and_wait(self, wait: int, single: bool = False) -> list[tuple[int, int]]:
         """Submit what :meth:`prep` queued, wait for at least ``wait`` completions, return
         ``(tag, result)`` pairs (bytes moved or ``-errno``). ``single``: one per call."""

@@ -57,6 +57,7 @@ class AioQueue:
         self._iocbs = ctypes.create_string_buffer(_IOCB.size * self.depth)
         self._base = ctypes.addressof(self._iocbs)
         self._ptrs = (ctypes.c_void_p * self.depth)()
+        self._iocb_at = [self._base + tag * _IOCB.size for tag in range(self.depth)]
         self._events = ctypes.create_string_buffer(_EVENT.size * self.depth)
         self._event_words = memoryview(self._events).cast("B").cast("q")  # 4 per event
         self._queued: list[int] = []
@@ -94,11 +95,10 @@ class AioQueue:
     def submit_and_wait(self, wait: int, single: bool = False) -> list[tuple[int, int]]:
         """Submit what :meth:`prep` queued, wait for at least ``wait`` completions, return
         ``(tag, result)`` pairs (bytes moved or ``-errno``). ``single``: one per call."""
-        queued, ptrs, base, size = self._queued, self._ptrs, self._base, _IOCB.size
+        queued, ptrs, at = self._queued, self._ptrs, self._iocb_at
         while queued:
             n = 1 if single else len(queued)
-            for i in range(n):
-                ptrs[i] = base + queued[i] * size
+            ptrs[:n] = [at[tag] for tag in queued[:n]]
             done = _submit_call(self._submit, self._ctx.value, n, ptrs)
             if done < 0:
                 err = ctypes.get_errno()

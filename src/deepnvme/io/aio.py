@@ -47,6 +47,9 @@ class AioQueue:
     """
 
     name = "aio"
+    #: wait for one completion per call: io_getevents wakes the waiter at every completion
+    #: anyway (a larger minimum measured no fewer calls, 18-21 events each, and fewer IOPS)
+    wait_share = 1 << 30
 
     def __init__(self, depth: int) -> None:
         self._setup, self._destroy, self._submit, self._getevents = _numbers()

@@ -2,7 +2,7 @@
 
 A worker takes chunks from the engine's work queue while it has free slots, queues them on its
 own :class:`KernelQueue`, submits them in one batch and waits inside the system call
-(without the GIL) until a share (:data:`WAIT_SHARE`) of its chunks in flight have completed;
+(without the GIL) until a share (``wait_share``) of its chunks in flight have completed;
 the places they free are refilled from the window at once, with no hand-off through the work
 queue (:meth:`Window.chunks_done <deepnvme.io.window.Window.chunks_done>`). Every completion
 is checked here: ``-EINTR``/``-EAGAIN`` are resubmitted, a short transfer is resubmitted for
@@ -40,9 +40,6 @@ __all__ = ["KernelQueue", "kernel_worker", "BOUNCES_PER_WORKER"]
 
 log = logging.getLogger(__name__)
 BOUNCES_PER_WORKER = 4
-#: a worker waits for this share of its chunks in flight to complete (at least one) per system
-#: call: fewer, fuller rounds (fio's iodepth_batch_complete_min); see the module docstring
-WAIT_SHARE = 4
 IDLE_TIDY_S = 1.0  # how often an idle worker lets its queue drop what it must (UringQueue.tidy)
 FIXED_MIN_BYTES = 64 << 10  # smallest chunk worth a registered-buffer look-up
 _RETRY = (errno.EINTR, errno.EAGAIN)
@@ -55,6 +52,9 @@ class KernelQueue(Protocol):
 
     name: str
     depth: int
+    #: a worker waits for ``1 / wait_share`` of its chunks in flight (at least one) to complete
+    #: per system call (fio's iodepth_batch_complete_min)
+    wait_share: int
 
     def prep(self, tag: int, write: bool, fd: int, address: int, length: int,
              offset: int, buf_index: int = -1) -> int: ...
@@ -349,7 +349,7 @@ def _run(w: _Worker, window_ref: weakref.ref[Window], work: queue.SimpleQueue[An
     the next call: one call, one hand-off to the window and one lock per round of
     completions, not per few of them."""
     stopping = False
-    depth = len(w.op)
+    depth, share = len(w.op), kq.wait_share
     while True:
         while w.waiting and w.free:
             rest = _start(w, w.waiting[0])
@@ -376,7 +376,7 @@ def _run(w: _Worker, window_ref: weakref.ref[Window], work: queue.SimpleQueue[An
         if inflight:
             try:
                 # submit what was queued, wait for a share of what is in flight
-                events = kq.submit_and_wait(max(1, inflight // WAIT_SHARE), w.single)
+                events = kq.submit_and_wait(max(1, inflight // share), w.single)
             except OSError as exc:
                 w.fail_all(DeepNVMeIOError.from_oserror(exc, op=f"{kq.name} submit",
                                                         path=None, offset=None, size=None))

@@ -87,6 +87,10 @@ class UringQueue:
     """
 
     name = "io_uring"
+    #: wait for a quarter of the entries in flight per call: with deferred task work the kernel
+    #: wakes the waiter once, when that many are ready (fewer, fuller rounds; 2026-11-29 log:
+    #: 4 KiB random reads at depth 32, +25 % IOPS on the disk at 0.7x the CPU per read vs one)
+    wait_share = 4
 
     def __init__(self, depth: int) -> None:
         params = bytearray(_PARAMS.size)

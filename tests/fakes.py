@@ -397,6 +397,7 @@ class FaultyQueue:
     def __init__(self, inner, *, max_len=None, eintr_every=0, eagain_every=0, fail_write_at=None,
                  fail_read_at=None, errno_=errno.ENOSPC, zero_read=False, zero_write=False):
         self.inner, self.name, self.depth = inner, inner.name, inner.depth
+        self.wait_share = inner.wait_share
         self.max_len, self.eintr_every, self.eagain_every = max_len, eintr_every, eagain_every
         self.fail_write_at, self.fail_read_at, self.errno_ = fail_write_at, fail_read_at, errno_
         self.zero_read, self.zero_write = zero_read, zero_write
@@ -436,6 +437,9 @@ class FaultyQueue:
     def submit_and_wait(self, wait, single=False):
         faked, self.faked = self.faked, []
         return faked + self.inner.submit_and_wait(0 if faked else wait, single)
+
+    def tidy(self):
+        return self.inner.tidy()
 
     def close(self):
         self.inner.close()

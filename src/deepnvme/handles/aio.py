@@ -21,7 +21,7 @@ import torch
 
 from ..config import IOConfig, resolve_config
 from ..errors import DeepNVMeIOError, UnsupportedBufferError
-from ..io.batch import Items
+from ..io.batch import Items, summarize
 from ..io.engine import Engine, Transfer
 from ..io.posix import Posix, current
 from ..io.staging import CudaCopier, DeviceCopier, StagingPipeline
@@ -173,14 +173,14 @@ class AioHandle(DeepSpeedMethods):
         if not at.numel() == off.numel() == size.numel():
             raise ValueError(f"buffer_offsets, file_offsets and sizes differ in length: "
                              f"{at.numel()}, {off.numel()}, {size.numel()}")
-        base = buffer.data_ptr()
-        addresses, lengths = (at + base).tolist(), size.tolist()
-        if addresses and (min(addresses) < base or min(lengths) < 0
-                          or int((at + size).max()) > buffer.nbytes):
+        # bounds in bulk: planning needs no loop per range where all are gathered
+        summary, addresses, lowest, highest = (summarize(at, buffer.data_ptr(), off, size)
+                                               if at.numel() else (None, [], 0, 0))
+        if summary is not None and (lowest < 0 or summary.smallest < 0 or highest > buffer.nbytes):
             k = int(((at < 0) | (size < 0) | (at + size > buffer.nbytes)).nonzero()[0])
             raise ValueError(f"read_many_into({target!r}): range {k} ({int(size[k])} bytes at buffer byte "
                              f"{int(at[k])}) lies outside the {buffer.nbytes}-byte buffer")
-        items = Items(addresses, lengths, off.tolist(), buffer)
+        items = Items(addresses, size.tolist(), off.tolist(), buffer, summary)
         if isinstance(target, VolumePath):  # split per drive (io.volume.split_ranges), read on all at once
             return self._striped.submit_many(False, target, items, keep_open=keep_open)
         return self._engine.submit_many(False, target, items, validate=False, fsync=None,

@@ -47,6 +47,9 @@ class AioQueue:
     """
 
     name = "aio"
+    #: wait for one completion per call: io_getevents wakes the waiter at every completion
+    #: anyway (a larger minimum measured no fewer calls, 18-21 events each, and fewer IOPS)
+    wait_share = 1 << 30
 
     def __init__(self, depth: int) -> None:
         self._setup, self._destroy, self._submit, self._getevents = _numbers()
@@ -57,6 +60,7 @@ class AioQueue:
         self._iocbs = ctypes.create_string_buffer(_IOCB.size * self.depth)
         self._base = ctypes.addressof(self._iocbs)
         self._ptrs = (ctypes.c_void_p * self.depth)()
+        self._iocb_at = [self._base + tag * _IOCB.size for tag in range(self.depth)]
         self._events = ctypes.create_string_buffer(_EVENT.size * self.depth)
         self._event_words = memoryview(self._events).cast("B").cast("q")  # 4 per event
         self._queued: list[int] = []
@@ -87,14 +91,17 @@ class AioQueue:
             pack(iocbs, tag * size, tag, 0, 0, cmd, 0, fd, address, length, offset)
         self._queued += tags
 
+    def tidy(self) -> bool:
+        """Nothing to drop (no registered buffers): False."""
+        return False
+
     def submit_and_wait(self, wait: int, single: bool = False) -> list[tuple[int, int]]:
         """Submit what :meth:`prep` queued, wait for at least ``wait`` completions, return
         ``(tag, result)`` pairs (bytes moved or ``-errno``). ``single``: one per call."""
-        queued, ptrs, base, size = self._queued, self._ptrs, self._base, _IOCB.size
+        queued, ptrs, at = self._queued, self._ptrs, self._iocb_at
         while queued:
             n = 1 if single else len(queued)
-            for i in range(n):
-                ptrs[i] = base + queued[i] * size
+            ptrs[:n] = [at[tag] for tag in queued[:n]]
             done = _submit_call(self._submit, self._ctx.value, n, ptrs)
             if done < 0:
                 err = ctypes.get_errno()

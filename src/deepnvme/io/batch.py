@@ -14,7 +14,9 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
 
 from ..errors import DeepNVMeIOError, ShortTransferError
 from .op import Batch, Gathered, Op, Transfer
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from .opening import Opener
     from .window import Window
 
-__all__ = ["submit_many", "GATHER", "Items", "Route"]
+__all__ = ["submit_many", "GATHER", "Items", "Route", "Summary", "summarize"]
 
 GATHER = 256  # single-chunk items gathered into one request
 
@@ -34,18 +36,63 @@ GATHER = 256  # single-chunk items gathered into one request
 Route = Callable[..., "Window"]
 
 
+class Summary(NamedTuple):
+    """Bounds of a batch's items computed in bulk by a caller that holds them as tensors, so
+    that planning needs no loop per item where all of them are gathered: the smallest offset,
+    the end (largest offset + size), the smallest and largest size, and the largest power of
+    two (at most 2**62) dividing every offset and size (``offset_align``) and every address
+    (``address_align``)."""
+
+    lowest: int
+    end: int
+    smallest: int
+    largest: int
+    offset_align: int
+    address_align: int
+
+
+_PIECE = 16384  # below ATen's parallel grain (32768 elements): each op runs on this thread
+
+
+def summarize(at: torch.Tensor, base: int, offsets: torch.Tensor, sizes: torch.Tensor
+              ) -> tuple[Summary, list[int], int, int]:
+    """Ranges of one buffer at address ``base`` (1-D int64 tensors of one length, not empty:
+    buffer offsets ``at``, file ``offsets``, ``sizes``): their :class:`Summary`, their absolute
+    addresses as a list, and the lowest and highest buffer byte they reach (``at`` and
+    ``at + sizes``). Computed a piece at a time below ATen's grain: a parallel reduction waits
+    for the intra-op pool, milliseconds per call on a busy machine (measured 12 ms for a
+    minimum of 65,536 ints, 25 us on one thread)."""
+    def align(t: torch.Tensor) -> int:
+        low = t & -t  # each value's lowest set bit; 0 (divisible by anything) counts as 2**62
+        return int(torch.where(low == 0, 1 << 62, low).min())
+
+    addresses: list[int] = []
+    parts = []
+    for a, o, s in zip(at.split(_PIECE), offsets.split(_PIECE), sizes.split(_PIECE)):
+        absolute = a + base
+        addresses += absolute.tolist()
+        parts.append((int(o.min()), int((o + s).max()), int(s.min()), int(s.max()),
+                      align(o | s), align(absolute), int(a.min()), int((a + s).max())))
+    low = [min(column) for column in zip(*parts)]
+    high = [max(column) for column in zip(*parts)]
+    summary = Summary(low[0], high[1], low[2], high[3], low[4], low[5])
+    return summary, addresses, low[6], high[7]
+
+
 class Items:
     """A batch's items: ``addresses``, ``sizes`` and ``file_offsets`` (equal-length lists of
-    ints) and ``keepalive``, held until the batch completes (the buffers' owners)."""
+    ints) and ``keepalive``, held until the batch completes (the buffers' owners);
+    ``summary``, where the caller computed it (:func:`summarize`), must be exact."""
 
-    __slots__ = ("addresses", "sizes", "offsets", "keepalive")
+    __slots__ = ("addresses", "sizes", "offsets", "keepalive", "summary")
 
     def __init__(self, addresses: list[int], sizes: list[int], offsets: list[int],
-                 keepalive: Any) -> None:
+                 keepalive: Any, summary: Summary | None = None) -> None:
         if not len(addresses) == len(sizes) == len(offsets):
             raise ValueError("addresses, sizes and offsets must have the same length")
         self.addresses, self.sizes, self.offsets = addresses, sizes, offsets
         self.keepalive = keepalive
+        self.summary = summary
 
     def __len__(self) -> int:
         return len(self.addresses)
@@ -92,25 +139,33 @@ def _plan(opener: Opener, block_size: int, batch: Batch, items: Items,
     edge = max(alignment.offset, PAGE_SIZE) if alignment is not None else PAGE_SIZE
     mem = alignment.memory if alignment is not None else 1
     addresses, sizes, offsets = items.addresses, items.sizes, items.offsets
-    gathered: list[int] = []
+    picked: list[int] = []
     single: list[int] = []
     end, largest, ragged = 0, 0, False
-    for j in range(len(addresses)):
-        size, offset = sizes[j], offsets[j]
-        if offset < 0:
-            raise DeepNVMeIOError("negative file offset", path=first.name, offset=offset,
-                                  size=size, errno=errno.EINVAL)
-        if offset + size > end:
-            end = offset + size
-        if size > largest:
-            largest = size
-        if offset % edge or size % edge:
-            ragged = True
-            single.append(j)
-        elif gather and 0 < size <= block_size and not addresses[j] % mem:
-            gathered.append(j)
-        else:
-            single.append(j)
+    s = items.summary
+    if (s is not None and gather and s.lowest >= 0 and 0 < s.smallest and s.largest <= block_size
+            and s.offset_align % edge == 0 and s.address_align % mem == 0):
+        end, largest = s.end, s.largest  # every item is gathered: no loop per item
+        gathered: list[int] | range = range(len(addresses))
+    else:
+        for j in range(len(addresses)):
+            size, offset = sizes[j], offsets[j]
+            if offset < 0:
+                raise DeepNVMeIOError("negative file offset", path=first.name, offset=offset,
+                                      size=size, errno=errno.EINVAL)
+            if offset + size > end:
+                end = offset + size
+            if size > largest:
+                largest = size
+            if offset % edge or size % edge:
+                ragged = True
+                single.append(j)
+            elif gather and 0 < size <= block_size and not addresses[j] % mem:
+                picked.append(j)
+            else:
+                single.append(j)
+        # all of them (consecutive, sliced per request) or those picked
+        gathered = range(len(addresses)) if len(picked) == len(addresses) else picked
     if not first.write:
         fd = batch.fd_direct if batch.fd_direct >= 0 else batch.fd_buffered
         _check_inside(first.name, items, end, opener.posix.file_size(fd))
@@ -137,16 +192,23 @@ def _member(block_size: int, batch: Batch, t: Transfer, validate: bool,
     return op
 
 
-def _gathered(batch: Batch, items: Items, index: list[int], validate: bool) -> Op:
-    """One request over many single-chunk items: its chunks' ``buf_offset`` are absolute
-    addresses (the request's own address is 0); the batch keeps the buffers alive.
-    ``validate`` compares each item with the file once all have ended."""
+def _gathered(batch: Batch, items: Items, index: list[int] | range, validate: bool) -> Op:
+    """One request over many single-chunk items (``index``, consecutive ones as a range):
+    its chunks hold absolute addresses (the request's own address is 0); the batch keeps the
+    buffers alive. ``validate`` compares each item with the file once all have ended."""
     first = batch.transfer
-    carrier = Transfer(write=first.write, address=0, size=sum(items.sizes[j] for j in index),
-                       target=first.target, file_offset=items.offsets[index[0]])
+    if type(index) is range and index.step == 1:  # consecutive items: slices, no loop per item
+        a, b = index.start, index.stop
+        addresses, offsets, sizes = items.addresses[a:b], items.offsets[a:b], items.sizes[a:b]
+    else:
+        addresses = [items.addresses[j] for j in index]
+        offsets = [items.offsets[j] for j in index]
+        sizes = [items.sizes[j] for j in index]
+    carrier = Transfer(write=first.write, address=0, size=sum(sizes), target=first.target,
+                       file_offset=offsets[0])
     op = Op(carrier, validate, False, batch=batch)
-    op.chunks = Gathered(items.addresses, items.offsets, items.sizes, index)
-    op.fd_direct, op.fd_buffered, op.remaining = batch.fd_direct, batch.fd_buffered, len(index)
+    op.chunks = Gathered(addresses, offsets, sizes)
+    op.fd_direct, op.fd_buffered, op.remaining = batch.fd_direct, batch.fd_buffered, len(sizes)
     return op
 
 

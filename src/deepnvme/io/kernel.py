@@ -1,12 +1,14 @@
 """The mover for kernel-asynchronous queues (io_uring, Linux AIO): one loop per worker thread.
 
 A worker takes chunks from the engine's work queue while it has free slots, queues them on its
-own :class:`KernelQueue`, submits them in one batch and waits for completions inside the
-system call (without the GIL). Every completion is checked here: ``-EINTR``/``-EAGAIN`` are
-resubmitted, a short transfer is resubmitted for its remainder (a direct read that stops at the
-end of the file is an error), any other failure fails the chunk's request with its file, offset
-and errno. Coordination (the window, first error, completing futures) stays in
-:mod:`deepnvme.io.window` and :mod:`deepnvme.io.op`.
+own :class:`KernelQueue`, submits them in one batch and waits inside the system call
+(without the GIL) until a share (``wait_share``) of its chunks in flight have completed;
+the places they free are refilled from the window at once, with no hand-off through the work
+queue (:meth:`Window.chunks_done <deepnvme.io.window.Window.chunks_done>`). Every completion
+is checked here: ``-EINTR``/``-EAGAIN`` are resubmitted, a short transfer is resubmitted for
+its remainder (a direct read that stops at the end of the file is an error), any other failure
+fails the chunk's request with its file, offset and errno. Coordination (the window, first
+error, completing futures) stays in :mod:`deepnvme.io.window` and :mod:`deepnvme.io.op`.
 
 Memory: each worker lends at most ``min(queue_depth, 4)`` aligned bounce buffers of one chunk
 each, allocated on first need, for chunks whose memory address O_DIRECT cannot use.
@@ -38,6 +40,7 @@ __all__ = ["KernelQueue", "kernel_worker", "BOUNCES_PER_WORKER"]
 
 log = logging.getLogger(__name__)
 BOUNCES_PER_WORKER = 4
+IDLE_TIDY_S = 1.0  # how often an idle worker lets its queue drop what it must (UringQueue.tidy)
 FIXED_MIN_BYTES = 64 << 10  # smallest chunk worth a registered-buffer look-up
 _RETRY = (errno.EINTR, errno.EAGAIN)
 #: a work item: one chunk ``(op, chunk)`` or a range of a gathered request ``(op, start, stop)``
@@ -49,6 +52,9 @@ class KernelQueue(Protocol):
 
     name: str
     depth: int
+    #: a worker waits for ``1 / wait_share`` of its chunks in flight (at least one) to complete
+    #: per system call (fio's iodepth_batch_complete_min)
+    wait_share: int
 
     def prep(self, tag: int, write: bool, fd: int, address: int, length: int,
              offset: int, buf_index: int = -1) -> int: ...
@@ -60,6 +66,8 @@ class KernelQueue(Protocol):
 
     def submit_and_wait(self, wait: int, single: bool = False) -> list[tuple[int, int]]: ...
 
+    def tidy(self) -> bool: ...
+
     def close(self) -> None: ...
 
 
@@ -69,13 +77,16 @@ class _Worker:
     Slot ``tag`` holds a chunk of request ``op[tag]``: ``length[tag]`` bytes at file
     ``offset[tag]`` of ``kind[tag]``, to or from ``address[tag]`` (the bounce buffer
     ``bounce[tag]`` if it borrowed one, else the caller's ``user[tag]``); ``done[tag]`` bytes
-    have moved.
+    have moved. A chunk of a gathered range records only ``op``, ``length`` and its index in
+    the request, ``item[tag]`` (>= 0): the rest is filled from the request's lists when a
+    completion needs it (:meth:`_fill`). A free slot has ``done`` 0 and no bounce buffer.
     """
 
     def __init__(self, kq: KernelQueue, posix: Posix, block_size: int, single: bool) -> None:
         self.kq, self.posix, self.single = kq, posix, single
         depth = kq.depth
         self.op: list[Op | None] = [None] * depth
+        self.item = [-1] * depth
         self.kind = [Kind.DIRECT] * depth
         self.fd = [0] * depth
         self.address = [0] * depth
@@ -122,11 +133,12 @@ class _Worker:
         # measured no gain for small chunks, which then skip the look-up too
         slot = (self.kq.fixed_slot(address, chunk.length)
                 if kind is not Kind.BUFFERED and chunk.length >= FIXED_MIN_BYTES else -1)
-        tag = self.free.pop()
-        self.op[tag], self.kind[tag], self.fd[tag], self.slot[tag] = op, kind, fd, slot
-        self.address[tag], self.user[tag], self.done[tag], self.bounce[tag] = address, user, 0, bounce
-        self.offset[tag], self.length[tag] = chunk.file_offset, chunk.length
+        tag = self.free[-1]
         self.kq.prep(tag, t.write, fd, address, chunk.length, chunk.file_offset, slot)
+        self.free.pop()
+        self.op[tag], self.item[tag], self.kind[tag], self.fd[tag], self.slot[tag] = op, -1, kind, fd, slot
+        self.address[tag], self.user[tag], self.bounce[tag] = address, user, bounce
+        self.offset[tag], self.length[tag] = chunk.file_offset, chunk.length
         return True
 
     def start_range(self, op: Op, start: int, stop: int) -> int:
@@ -136,33 +148,43 @@ class _Worker:
         if op.stopped:
             self.finished.extend([op] * (stop - start))
             return stop
-        n = min(len(self.free), stop - start)
+        free = self.free
+        n = min(len(free), stop - start)
         if not n:
             return start
         g = cast("Gathered", op.chunks)
-        index = g.order[start:start + n]
-        addrs, offs, sizes = g.addresses, g.offsets, g.sizes
-        addresses = [addrs[j] for j in index]
-        offsets = [offs[j] for j in index]
-        lengths = [sizes[j] for j in index]
+        end = start + n
+        addresses, lengths = g.addresses[start:end], g.sizes[start:end]
         slots = None
-        if max(lengths) >= FIXED_MIN_BYTES:  # as in start: only big chunks look for a slot
+        if g.largest >= FIXED_MIN_BYTES:  # as in start: only big chunks look for a slot
             fixed = self.kq.fixed_slot
             slots = [fixed(a, ln) if ln >= FIXED_MIN_BYTES else -1
                      for a, ln in zip(addresses, lengths)]
-        tags = self.free[-n:]
-        fd = op.fd_direct
-        self.kq.prep_many(tags, op.transfer.write, fd, addresses, lengths, offsets, slots)
-        del self.free[-n:]  # queued: from here on nothing raises
-        ops, kinds, fds, address, user = self.op, self.kind, self.fd, self.address, self.user
-        offset, length, done, slot = self.offset, self.length, self.done, self.slot
-        direct = Kind.DIRECT
-        for i, tag in enumerate(tags):
-            ops[tag], kinds[tag], fds[tag], done[tag] = op, direct, fd, 0
-            address[tag] = user[tag] = addresses[i]
-            offset[tag], length[tag] = offsets[i], lengths[i]
-            slot[tag] = -1 if slots is None else slots[i]
-        return start + n
+        tags = free[-n:]
+        self.kq.prep_many(tags, op.transfer.write, op.fd_direct, addresses, lengths,
+                          g.offsets[start:end], slots)
+        del free[-n:]  # queued: from here on nothing raises
+        ops, item, length = self.op, self.item, self.length
+        for i, tag, ln in zip(range(start, end), tags, lengths):
+            ops[tag], item[tag], length[tag] = op, i, ln
+        if slots is not None:
+            for tag, sl in zip(tags, slots):
+                self.slot[tag] = sl
+        return end
+
+    def _fill(self, tag: int, op: Op) -> None:
+        """Record the whole state of a gathered range's chunk in slot ``tag`` (kept lean
+        while it was in flight), for a completion that needs more than its length."""
+        i = self.item[tag]
+        if i < 0:
+            return
+        g = cast("Gathered", op.chunks)
+        self.item[tag] = -1
+        self.kind[tag], self.fd[tag] = Kind.DIRECT, op.fd_direct
+        self.address[tag] = self.user[tag] = g.addresses[i]
+        self.offset[tag] = g.offsets[i]
+        if g.largest < FIXED_MIN_BYTES:
+            self.slot[tag] = -1  # (else start_range recorded it)
 
     def _resubmit(self, tag: int, op: Op) -> None:
         done = self.done[tag]
@@ -191,6 +213,7 @@ class _Worker:
             op = ops[tag]
             if op is not None and res == length[tag] - done[tag] and bounce[tag] is None:
                 ops[tag] = None
+                done[tag] = 0
                 free.append(tag)
                 finished.append(op)
             else:
@@ -201,6 +224,7 @@ class _Worker:
         if op is None:  # the kernel never does this; a stray tag must not kill us
             log.error("deepnvme: %s completion for idle slot %d ignored", self.kq.name, tag)
             return
+        self._fill(tag, op)
         offset, length, done = self.offset[tag], self.length[tag], self.done[tag]
         if res == length - done and self.bounce[tag] is None:
             self._release(tag, op)
@@ -241,7 +265,7 @@ class _Worker:
         self._release(tag, op)
 
     def _release(self, tag: int, op: Op) -> None:
-        self.op[tag] = None
+        self.op[tag], self.item[tag], self.done[tag] = None, -1, 0
         self.free.append(tag)
         self.finished.append(op)
 
@@ -306,12 +330,26 @@ def _complete(w: _Worker, tag: int, res: int) -> None:
             w.abandon(tag, op, exc)
 
 
+def _idle_get(work: queue.SimpleQueue[Any], kq: KernelQueue) -> Any:
+    """The next work item, for a worker with nothing in flight; meanwhile the queue drops what
+    it could not from other threads (a single-issuer ring's registrations of freed memory),
+    now and every :data:`IDLE_TIDY_S` seconds while it holds any."""
+    while True:
+        if not kq.tidy():
+            return work.get()
+        try:
+            return work.get(timeout=IDLE_TIDY_S)
+        except queue.Empty:
+            continue
+
+
 def _run(w: _Worker, window_ref: weakref.ref[Window], work: queue.SimpleQueue[Any],
          kq: KernelQueue) -> None:
     """Every completion reaped by one system call is handled, and its slots refilled, before
     the next call: one call, one hand-off to the window and one lock per round of
     completions, not per few of them."""
     stopping = False
+    depth, share = len(w.op), kq.wait_share
     while True:
         while w.waiting and w.free:
             rest = _start(w, w.waiting[0])
@@ -320,11 +358,11 @@ def _run(w: _Worker, window_ref: weakref.ref[Window], work: queue.SimpleQueue[An
                 break
             w.waiting.popleft()
         while not stopping and w.free and not w.waiting:
-            busy = w.inflight or w.finished
+            busy = len(w.free) < depth or w.finished
             if busy and work.empty():  # cheaper than raising queue.Empty every round
                 break
             try:
-                item = work.get_nowait() if busy else work.get()
+                item = work.get_nowait() if busy else _idle_get(work, kq)
             except queue.Empty:  # another worker took it
                 break
             if item is None:
@@ -334,9 +372,11 @@ def _run(w: _Worker, window_ref: weakref.ref[Window], work: queue.SimpleQueue[An
                 if rest is not None:
                     w.waiting.append(rest)
             item = rest = None  # hold no request past its completion (its buffer stays exported)
-        if w.inflight:
+        inflight = depth - len(w.free)
+        if inflight:
             try:
-                events = kq.submit_and_wait(1, w.single)  # submit what was queued, wait for one
+                # submit what was queued, wait for a share of what is in flight
+                events = kq.submit_and_wait(max(1, inflight // share), w.single)
             except OSError as exc:
                 w.fail_all(DeepNVMeIOError.from_oserror(exc, op=f"{kq.name} submit",
                                                         path=None, offset=None, size=None))
@@ -346,8 +386,14 @@ def _run(w: _Worker, window_ref: weakref.ref[Window], work: queue.SimpleQueue[An
             window = window_ref()
             if window is None:
                 return
-            window.chunks_done(w.finished)
-            w.finished = []
-            del window
+            # the window hands the places just freed back at once, to start here (a request
+            # that failed meanwhile reports its skipped chunks as finished, next round)
+            finished, w.finished = w.finished, []
+            for item in window.chunks_done(finished, 0 if w.waiting else len(w.free)):
+                rest = _start(w, item)
+                if rest is not None:
+                    w.waiting.append(rest)
+            del window, finished
+            item = rest = None
         elif stopping and not w.inflight and not w.waiting:
             return

@@ -206,10 +206,9 @@ class Op:
         try:
             g = self.chunks
             if type(g) is Gathered:
-                for j in g.order:
-                    address, size = g.addresses[j], g.sizes[j]
+                for address, offset, size in zip(g.addresses, g.offsets, g.sizes):
                     memory = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
-                    _compare(posix, fd, t.name, g.offsets[j], memory)
+                    _compare(posix, fd, t.name, offset, memory)
                 return
             for start in range(0, t.size, _VALIDATE_BLOCK):
                 n = min(_VALIDATE_BLOCK, t.size - start)
@@ -237,27 +236,28 @@ _NO_FUTURE: Future[int] = Future()  # placeholder for batch members, never compl
 
 
 class Gathered(Sequence[Chunk]):
-    """The chunks of a request gathering many single-chunk items of a batch: item ``order[i]``
-    of the parallel lists ``addresses`` (absolute), ``offsets`` and ``sizes`` is chunk ``i``.
+    """The chunks of a request gathering many single-chunk items of a batch: chunk ``i`` is
+    ``sizes[i]`` bytes at ``offsets[i]`` of the file and ``addresses[i]`` (absolute) in memory,
+    three lists of ints of the request's own (slices of the batch's where its items are
+    consecutive); ``largest`` is the largest size.
 
     A kernel mover takes them as index ranges (no object per chunk); a :class:`Chunk` is made
     only where one is asked for (the thread mover), with the address as its ``buf_offset``.
     """
 
-    __slots__ = ("addresses", "offsets", "sizes", "order")
+    __slots__ = ("addresses", "offsets", "sizes", "largest")
 
-    def __init__(self, addresses: list[int], offsets: list[int], sizes: list[int],
-                 order: list[int]) -> None:
-        self.addresses, self.offsets, self.sizes, self.order = addresses, offsets, sizes, order
+    def __init__(self, addresses: list[int], offsets: list[int], sizes: list[int]) -> None:
+        self.addresses, self.offsets, self.sizes = addresses, offsets, sizes
+        self.largest = max(sizes, default=0)
 
     def __len__(self) -> int:
-        return len(self.order)
+        return len(self.sizes)
 
     def __getitem__(self, i):  # type: ignore[no-untyped-def]
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self.order)))]
-        j = self.order[i]
-        return Chunk(self.addresses[j], self.offsets[j], self.sizes[j], Kind.DIRECT)
+            return [self[j] for j in range(*i.indices(len(self.sizes)))]
+        return Chunk(self.addresses[i], self.offsets[i], self.sizes[i], Kind.DIRECT)
 
 
 class Batch(Op):

@@ -7,6 +7,14 @@ for the whole system call, so the kernel works while Python threads run.
 
 Memory ordering: the submission tail is published and the completion tail read only around
 ``io_uring_enter`` (a system call orders both ways), never by polling shared memory.
+
+Completions (Linux 6.1+): the ring is set up single-issuer with deferred task work, as fio
+sets it up: the kernel posts completions only inside ``io_uring_enter`` with GETEVENTS on the
+ring's own thread, and wakes a waiter once ``min_complete`` of them are ready, instead of
+interrupting the thread once per completion. A single-issuer ring takes system calls
+(submissions and buffer registrations) from one thread only: the first that submits
+(:meth:`UringQueue.submit_and_wait`); see :meth:`UringQueue.region_released` for frees seen on
+other threads.
 """
 
 from __future__ import annotations
@@ -31,6 +39,10 @@ __all__ = ["UringQueue", "probe_io_uring"]
 _SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427  # same on x86_64 and aarch64
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _ENTER_GETEVENTS = 1
+# single issuer + deferred task work (Linux 6.1+), created disabled: enabled by the thread that
+# first submits (IORING_REGISTER_ENABLE_RINGS), which becomes the ring's one issuer
+_SETUP_R_DISABLED, _SETUP_SINGLE_ISSUER, _SETUP_DEFER_TASKRUN = 1 << 6, 1 << 12, 1 << 13
+_REGISTER_ENABLE_RINGS = 12
 _FEAT_SINGLE_MMAP, _FEAT_NODROP, _FEAT_RW_CUR_POS = 1 << 0, 1 << 1, 1 << 3
 _OP_READ, _OP_WRITE, _OP_READ_FIXED, _OP_WRITE_FIXED = 22, 23, 4, 5
 _REGISTER_BUFFERS2, _REGISTER_BUFFERS_UPDATE, _RSRC_REGISTER_SPARSE = 15, 16, 1
@@ -70,16 +82,25 @@ class UringQueue:
     Registered buffers: locked allocations of :mod:`deepnvme.memory.pinned` are registered
     with the ring on first use (:meth:`fixed_slot`, up to :data:`FIXED_SLOTS` of them), so
     their transfers skip pinning pages per request (READ_FIXED/WRITE_FIXED); a registration
-    ends when its allocation is freed or the ring closes.
+    ends when its allocation is freed (on a single-issuer ring freed on another thread: at the
+    ring's next call on its own thread, see :meth:`region_released`) or the ring closes.
     """
 
     name = "io_uring"
+    #: wait for a quarter of the entries in flight per call: with deferred task work the kernel
+    #: wakes the waiter once, when that many are ready (fewer, fuller rounds; 2026-11-29 log:
+    #: 4 KiB random reads at depth 32, +25 % IOPS on the disk at 0.7x the CPU per read vs one)
+    wait_share = 4
 
     def __init__(self, depth: int) -> None:
         params = bytearray(_PARAMS.size)
-        buf = (ctypes.c_char * len(params)).from_buffer(params)
-        fd = syscall(_SYS_SETUP, ctypes.c_uint(max(1, depth)), buf)
-        del buf
+        fd = _setup(max(1, depth), params, _SETUP_R_DISABLED | _SETUP_SINGLE_ISSUER | _SETUP_DEFER_TASKRUN)
+        #: single issuer: system calls from the thread that first submits only (its id, in
+        #: ``_issuer`` from then on)
+        self.single_issuer = fd >= 0
+        self._issuer: int | None = None
+        if fd < 0:  # an older kernel: a plain ring
+            fd = _setup(max(1, depth), params, 0)
         self.fd = fd
         try:
             self._map(_PARAMS.unpack(params))
@@ -214,16 +235,28 @@ class UringQueue:
         this ring's lock: the finalizer that calls it can run inside another ring's
         registration (a syscall's allocation starting the GC) on a thread that holds
         ``_holders_lock``, while a third thread holds this ring's lock and waits for
-        ``_holders_lock``. When the lock is taken, the region waits for the next
-        :meth:`fixed_slot` (its pages stay pinned until then; its address is not reused by
-        this table, which is keyed by region)."""
+        ``_holders_lock``. When the lock is taken, or the ring is single-issuer and this is
+        not its thread (the kernel refuses the call, EEXIST), the region waits for the ring's
+        next :meth:`fixed_slot`, :meth:`submit_and_wait` or :meth:`tidy` (its pages stay pinned
+        until then; its address is not reused by this table, which is keyed by region)."""
         self._released.append(region)
+        if self.single_issuer and self._issuer != threading.get_ident():
+            return
         if not self._fixed_lock.acquire(blocking=False):
             return
         try:
             self._drop_released()
         finally:
             self._fixed_lock.release()
+
+    def tidy(self) -> bool:
+        """Drop the registrations of allocations freed so far (on the ring's own thread);
+        True while the ring holds registrations (frees on other threads then wait for the next
+        call: a worker that idles calls this now and then)."""
+        if self._released:
+            with self._fixed_lock:
+                self._drop_released()
+        return bool(self._fixed) and self.single_issuer
 
     def _drop_released(self) -> None:
         """Unregister the regions freed so far (caller holds ``_fixed_lock``)."""
@@ -286,6 +319,10 @@ class UringQueue:
 
         ``single`` submits one entry per system call (DeepSpeed's ``single_submit``).
         """
+        if self._issuer is None:
+            self._bind()
+        elif self._released:
+            self.tidy()
         self._sq[self._sq_tail] = self._tail
         while True:
             pending = (self._tail - self._sq[self._sq_head]) & 0xFFFFFFFF
@@ -305,6 +342,13 @@ class UringQueue:
                 continue
             if last:
                 return self._reap()
+
+    def _bind(self) -> None:
+        """Make the calling thread the ring's issuer (enabling a single-issuer ring)."""
+        if self.single_issuer:
+            syscall(_SYS_REGISTER, ctypes.c_uint(self.fd), ctypes.c_uint(_REGISTER_ENABLE_RINGS),
+                    None, ctypes.c_uint(0))
+        self._issuer = threading.get_ident()
 
     def _reap(self) -> list[tuple[int, int]]:
         cq, head = self._cq, self._cq[self._cq_head]
@@ -338,6 +382,21 @@ class UringQueue:
             m.close()
         os.close(self.fd)
         self.fd = -1
+
+
+def _setup(entries: int, params: bytearray, flags: int) -> int:
+    """io_uring_setup with ``flags``; -1 where this kernel refuses them (EINVAL)."""
+    params[:] = bytes(len(params))
+    struct.pack_into("<I", params, 8, flags)
+    buf = (ctypes.c_char * len(params)).from_buffer(params)
+    try:
+        return syscall(_SYS_SETUP, ctypes.c_uint(entries), buf)
+    except OSError as exc:
+        if not flags or exc.errno != errno.EINVAL:
+            raise
+        return -1
+    finally:
+        del buf
 
 
 def probe_io_uring() -> str:

@@ -16,13 +16,17 @@ from __future__ import annotations
 import collections
 import weakref
 from collections.abc import Callable
+from typing import Union
 
 from .op import Gathered, Op
+from .plan import Chunk
 from .posix import Posix
 from .workers import WorkerGroup
 
-__all__ = ["Window", "StartWorkers"]
+__all__ = ["Window", "StartWorkers", "Item"]
 
+#: a work item: one chunk ``(op, chunk)``, or chunks ``start`` to ``stop`` of a gathered request
+Item = Union["tuple[Op, Chunk]", "tuple[Op, int, int]"]
 #: ``start(group, window_ref)`` starts the group's worker threads (caller holds its lock)
 StartWorkers = Callable[[WorkerGroup, "weakref.ref[Window]"], None]
 
@@ -72,39 +76,55 @@ class Window:
             if not op.chunks:
                 self._ended(op)
 
-    def _pump(self) -> None:
-        """Hand chunks to the workers up to the window; caller holds the lock."""
+    def _pump(self, take: int = 0) -> list[Item]:
+        """Hand chunks to the workers up to the window: the first ``take`` chunks' worth
+        returned (for the calling worker to start at once), the rest through the work queue;
+        caller holds the lock."""
         put, span, size = self.workers.queue.put, self.span, self.size
+        mine: list[Item] = []
         while self._inflight < size and self._pending:
             op = self._pending[0]
             chunks, start = op.chunks, op.next
             if span and type(chunks) is Gathered:
-                n = min(size - self._inflight, len(chunks) - start, span)
-                put((op, start, start + n))
+                total = len(chunks.sizes)
+                n = min(size - self._inflight, total - start, span)
+                if 0 < take < n:
+                    n = take
+                item: Item = (op, start, start + n)
             else:
-                n = 1
-                put((op, chunks[start]))
+                total, n = len(chunks), 1
+                item = (op, chunks[start])
+            if take > 0:
+                mine.append(item)
+                take -= n
+            else:
+                put(item)
             op.next = start + n
-            if op.next == len(chunks):
+            if op.next == total:
                 self._pending.popleft()
             self._inflight += n
+        return mine
 
-    def chunks_done(self, ops: list[Op]) -> None:
+    def chunks_done(self, ops: list[Op], take: int = 0) -> list[Item]:
         """One chunk of each of ``ops`` ended (an op appears once per chunk); called by the
-        workers."""
+        workers. A worker with ``take`` free places gets up to that many chunks' worth of
+        work back to start itself (no hand-off through the work queue)."""
         last = []
         group = self.workers
+        # a gathered request recurs once per chunk: count in C (mostly one request per round)
+        counts = ((ops[0], len(ops)),) if ops.count(ops[0]) == len(ops) else collections.Counter(ops).items()
         with group.lock:
             self._inflight -= len(ops)
-            for op in ops:
-                op.remaining -= 1
+            for op, n in counts:
+                op.remaining -= n
                 if op.remaining == 0:
                     last.append(op)
                     if op.batch is None:
                         group.open.discard(op)
-            self._pump()
+            mine = self._pump(take)
         for op in last:
             self._ended(op)
+        return mine
 
     def _ended(self, op: Op) -> None:
         """Finish a request whose chunks have all ended (and its batch, if it was the last)."""

@@ -222,3 +222,32 @@ def test_a_release_never_waits_for_a_ring_lock_held_elsewhere(tmp_path):
     assert region not in ring._fixed and same_bytes(new, data)
     h.close()
     del old
+
+
+def test_a_free_on_another_thread_is_dropped_by_the_idle_worker(tmp_path):
+    """A single-issuer ring (Linux 6.1+) refuses registrations from any thread but its worker's
+    (EEXIST): an allocation freed on the caller's thread is dropped by the worker itself, within
+    about a second while it idles, and the next transfers stay correct."""
+    import time
+
+    path = str(tmp_path / "f")
+    data = random_tensor(1 << 20, torch.uint8)
+    with deepnvme.AioHandle(block_size=1 << 20, engine="io_uring") as h:
+        h.sync_pwrite(data, path)
+        buf = deepnvme.new_cpu_locked_tensor(1 << 20, torch.uint8)
+        h.sync_pread(buf, path)  # registers `buf` in the worker's ring
+        region = pinned.locked_region(buf.data_ptr(), 1)[0]
+        rings = [r for r in pinned._release_listeners
+                 if isinstance(r, uring.UringQueue) and region in (r._fixed or {})]
+        assert len(rings) == 1
+        if not rings[0].single_issuer:
+            pytest.skip("this kernel's io_uring has no single-issuer rings")
+        del buf
+        gc.collect()  # freed here, on the caller's thread
+        deadline = time.monotonic() + 10
+        while region in rings[0]._fixed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert region not in rings[0]._fixed, "the idle worker must drop the freed allocation"
+        again = deepnvme.new_cpu_locked_tensor(1 << 20, torch.uint8)
+        h.sync_pread(again, path)
+        assert same_bytes(again, data)

@@ -12,7 +12,7 @@ BOUNDS = [
     ("bench", "--io-size", 1), ("bench", "--block-size", 1), ("bench", "--queue-depth", 1),
     ("bench", "--parallelism", 1), ("bench", "--random-size", 1), ("bench", "--loops", 1),
     ("bench", "--warmup-loops", 0), ("bench", "--procs", 1),
-    ("tune", "--io-size", 1), ("tune", "--loops", 1),
+    ("tune", "--io-size", 1), ("tune", "--loops", 1), ("tune", "--load-size", 1), ("tune", "--load-rounds", 1),
     ("generate", "--batch-size", 1), ("generate", "--prompt-len", 1),
     ("generate", "--gen-len", 1), ("generate", "--prefetch", 0),
     ("generate", "--block-size", 1), ("generate", "--queue-depth", 1),

@@ -132,7 +132,7 @@ class SnapshotShare:
         self.plans, self.pool = plans, pool
         self._sources: _Sources | None = None  # written by the writer thread, read after settle()
         self.walked = self.fast = 0
-        self._kept: tuple[tuple[Any, ...], Places] | None = None  # see _places
+        self._kept: tuple[_Sources, torch.Tensor, tuple[int, int], Places] | None = None  # see _places
 
     def take(self, state: Mapping[str, Any], begun: dict[str, Any], keys: list[str] | None) -> Snapped:
         """``save()``: this rank's share of ``state`` copied (see the module)."""
@@ -155,11 +155,10 @@ class SnapshotShare:
                 ) -> Places:
         """The share's places in ``arena``, kept from save to save while the sources and the arena
         are the same (their views cost as much CPU as a tenth of the copy)."""
-        key = (src, arena, arena.data_ptr(), arena.numel())
-        if self._kept is None or any(a is not b for a, b in zip(self._kept[0][:2], key[:2])) \
-                or self._kept[0][2:] != key[2:]:
-            self._kept = (key, arena_places(arena, [t for _, t in tensors]))
-        return self._kept[1]
+        kept, where = self._kept, (arena.data_ptr(), arena.numel())
+        if kept is None or kept[0] is not src or kept[1] is not arena or kept[2] != where:
+            kept = self._kept = (src, arena, where, arena_places(arena, [t for _, t in tensors]))
+        return kept[3]
 
     def close(self) -> None:
         """Drop the kept places (they hold the arena's memory)."""
@@ -178,8 +177,7 @@ class SnapshotShare:
                                  "modules or optimizers changed their structure while the save was taken; "
                                  "save again")
             snapped.staged[item.index] = planner.resolve_data(item)
-        listing = list_tensors(state, begun)
-        self._sources = None if listing.signature is None else _sources(listing, planner, mine, cache)
+        self._sources = _sources(list_tensors(state, begun), planner, mine, cache)
 
 
 def _sources(listing: Listing, planner: DefaultSavePlanner, mine: SavePlan, cache: PlanCache) -> _Sources | None:

@@ -132,7 +132,7 @@ class _Builder:
             if self.dtype is not None and p.dtype != self.dtype:
                 p.data = p.data.to(self.dtype)
             value = p.data
-            self.store.count(value.numel() * value.element_size())  # until written
+            self.store.admit(value.numel() * value.element_size(), f"parameter {name}")  # until written
         entries = self.built.entries
         key = 2 * len(entries)
         data = Entry(key, name, p, grad=False)

@@ -49,8 +49,8 @@ def accept_gradient(store: TensorStore, entry: Entry, grad: torch.Tensor) -> Non
             else:
                 store.count(entry.nbytes)
                 grad = mapped_empty(entry.nbytes).view(entry.dtype).view(entry.shape).copy_(grad)
-        else:
-            store.count(entry.nbytes)    # written from autograd's own (aligned) tensor
+        else:   # written from autograd's own (aligned) tensor
+            store.admit(entry.nbytes, f"gradient of {entry.name}")
         store.store(entry, grad, keep=False, buf=buf)
         entry.valid = True
 
@@ -67,7 +67,7 @@ def _keep(store: TensorStore, entry: Entry, grad: torch.Tensor) -> None:
 
 
 def _accumulate(store: TensorStore, entry: Entry, grad: torch.Tensor) -> None:
-    store.count(entry.nbytes)            # autograd's gradient, until it is added
+    store.admit(entry.nbytes, f"gradient of {entry.name}")   # autograd's, until it is added
     try:
         store.fetch([entry], f"gradient of {entry.name}")
     except BaseException:

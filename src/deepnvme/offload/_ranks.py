@@ -77,7 +77,7 @@ def _offload_shard(store: TensorStore, built: ShardedBuilt, shard: Shard, names:
     grad = Entry(key + 1, name, shard.local, grad=True)
     built.entries[id(shard.local)] = built.by_dtensor[id(shard.dtensor)] = (data, grad)
     value = shard.value()
-    store.count(data.nbytes)   # until written
+    store.admit(data.nbytes, f"shard of {name}")   # until written
     if (data.nbytes < min_offload
             and store.resident_bytes + 3 * data.nbytes <= store.budget // 8):
         store.make_resident(data, grad, value)   # moved by pack_resident

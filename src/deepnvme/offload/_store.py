@@ -14,7 +14,8 @@ first, then waiting for the oldest writes, then for prefetches still in flight) 
 Buffer reuse: a tensor's mapping (``nbytes >= MAPPED_MIN``) goes to a free list keyed by ``nbytes``
 once its I/O ended and nothing else refers to its storage (use count back to what it was when
 mapped), so a step maps, unmaps and page-faults nothing after the first. A gradient
-handed over by autograd already exists, so it is counted and room is made after the fact.
+handed over by autograd already exists: room is made for it (as far as what is pinned allows),
+then it is counted (:meth:`TensorStore.admit`).
 Resident entries: tensors below the offload's ``min_offload_bytes`` (biases, norms) are kept in
 memory with their gradients and a backup copy (for a failed update), all in one allocation,
 counted in ``held`` for good (3 x their bytes): each would cost a file request per use.
@@ -278,6 +279,17 @@ class TensorStore:
     def count(self, nbytes: int) -> None:
         """Count ``nbytes`` that arrived from outside (a gradient handed over by autograd)."""
         self._count(nbytes)
+
+    def admit(self, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` that exist outside the store (autograd's gradient, a user's
+        parameter until written), making room for them first as far as that goes: ``held``
+        exceeds the budget only while everything present is pinned or in use."""
+        with self.lock:
+            try:
+                self.make_room(nbytes, demand=True, what=what)
+            except OffloadMemoryError:   # over the budget until writes end (see settle)
+                pass
+            self._count(nbytes)
 
     def uncount(self, nbytes: int) -> None:
         self.held -= nbytes

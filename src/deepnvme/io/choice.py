@@ -14,6 +14,11 @@ two differ in kind, not by a few percent:
 - For large direct reads and overwrites, and for many small direct reads or writes, both
   queue in the kernel; the measured winner is listed first.
 
+A single direct write past the file's end is made an overwrite before it is classed: the
+engine grows the file to the write's end first (``fallocate``), where the filesystem can, so
+the file-extending classes are left to batches that extend the file and to filesystems that
+cannot allocate ahead.
+
 The engine asks :func:`choose` per request; ``deepnvme report`` and ``tune`` print
 :func:`auto_choices`, the same table with the reasons.
 """

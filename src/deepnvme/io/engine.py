@@ -13,6 +13,8 @@ chunk on the worker threads instead.
 ``engine="auto"`` where both io_uring and Linux AIO run gives each request (or batch) the mover
 that is fast for it (:mod:`deepnvme.io.choice`: Linux AIO is synchronous for buffered and
 file-extending transfers); each mover has its own window and workers, started on first use.
+A direct write past the file's end grows the file to its end first (``fallocate``), so every
+mover queues it like an overwrite.
 
 Concurrency: ``intra_op_parallelism`` worker threads per mover in use (started on first use). Window: at most
 ``queue_depth`` chunks handed out per handle with ``threads``, ``queue_depth x
@@ -82,6 +84,7 @@ class Engine:
                          for name in self.movers}
         self._window = self._windows[self.name]
         self._last_choice: dict[str, Choice] = {}
+        self._no_extend: set[int] = set()   # fallocate errnos already logged (see _preallocate)
         _live_engines.add(self)
 
     @staticmethod
@@ -121,6 +124,29 @@ class Engine:
                       choice.mover, choice.why)
         return self._windows[choice.mover]
 
+    def _preallocate(self, op: Op) -> None:
+        """Grow the file to the end of write ``op`` first, where it extends the file and the
+        filesystem allocates ahead (:meth:`Posix.extend`), so the write queues like an
+        overwrite: measured on a new 512 MiB file, one worker, Linux AIO 1.8 -> 2.3 GB/s on
+        the disk and 2.0 -> 3.5 GB/s on the RAM device (LOG.md, issue 28). Only the range the
+        write covers past the old end is allocated (a write far past the end leaves the hole).
+        Where it cannot (or a stat fails), the write runs as a file-extending one, as before;
+        its own errors then name the file and offset."""
+        t = op.transfer
+        end = t.file_offset + t.size
+        try:
+            size = self.posix.file_size(op.fd_direct)
+        except OSError:
+            return
+        if end <= size:
+            return
+        start = max(size, t.file_offset)
+        err = self.posix.extend(op.fd_direct, start, end - start)
+        if err and err not in self._no_extend:
+            self._no_extend.add(err)
+            log.debug("deepnvme: writes past the end of %s run as file-extending writes: "
+                      "fallocate refused (%s)", t.name, errno.errorcode.get(err, err))
+
     def choices(self) -> dict[str, Choice]:
         """The mover each class of transfer went to so far (with several :attr:`movers`)."""
         return dict(self._last_choice)
@@ -150,6 +176,8 @@ class Engine:
             op.finish(self.posix)
             return op.future
         window = self._window
+        if t.write and op.fd_direct >= 0 and self.mover is None:
+            self._preallocate(op)
         if len(self.movers) > 1:
             try:
                 window = self.mover_for(

@@ -42,6 +42,8 @@ _LOW_BIT = bytes(i & 1 for i in range(256))  # mincore: bit 0 of each byte = pag
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.fallocate.restype = ctypes.c_int
 MADV_POPULATE_READ = 22  # Linux 5.14+: fault in a range as reads would, with an error instead of SIGBUS
 MADV_DONTNEED = 4  # drop a range's pages from this mapping (a file's stay in the page cache)
 
@@ -129,6 +131,16 @@ class Posix:
                 return False
             raise
         return True
+
+    def extend(self, fd: int, offset: int, length: int) -> int:
+        """Allocate ``[offset, offset + length)`` and grow the file's size to its end
+        (``fallocate(2)`` mode 0: never shrinks, never writes data, no emulation); 0 on
+        success, else the errno (EOPNOTSUPP where the filesystem cannot). Why: an O_DIRECT
+        write past the end of the file is synchronous in Linux AIO and punted to kernel
+        workers by io_uring; inside the file's size both queue it."""
+        if _libc.fallocate(fd, 0, offset, length) == 0:
+            return 0
+        return ctypes.get_errno() or errno.EIO
 
     def is_direct(self, fd: int) -> bool:
         return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT) if O_DIRECT else False

@@ -13,6 +13,7 @@ import torch
 import deepnvme
 from deepnvme.config import IOConfig
 from deepnvme.errors import DeepNVMeIOError
+from deepnvme.io.posix import Posix
 from deepnvme.memory.views import aligned_empty
 
 from ...conftest import AVAILABLE_ENGINES, open_fds, random_tensor, same_bytes
@@ -49,7 +50,13 @@ def went(counted, before, mover):
     return after
 
 
-def test_each_class_goes_to_its_mover(tmp_path, counted):
+@pytest.fixture
+def no_fallocate(monkeypatch):
+    """A filesystem that cannot allocate ahead: writes past the end stay file-extending."""
+    monkeypatch.setattr(Posix, "extend", lambda self, fd, offset, length: errno.EOPNOTSUPP)
+
+
+def test_each_class_goes_to_its_mover(tmp_path, counted, no_fallocate):
     path = str(tmp_path / "f")
     src = random_tensor(BIG, torch.uint8)
     small = [(random_tensor(4096, torch.uint8, seed=i), i * 4096) for i in range(64)]
@@ -84,7 +91,46 @@ def test_each_class_goes_to_its_mover(tmp_path, counted):
     assert whole[100:5100] == src[:5000].numpy().tobytes()
 
 
-def test_with_several_workers_file_extending_writes_go_to_aio(tmp_path, counted):
+@pytest.mark.parametrize("size", [BIG, 3 * BIG + 5000])
+def test_a_write_past_the_end_grows_the_file_first_and_queues_as_an_overwrite(tmp_path, counted, size):
+    """The file is grown to the write's end before it starts (fallocate), so Linux AIO queues
+    it instead of running it synchronously; the size comes out exact, an unaligned tail too
+    (written through the buffered descriptor inside the grown size)."""
+    path = str(tmp_path / "f")
+    probe = os.open(str(tmp_path / "probe"), os.O_CREAT | os.O_WRONLY)
+    try:
+        if Posix().extend(probe, 0, 4096):
+            pytest.skip("this filesystem cannot allocate ahead (fallocate)")
+    finally:
+        os.close(probe)
+    src = random_tensor(size, torch.uint8)
+    with make() as h:
+        n = preps(counted)
+        h.submit_write(src, path).result()
+        if size % 4096 == 0:   # a request with an unaligned tail is classed buffered as a whole
+            went(counted, n, "aio")
+            assert set(h._engine.choices()) == {"large direct overwrite"}
+    assert os.path.getsize(path) == size
+    with open(path, "rb") as f:
+        assert f.read() == src.numpy().tobytes()
+
+
+def test_only_the_range_written_past_the_end_is_allocated(tmp_path):
+    """A write far past the end leaves the hole before it a hole (no gigabytes allocated)."""
+    path = str(tmp_path / "f")
+    src = random_tensor(BIG, torch.uint8)
+    far = 256 * BIG
+    with make() as h:
+        h.submit_write(src, path, offset=far).result()
+    st = os.stat(path)
+    assert st.st_size == far + BIG
+    assert st.st_blocks * 512 < 8 * BIG, st.st_blocks
+    with open(path, "rb") as f:
+        f.seek(far)
+        assert f.read() == src.numpy().tobytes()
+
+
+def test_with_several_workers_file_extending_writes_go_to_aio(tmp_path, counted, no_fallocate):
     path = str(tmp_path / "f")
     src = random_tensor(BIG, torch.uint8)
     with make(intra_op_parallelism=2) as h:
@@ -122,7 +168,7 @@ def test_a_named_engine_uses_it_for_everything(tmp_path, counted):
 
 
 @pytest.mark.parametrize("mover", ["io_uring", "aio"])
-def test_a_failure_on_either_mover_is_named(tmp_path, monkeypatch, mover):
+def test_a_failure_on_either_mover_is_named(tmp_path, monkeypatch, no_fallocate, mover):
     path = str(tmp_path / "f")
     src = random_tensor(BIG, torch.uint8)
     with open(path, "wb") as f:  # the file exists: the overwrite goes to aio

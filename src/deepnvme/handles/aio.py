@@ -180,7 +180,8 @@ class AioHandle(DeepSpeedMethods):
             k = int(((at < 0) | (size < 0) | (at + size > buffer.nbytes)).nonzero()[0])
             raise ValueError(f"read_many_into({target!r}): range {k} ({int(size[k])} bytes at buffer byte "
                              f"{int(at[k])}) lies outside the {buffer.nbytes}-byte buffer")
-        items = Items(addresses, size.tolist(), off.tolist(), buffer, summary)
+        items = Items(addresses, size.tolist(), off.tolist(), buffer, summary,
+                      (at + buffer.data_ptr(), off, size))
         if isinstance(target, VolumePath):  # split per drive (io.volume.split_ranges), read on all at once
             return self._striped.submit_many(False, target, items, keep_open=keep_open)
         return self._engine.submit_many(False, target, items, validate=False, fsync=None,

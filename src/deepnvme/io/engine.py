@@ -85,7 +85,8 @@ class Engine:
         self._window = self._windows[self.name]
         #: per kernel mover, the threads and queues of small-read batches (:mod:`.small`)
         self._small = {name: SmallReads(name, make, depth=config.queue_depth,
-                                        workers=config.intra_op_parallelism, posix=posix,
+                                        workers=config.intra_op_parallelism,
+                                        single=config.single_submit, posix=posix,
                                         closed_message=_CLOSED)
                        for name in self.movers if mover is None
                        for make in (queue_factory(name),) if make is not None}

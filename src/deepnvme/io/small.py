@@ -109,9 +109,9 @@ class SmallReads:
     docstring); ``make_queue(depth)`` makes a thread's queue. Thread-safe."""
 
     def __init__(self, name: str, make_queue: Callable[[int], KernelQueue], *, depth: int,
-                 workers: int, posix: Posix, closed_message: str) -> None:
+                 workers: int, single: bool, posix: Posix, closed_message: str) -> None:
         self.name, self.make_queue, self.depth, self.workers = name, make_queue, depth, workers
-        self.posix = posix
+        self.single, self.posix = single, posix  # single: one entry per submission call
         self.group = WorkerGroup(name=f"deepnvme-small-{name}", closed_message=closed_message)
 
     def admit(self, batch: Batch, items: Items, uniform: int) -> None:
@@ -131,7 +131,7 @@ class SmallReads:
         with group.lock:
             group.check_open()
             group.start(self.workers, _serve, lambda i: (group.queue, self.make_queue, self.depth,
-                                                          self.name))
+                                                          self.single, self.name))
             group.open.add(batch)
             for lo, hi in zip(bounds, bounds[1:]):
                 group.queue.put(_Part(job, addresses[lo:hi], offsets[lo:hi], sizes[lo:hi], uniform))
@@ -147,7 +147,7 @@ class SmallReads:
 
 
 def _serve(work: queue.SimpleQueue[_Part | None], make_queue: Callable[[int], KernelQueue],
-           depth: int, name: str) -> None:
+           depth: int, single: bool, name: str) -> None:
     """Thread body: run parts on this thread's queue (made on first need) until ``None``."""
     kq: KernelQueue | None = None
     try:
@@ -156,7 +156,7 @@ def _serve(work: queue.SimpleQueue[_Part | None], make_queue: Callable[[int], Ke
             try:
                 if kq is None:
                     kq = make_queue(depth)
-                nbytes = _run(kq, part)
+                nbytes = _run(kq, part, single)
             except Exception as exc:  # noqa: BLE001 - the batch's error, raised by its future
                 if isinstance(exc, OSError):
                     exc = DeepNVMeIOError.from_oserror(exc, op=f"{name} submit", path=part.job.name,
@@ -180,9 +180,9 @@ def _close(kq: KernelQueue) -> None:
         log.error("deepnvme: closing the %s queue failed: %s", kq.name, exc)
 
 
-def _run(kq: KernelQueue, part: _Part) -> int:
-    """Read ``part`` keeping up to ``kq.depth`` reads in flight; returns its bytes (all of
-    them, or 0 once the batch has an error)."""
+def _run(kq: KernelQueue, part: _Part, single: bool = False) -> int:
+    """Read ``part`` keeping up to ``kq.depth`` reads in flight (``single``: submitted one per
+    system call); returns its bytes (all of them, or 0 once the batch has an error)."""
     job, n = part.job, part.sizes.numel()
     table = kq.table(False, job.fd, part.addresses, part.offsets, part.sizes)
     depth, share, uniform, size_list = kq.depth, kq.wait_share, part.uniform, part.size_list
@@ -198,7 +198,7 @@ def _run(kq: KernelQueue, part: _Part) -> int:
                 inflight += k
         if not inflight:
             break
-        tags, results = kq.submit_wait(max(1, inflight // share))
+        tags, results = kq.submit_wait(max(1, inflight // share), single)
         inflight -= len(tags)
         if partial or (results.count(uniform) != len(results) if uniform else
                        results != [size_list[t] for t in tags]):

@@ -62,7 +62,8 @@ def test_uneven_reads_in_several_parts_land_where_asked(tmp_path, kernel, monkey
     data, buf, at, offs, sizes = uneven(path)
     ran = []
     real = small._run
-    monkeypatch.setattr(small, "_run", lambda kq, part: ran.append(part.sizes.numel()) or real(kq, part))
+    monkeypatch.setattr(small, "_run",
+                        lambda kq, part, single: ran.append(part.sizes.numel()) or real(kq, part, single))
     with make(kernel) as h:
         n = h.read_many_into(path, buf, buffer_offsets=at, file_offsets=offs, sizes=sizes).result()
         names = {t.name for t in threading.enumerate()}
@@ -71,12 +72,27 @@ def test_uneven_reads_in_several_parts_land_where_asked(tmp_path, kernel, monkey
     assert any(name.startswith(f"deepnvme-small-{kernel}") for name in names)
 
 
+def test_single_submit_submits_one_entry_per_call(tmp_path, kernel, monkeypatch):
+    path = str(tmp_path / "f")
+    data, buf, at, offs, sizes = uneven(path, count=80)
+    queues = install_faulty_queue(monkeypatch, kernel)
+    calls = []
+    with make(kernel, single_submit=True, intra_op_parallelism=1) as h:
+        h.read_many_into(path, buf, buffer_offsets=at[:1], file_offsets=offs[:1], sizes=sizes[:1]).result()
+        real = queues[0].inner.submit_wait
+        monkeypatch.setattr(queues[0].inner, "submit_wait",
+                            lambda wait, single=False: calls.append(single) or real(wait, single))
+        n = h.read_many_into(path, buf, buffer_offsets=at, file_offsets=offs, sizes=sizes).result()
+    assert n == int(sizes.sum()) and same_bytes(buf, expected_of(data, at, offs, sizes, buf.numel()))
+    assert calls and all(calls)
+
+
 def test_read_many_items_take_the_small_path(tmp_path, kernel, monkeypatch):
     path = str(tmp_path / "f")
     data, _, _, offs, sizes = uneven(path, count=40)
     ran = []
     real = small._run
-    monkeypatch.setattr(small, "_run", lambda kq, part: ran.append(1) or real(kq, part))
+    monkeypatch.setattr(small, "_run", lambda kq, part, single: ran.append(1) or real(kq, part, single))
     bufs = [aligned_empty(n, min_bytes=0) for n in sizes.tolist()]
     with make(kernel) as h:
         assert h.read_many(path, list(zip(bufs, offs.tolist()))).result() == int(sizes.sum())
@@ -139,7 +155,7 @@ def test_large_or_validated_reads_stay_on_the_window(tmp_path, kernel, monkeypat
     with open(path, "wb") as f:
         f.write(data.numpy().tobytes())
     ran = []
-    monkeypatch.setattr(small, "_run", lambda kq, part: ran.append(1))
+    monkeypatch.setattr(small, "_run", lambda kq, part, single: ran.append(1))
     big = aligned_empty(128 << 10)
     parts = [aligned_empty(PAGE, min_bytes=0), aligned_empty(PAGE, min_bytes=0)]
     with make(kernel) as h:

@@ -209,29 +209,42 @@ def _run(kq: KernelQueue, part: _Part, single: bool = False) -> int:
 def _settle(kq: KernelQueue, table: torch.Tensor, part: _Part, tags: list[int],
             results: list[int], partial: dict[int, int]) -> int:
     """Check one round's completions one by one (some were not whole); returns how many
-    reads were queued again."""
+    reads were queued again. An unexpected failure here (the file size check after a short
+    read failing ...) becomes the batch's error, never lost reads: the count stays exact."""
     job, again = part.job, 0
     for t, r in zip(tags, results):
         done, size = partial.pop(t, 0), part.size(t)
         if r >= size - done or job.batch.error is not None:
             continue  # whole (or the batch failed: nothing more is read)
-        offset = int(part.offsets[t])
-        if r < 0 and -r in _RETRY:
-            pass
-        elif r < 0:
-            job.batch.fail(DeepNVMeIOError.from_oserror(
-                OSError(-r, os.strerror(-r)), op=f"read ({kq.name})", path=job.name,
-                offset=offset, size=size))
+        try:
+            done = _resumed(kq, part, t, r, done, size)
+            if done < 0:
+                continue
+            if done:
+                partial[t] = done
+            kq.set_row(table, t, int(part.addresses[t]) + done, size - done,
+                       int(part.offsets[t]) + done)
+            kq.prep_rows(table, t, 1)
+        except Exception as exc:  # noqa: BLE001 - the batch's error, raised by its future
+            job.batch.fail(exc)
             continue
-        elif r == 0 or offset + done + r >= job.posix.file_size(job.fd):
-            job.batch.fail(ShortTransferError("unexpected end of file", path=job.name,
-                                              offset=offset, size=size, transferred=done + r))
-            continue
-        else:
-            done += r
-        if done:
-            partial[t] = done
-        kq.set_row(table, t, int(part.addresses[t]) + done, size - done, offset + done)
-        kq.prep_rows(table, t, 1)
         again += 1
     return again
+
+
+def _resumed(kq: KernelQueue, part: _Part, t: int, r: int, done: int, size: int) -> int:
+    """The bytes of read ``t`` done once result ``r`` (not whole) is counted, to read the rest
+    of; -1 where it failed the batch (an error, or the end of the file)."""
+    job, offset = part.job, int(part.offsets[t])
+    if r < 0 and -r in _RETRY:
+        return done
+    if r < 0:
+        job.batch.fail(DeepNVMeIOError.from_oserror(
+            OSError(-r, os.strerror(-r)), op=f"read ({kq.name})", path=job.name,
+            offset=offset, size=size))
+        return -1
+    if r == 0 or offset + done + r >= job.posix.file_size(job.fd):
+        job.batch.fail(ShortTransferError("unexpected end of file", path=job.name,
+                                          offset=offset, size=size, transferred=done + r))
+        return -1
+    return done + r

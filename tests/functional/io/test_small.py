@@ -162,3 +162,27 @@ def test_large_or_validated_reads_stay_on_the_window(tmp_path, kernel, monkeypat
         assert h.read_many(path, [(big, 0)]).result() == big.numel()
         assert h.read_many(path, [(p, i * PAGE) for i, p in enumerate(parts)], validate=True).result() == 2 * PAGE
     assert not ran and same_bytes(big, data[:big.numel()])
+
+
+def test_a_failing_size_check_after_a_short_read_fails_the_batch(tmp_path, kernel, monkeypatch):
+    from deepnvme.io.posix import Posix
+
+    class SizeFailsLater(Posix):
+        calls = 0
+
+        def file_size(self, fd):
+            type(self).calls += 1
+            if type(self).calls > 1:  # the batch's own check passes; the one after a short read fails
+                raise OSError(errno.EIO, "injected")
+            return super().file_size(fd)
+
+    path = str(tmp_path / "f")
+    _, buf, at, offs, sizes = uneven(path, count=64)
+    install_faulty_queue(monkeypatch, kernel, max_len=PAGE)
+    before = open_fds()
+    with deepnvme.AioHandle(config=IOConfig(block_size=1 << 20, queue_depth=8, intra_op_parallelism=1,
+                                            engine=kernel), posix=SizeFailsLater()) as h:
+        with pytest.raises(OSError) as info:
+            h.read_many_into(path, buf, buffer_offsets=at, file_offsets=offs, sizes=sizes).result(timeout=30)
+        assert info.value.errno == errno.EIO
+    assert open_fds() == before

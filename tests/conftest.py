@@ -26,8 +26,18 @@ _PER_ENGINE = ("tests/conformance/", "tests/functional/io/", "tests/unit/io/",
                "tests/functional/checkpoint/test_async_save.py")
 
 
+# Tests under these paths run batches of small direct reads both ways: on the small-read
+# queues (deepnvme.io.small) and through the dispatch window's gathered requests.
+_BOTH_READ_PATHS = ("tests/functional/io/test_gathered_faults.py", "tests/functional/io/test_kept_files.py",
+                    "tests/functional/io/test_missing_paths.py", "tests/functional/io/test_volume.py",
+                    "tests/functional/io/test_auto_choice.py", "tests/functional/handles/test_handle_batches.py",
+                    "tests/functional/data/")
+
+
 def pytest_generate_tests(metafunc):
     path = str(metafunc.definition.path).replace(os.sep, "/")
+    if "small_reads" in metafunc.fixturenames and any(p in path for p in _BOTH_READ_PATHS):
+        metafunc.parametrize("small_reads", ("small", "window"), indirect=True)
     if getattr(metafunc.module, "ENGINE_SPECIFIC", False):  # the module picks its engines
         return
     if "io_engine" in metafunc.fixturenames and any(p in path for p in _PER_ENGINE):
@@ -49,6 +59,16 @@ def io_engine(request, monkeypatch):
         monkeypatch.setattr(_engine_module, "select_movers",
                             lambda requested: (chosen,) if requested == "auto" else select_movers(requested))
     return chosen or select_engine("auto")
+
+
+@pytest.fixture(autouse=True)
+def small_reads(request, monkeypatch):
+    """Whether batches of small direct reads take the small-read queues ("small", the default)
+    or the dispatch window ("window"); parametrized for the paths above."""
+    from deepnvme.io import small
+    chosen = getattr(request, "param", "small")
+    monkeypatch.setattr(small, "ENABLED", chosen == "small")
+    return chosen
 
 
 @pytest.fixture(scope="session")

@@ -384,6 +384,14 @@ class FullDisk(Posix):
         return super().pwritev(fd, buffers, offset)
 
 
+class FaultyTable:
+    """A real queue's table (``rows``) with its entries as lists, for :class:`FaultyQueue`."""
+
+    def __init__(self, rows, write, fd, addresses, offsets, sizes):
+        self.rows, self.write, self.fd = rows, write, fd
+        self.addresses, self.offsets, self.sizes = addresses, offsets, sizes
+
+
 class FaultyQueue:
     """A real kernel queue (io_uring or Linux AIO) whose completions can be shortened,
     interrupted or failed, to drive the kernel mover's retry and error paths.
@@ -407,7 +415,8 @@ class FaultyQueue:
     def fixed_slot(self, address, length):
         return self.inner.fixed_slot(address, length)
 
-    def prep(self, tag, write, fd, address, length, offset, buf_index=-1):
+    def prep(self, tag, write, fd, address, length, offset, buf_index=-1, table=None):
+        """One entry, faked or really queued (as row ``tag`` of ``table`` where given)."""
         self.calls["prep"] += 1
         n = self.calls["prep"]
         fail_at = self.fail_write_at if write else self.fail_read_at
@@ -426,6 +435,10 @@ class FaultyQueue:
             if self.max_len and length > self.max_len:
                 self.calls["short"] += 1
                 length = self.max_len
+            if table is not None:
+                self.inner.set_row(table.rows, tag, address, length, offset)
+                self.inner.prep_rows(table.rows, tag, 1)
+                return length
             return self.inner.prep(tag, write, fd, address, length, offset, buf_index)
         return length
 
@@ -437,6 +450,25 @@ class FaultyQueue:
     def submit_and_wait(self, wait, single=False):
         faked, self.faked = self.faked, []
         return faked + self.inner.submit_and_wait(0 if faked else wait, single)
+
+    # tables (deepnvme.io.small): each row queued goes through the faults above
+
+    def table(self, write, fd, addresses, offsets, sizes):
+        rows = self.inner.table(write, fd, addresses, offsets, sizes)
+        return FaultyTable(rows, write, fd, addresses.tolist(), offsets.tolist(), sizes.tolist())
+
+    def set_row(self, table, i, address, length, offset):
+        table.addresses[i], table.sizes[i], table.offsets[i] = address, length, offset
+        self.inner.set_row(table.rows, i, address, length, offset)
+
+    def prep_rows(self, table, start, count):
+        for i in range(start, start + count):
+            self.prep(i, table.write, table.fd, table.addresses[i], table.sizes[i], table.offsets[i],
+                      table=table)
+
+    def submit_wait(self, wait, single=False):
+        events = self.submit_and_wait(wait, single)
+        return [t for t, _ in events], [r for _, r in events]
 
     def tidy(self):
         return self.inner.tidy()

@@ -174,13 +174,13 @@ class AioHandle(DeepSpeedMethods):
             raise ValueError(f"buffer_offsets, file_offsets and sizes differ in length: "
                              f"{at.numel()}, {off.numel()}, {size.numel()}")
         # bounds in bulk: planning needs no loop per range where all are gathered
-        summary, addresses, lowest, highest = (summarize(at, buffer.data_ptr(), off, size)
-                                               if at.numel() else (None, [], 0, 0))
+        summary, addresses, lowest, highest, absolute = (
+            summarize(at, buffer.data_ptr(), off, size) if at.numel() else (None, [], 0, 0, at))
         if summary is not None and (lowest < 0 or summary.smallest < 0 or highest > buffer.nbytes):
             k = int(((at < 0) | (size < 0) | (at + size > buffer.nbytes)).nonzero()[0])
             raise ValueError(f"read_many_into({target!r}): range {k} ({int(size[k])} bytes at buffer byte "
                              f"{int(at[k])}) lies outside the {buffer.nbytes}-byte buffer")
-        items = Items(addresses, size.tolist(), off.tolist(), buffer, summary)
+        items = Items(addresses, size.tolist(), off.tolist(), buffer, summary, (absolute, off, size))
         if isinstance(target, VolumePath):  # split per drive (io.volume.split_ranges), read on all at once
             return self._striped.submit_many(False, target, items, keep_open=keep_open)
         return self._engine.submit_many(False, target, items, validate=False, fsync=None,

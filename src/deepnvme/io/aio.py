@@ -14,6 +14,9 @@ import errno
 import os
 import platform
 import struct
+from typing import Any
+
+import torch
 
 from .posix import syscall, syscall_function
 
@@ -59,11 +62,11 @@ class AioQueue:
         self._ctx = ctx
         self._iocbs = ctypes.create_string_buffer(_IOCB.size * self.depth)
         self._base = ctypes.addressof(self._iocbs)
-        self._ptrs = (ctypes.c_void_p * self.depth)()
+        self._ptrs: Any = (ctypes.c_void_p * self.depth)()  # takes a list of ints
         self._iocb_at = [self._base + tag * _IOCB.size for tag in range(self.depth)]
         self._events = ctypes.create_string_buffer(_EVENT.size * self.depth)
         self._event_words = memoryview(self._events).cast("B").cast("q")  # 4 per event
-        self._queued: list[int] = []
+        self._queued: list[int] = []  # addresses of the control blocks to submit
         self._inflight = 0
 
     def fixed_slot(self, address: int, length: int) -> int:
@@ -76,7 +79,7 @@ class AioQueue:
         length = min(length, _MAX_LEN)
         _IOCB.pack_into(self._iocbs, tag * _IOCB.size, tag, 0, 0,
                         _CMD_PWRITE if write else _CMD_PREAD, 0, fd, address, length, offset)
-        self._queued.append(tag)
+        self._queued.append(self._iocb_at[tag])
         return length
 
     def prep_many(self, tags: list[int], write: bool, fd: int, addresses: list[int],
@@ -89,7 +92,30 @@ class AioQueue:
         cmd = _CMD_PWRITE if write else _CMD_PREAD
         for tag, address, length, offset in zip(tags, addresses, lengths, offsets):
             pack(iocbs, tag * size, tag, 0, 0, cmd, 0, fd, address, length, offset)
-        self._queued += tags
+        at = self._iocb_at
+        self._queued += [at[tag] for tag in tags]
+
+    def table(self, write: bool, fd: int, addresses: torch.Tensor, offsets: torch.Tensor,
+              sizes: torch.Tensor) -> torch.Tensor:
+        """The control blocks of reads (or writes) of ``sizes[i]`` bytes at ``offsets[i]`` of
+        ``fd`` into ``addresses[i]`` (1-D int64 tensors), tagged ``i``: an ``[n, 8]`` int64
+        tensor (64 bytes each) that the kernel reads in place at submission, built with a fixed
+        number of tensor operations; queue rows with :meth:`prep_rows`."""
+        rows = torch.zeros((addresses.numel(), 8), dtype=torch.int64)
+        torch.arange(addresses.numel(), out=rows[:, 0])
+        rows[:, 2] = (_CMD_PWRITE if write else _CMD_PREAD) | (fd << 32)
+        rows[:, 3], rows[:, 4], rows[:, 5] = addresses, sizes, offsets
+        return rows
+
+    def set_row(self, table: torch.Tensor, i: int, address: int, length: int, offset: int) -> None:
+        """Point row ``i`` of ``table`` at another range (a remainder to resubmit)."""
+        table[i, 3], table[i, 4], table[i, 5] = address, length, offset
+
+    def prep_rows(self, table: torch.Tensor, start: int, count: int) -> None:
+        """Queue rows ``[start, start + count)`` of ``table``, which must stay alive and
+        unchanged until they are submitted (at most ``depth`` in flight)."""
+        first = table.data_ptr() + start * _IOCB.size
+        self._queued += range(first, first + count * _IOCB.size, _IOCB.size)
 
     def tidy(self) -> bool:
         """Nothing to drop (no registered buffers): False."""
@@ -98,10 +124,15 @@ class AioQueue:
     def submit_and_wait(self, wait: int, single: bool = False) -> list[tuple[int, int]]:
         """Submit what :meth:`prep` queued, wait for at least ``wait`` completions, return
         ``(tag, result)`` pairs (bytes moved or ``-errno``). ``single``: one per call."""
-        queued, ptrs, at = self._queued, self._ptrs, self._iocb_at
+        tags, results = self.submit_wait(wait, single)
+        return list(zip(tags, results))
+
+    def submit_wait(self, wait: int, single: bool = False) -> tuple[list[int], list[int]]:
+        """:meth:`submit_and_wait` with the tags and the results as two lists."""
+        queued, ptrs = self._queued, self._ptrs
         while queued:
             n = 1 if single else len(queued)
-            ptrs[:n] = [at[tag] for tag in queued[:n]]
+            ptrs[:n] = queued[:n]
             done = _submit_call(self._submit, self._ctx.value, n, ptrs)
             if done < 0:
                 err = ctypes.get_errno()
@@ -116,9 +147,9 @@ class AioQueue:
                 return self._wait(1)
         return self._wait(wait)
 
-    def _wait(self, wait: int) -> list[tuple[int, int]]:
+    def _wait(self, wait: int) -> tuple[list[int], list[int]]:
         if not self._inflight:
-            return []
+            return [], []
         while True:
             got = _getevents_call(self._getevents, self._ctx.value, min(wait, self._inflight),
                                   self.depth, self._events, None)
@@ -129,7 +160,7 @@ class AioQueue:
                 raise OSError(err, os.strerror(err))
         self._inflight -= got
         words = self._event_words  # data (the tag) and res of each event, as two strided views
-        return list(zip(words[0:4 * got:4].tolist(), words[2:4 * got:4].tolist()))
+        return words[0:4 * got:4].tolist(), words[2:4 * got:4].tolist()
 
     def close(self) -> None:
         """Destroy the context (pending entries must be reaped first)."""

@@ -12,6 +12,7 @@ heap several times, a large share of a batch's time.
 from __future__ import annotations
 
 import errno
+import operator
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -26,10 +27,14 @@ if TYPE_CHECKING:
     from .opening import Opener
     from .window import Window
 
-__all__ = ["submit_many", "GATHER", "Items", "Route", "Summary", "summarize"]
+__all__ = ["submit_many", "GATHER", "Items", "Route", "Small", "Summary", "summarize", "small_shape"]
 
 GATHER = 256  # single-chunk items gathered into one request
 
+
+#: ``small(batch, items, (end, largest, uniform))``: runs an opened batch of small direct reads
+#: (:func:`small_shape`) and returns True, or declines it (False); it may raise (the batch's error)
+Small = Callable[["Batch", "Items", "tuple[int, int, int]"], bool]
 
 #: ``route(batch, direct=, end=, largest=)``: the window that runs a planned batch (the engine's
 #: :meth:`~deepnvme.io.engine.Engine.mover_for`); it may raise (the batch's error)
@@ -51,48 +56,56 @@ class Summary(NamedTuple):
     address_align: int
 
 
-_PIECE = 16384  # below ATen's parallel grain (32768 elements): each op runs on this thread
+_PIECE = 8192  # 3 columns stacked stay below ATen's parallel grain (32768 elements): one thread
 
 
 def summarize(at: torch.Tensor, base: int, offsets: torch.Tensor, sizes: torch.Tensor
-              ) -> tuple[Summary, list[int], int, int]:
+              ) -> tuple[Summary, list[int], int, int, torch.Tensor]:
     """Ranges of one buffer at address ``base`` (1-D int64 tensors of one length, not empty:
     buffer offsets ``at``, file ``offsets``, ``sizes``): their :class:`Summary`, their absolute
-    addresses as a list, and the lowest and highest buffer byte they reach (``at`` and
-    ``at + sizes``). Computed a piece at a time below ATen's grain: a parallel reduction waits
-    for the intra-op pool, milliseconds per call on a busy machine (measured 12 ms for a
-    minimum of 65,536 ints, 25 us on one thread)."""
-    def align(t: torch.Tensor) -> int:
-        low = t & -t  # each value's lowest set bit; 0 (divisible by anything) counts as 2**62
-        return int(torch.where(low == 0, 1 << 62, low).min())
-
+    addresses as a list and as a tensor, and the lowest and highest buffer byte they reach
+    (``at`` and ``at + sizes``). Computed a piece at a time below ATen's grain, the bounds of
+    a piece in three reductions over stacked columns: a parallel reduction waits for the
+    intra-op pool, milliseconds per call on a busy machine (measured 12 ms for a minimum of
+    65,536 ints, 25 us on one thread), and each tensor call costs microseconds however small."""
+    absolute = at + base
     addresses: list[int] = []
     parts = []
-    for a, o, s in zip(at.split(_PIECE), offsets.split(_PIECE), sizes.split(_PIECE)):
-        absolute = a + base
-        addresses += absolute.tolist()
-        parts.append((int(o.min()), int((o + s).max()), int(s.min()), int(s.max()),
-                      align(o | s), align(absolute), int(a.min()), int((a + s).max())))
-    low = [min(column) for column in zip(*parts)]
+    pieces = ((at, offsets, sizes, absolute),) if at.numel() <= _PIECE else zip(
+        at.split(_PIECE), offsets.split(_PIECE), sizes.split(_PIECE), absolute.split(_PIECE))
+    for a, o, s, b in pieces:  # (Tensor.split alone costs ~10 us a call)
+        addresses += b.tolist()
+        low = torch.stack([o | s, b])
+        low &= -low  # each value's lowest set bit; 0 (divisible by anything) counts as 2**62
+        low.masked_fill_(low == 0, 1 << 62)
+        o_min, s_min, a_min, o_align, b_align = torch.cat(
+            [torch.stack([o, s, a]).amin(1), low.amin(1)]).tolist()
+        end, s_max, a_end = torch.stack([o + s, s, a + s]).amax(1).tolist()
+        parts.append((o_min, end, s_min, s_max, o_align, b_align, a_min, a_end))
+    low_ = [min(column) for column in zip(*parts)]
     high = [max(column) for column in zip(*parts)]
-    summary = Summary(low[0], high[1], low[2], high[3], low[4], low[5])
-    return summary, addresses, low[6], high[7]
+    summary = Summary(low_[0], high[1], low_[2], high[3], low_[4], low_[5])
+    return summary, addresses, low_[6], high[7], absolute
 
 
 class Items:
     """A batch's items: ``addresses``, ``sizes`` and ``file_offsets`` (equal-length lists of
     ints) and ``keepalive``, held until the batch completes (the buffers' owners);
-    ``summary``, where the caller computed it (:func:`summarize`), must be exact."""
+    ``summary``, where the caller computed it (:func:`summarize`), must be exact, as must
+    ``tensors``: the same addresses, offsets and sizes as 1-D int64 tensors, where the caller
+    has them (small reads build their entries from them)."""
 
-    __slots__ = ("addresses", "sizes", "offsets", "keepalive", "summary")
+    __slots__ = ("addresses", "sizes", "offsets", "keepalive", "summary", "tensors")
 
     def __init__(self, addresses: list[int], sizes: list[int], offsets: list[int],
-                 keepalive: Any, summary: Summary | None = None) -> None:
+                 keepalive: Any, summary: Summary | None = None,
+                 tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         if not len(addresses) == len(sizes) == len(offsets):
             raise ValueError("addresses, sizes and offsets must have the same length")
         self.addresses, self.sizes, self.offsets = addresses, sizes, offsets
         self.keepalive = keepalive
         self.summary = summary
+        self.tensors = tensors
 
     def __len__(self) -> int:
         return len(self.addresses)
@@ -100,12 +113,14 @@ class Items:
 
 def submit_many(opener: Opener, route: Route, block_size: int, write: bool, target: str,
                 items: Items, *, validate: bool, fsync: bool,
-                keep_open: bool = False) -> Future[int]:
+                keep_open: bool = False, small: Small | None = None,
+                small_max: int = 0) -> Future[int]:
     """Start the batch: open ``target`` with ``opener``, plan chunks of at most ``block_size``
     bytes, admit them to the window ``route`` gives. The future's result is the total byte count, or the first
     failure once every item has ended. ``fsync`` (writes) runs once, after the last item.
     ``keep_open`` uses the opener's kept descriptors of ``target`` (see
-    :meth:`Engine.submit <deepnvme.io.engine.Engine.submit>`)."""
+    :meth:`Engine.submit <deepnvme.io.engine.Engine.submit>`). ``small`` may take a batch of
+    direct reads of at most ``small_max`` bytes each instead (:func:`small_shape`)."""
     if not len(items):
         done: Future[int] = Future()
         done.set_result(0)
@@ -116,6 +131,13 @@ def submit_many(opener: Opener, route: Route, block_size: int, write: bool, targ
     batch.future.set_running_or_notify_cancel()
     try:
         alignment = opener.open(batch, keep_open)
+        if small is not None and not write and not validate and alignment is not None:
+            small_read = small_shape(items, alignment, min(block_size, small_max))
+            if small_read is not None:
+                _check_inside(batch.transfer.name, items, small_read[0],
+                              opener.posix.file_size(batch.fd_direct))
+                if small(batch, items, small_read):
+                    return batch.future
         ops, shape = _plan(opener, block_size, batch, items, alignment, validate)
         window = route(batch, **shape)
     except BaseException as exc:  # every failure goes to the future
@@ -127,6 +149,25 @@ def submit_many(opener: Opener, route: Route, block_size: int, write: bool, targ
     # over the GIL (measured slower for 100k small reads)
     window.admit(ops, batch)
     return batch.future
+
+
+def small_shape(items: Items, alignment: Alignment, limit: int) -> tuple[int, int, int] | None:
+    """``(end, largest, uniform)`` of a batch whose items are all one aligned direct chunk of
+    at most ``limit`` bytes (``end``: the file offset the last byte reaches, ``uniform``: the
+    size of every item, or 0 if they differ), else None; from the summary where there is one."""
+    edge, mem = max(alignment.offset, PAGE_SIZE), alignment.memory
+    s = items.summary
+    if s is not None:
+        if (s.lowest < 0 or s.smallest <= 0 or s.largest > limit or s.offset_align % edge
+                or s.address_align % mem):
+            return None
+        return s.end, s.largest, s.largest if s.smallest == s.largest else 0
+    sizes, offsets, addresses = items.sizes, items.offsets, items.addresses
+    smallest, largest = min(sizes), max(sizes)
+    if (smallest <= 0 or largest > limit or min(offsets) < 0 or any(o % edge for o in offsets)
+            or any(n % edge for n in sizes) or any(a % mem for a in addresses)):
+        return None
+    return max(map(operator.add, offsets, sizes)), largest, largest if smallest == largest else 0
 
 
 def _plan(opener: Opener, block_size: int, batch: Batch, items: Items,

@@ -37,15 +37,17 @@ from concurrent.futures import Future
 
 from ..config import IOConfig
 from ..errors import ConfigError, DeepNVMeIOError, ShortTransferError
+from . import small as _small
 from .batch import Items
 from .batch import submit_many as _submit_batch
 from .choice import Choice, TransferShape, choose
 from .kernel import KernelQueue, kernel_worker
 from .movers import EngineProbe, Mover, probe_engines, queue_factory, select_engine, select_movers
-from .op import Op, Transfer
+from .op import Batch, Op, Transfer
 from .opening import Opener
 from .plan import Kind, plan_transfer
 from .posix import POSIX, Posix
+from .small import SMALL_MAX, SmallReads
 from .threads import Bounces, thread_worker
 from .window import StartWorkers, Window
 from .workers import WorkerGroup
@@ -83,6 +85,13 @@ class Engine:
         self._windows = {name: _window(config, posix, mover, name, self._bounces)
                          for name in self.movers}
         self._window = self._windows[self.name]
+        #: per kernel mover, the threads and queues of small-read batches (:mod:`.small`)
+        self._small = {name: SmallReads(name, make, depth=config.queue_depth,
+                                        workers=config.intra_op_parallelism,
+                                        single=config.single_submit, posix=posix,
+                                        closed_message=_CLOSED)
+                       for name in self.movers if mover is None
+                       for make in (queue_factory(name),) if make is not None}
         self._last_choice: dict[str, Choice] = {}
         self._no_extend: set[int] = set()   # fallocate errnos already logged (see _preallocate)
         _live_engines.add(self)
@@ -201,7 +210,22 @@ class Engine:
         return _submit_batch(self._opener, self.mover_for, self.config.block_size, write, target,
                              items, validate=validate,
                              fsync=self.config.fsync if fsync is None else fsync,
-                             keep_open=keep_open)
+                             keep_open=keep_open, small=self._small_reads if self._small else None,
+                             small_max=SMALL_MAX)
+
+    def _small_reads(self, batch: Batch, items: Items, shape: tuple[int, int, int]) -> bool:
+        """Hand a batch of small direct reads to its mover's :class:`SmallReads` (False where
+        that path is switched off or the mover chosen is not a kernel mover)."""
+        if not _small.ENABLED:
+            return False
+        end, largest, uniform = shape
+        window = self.mover_for(batch, direct=True, end=end, largest=largest)
+        name = next(n for n, w in self._windows.items() if w is window)
+        runner = self._small.get(name)
+        if runner is None:
+            return False
+        runner.admit(batch, items, uniform)
+        return True
 
     def close_files(self, paths: Iterable[str] = (), *, under: str | None = None) -> None:
         """Close the descriptors kept open for ``paths`` and for the files under the directory
@@ -240,11 +264,15 @@ class Engine:
         """Block until every submitted request has completed (errors stay on their futures)."""
         for window in self._windows.values():
             window.drain()
+        for runner in self._small.values():
+            runner.drain()
 
     def close(self) -> None:
         """Refuse new requests, finish the admitted ones, stop the workers and free bounce
         buffers. Idempotent. Not callable from a worker thread (a future's done-callback)."""
         closed = [window.close() for window in self._windows.values()]
+        for runner in self._small.values():
+            runner.close()
         if not closed[0]:
             return
         try:

@@ -29,6 +29,8 @@ import struct
 import threading
 from typing import Any
 
+import torch
+
 from ..memory import pinned
 from .posix import syscall, syscall_function
 
@@ -136,6 +138,8 @@ class UringQueue:
             self._sq_map = mmap.mmap(self.fd, sq_size, flags, prot, offset=_OFF_SQ_RING)
             self._cq_map = mmap.mmap(self.fd, cq_size, flags, prot, offset=_OFF_CQ_RING)
         self._sqes = mmap.mmap(self.fd, sq_entries * _SQE.size, flags, prot, offset=_OFF_SQES)
+        self._sqe_array = (ctypes.c_char * (sq_entries * _SQE.size)).from_buffer(self._sqes)
+        self._sqe_at = ctypes.addressof(self._sqe_array)
         sq = memoryview(self._sq_map).cast("I")
         cq = memoryview(self._cq_map).cast("I")
         self._sq, self._cq = sq, cq
@@ -313,12 +317,45 @@ class UringQueue:
                 tail += 1
         self._tail = tail & 0xFFFFFFFF
 
+    # --- tables: a batch's entries built in bulk, copied into the ring per round ------------
+
+    def table(self, write: bool, fd: int, addresses: torch.Tensor, offsets: torch.Tensor,
+              sizes: torch.Tensor) -> torch.Tensor:
+        """The submission entries of reads (or writes) of ``sizes[i]`` bytes at ``offsets[i]``
+        of ``fd`` into ``addresses[i]`` (1-D int64 tensors, sizes at most the kernel's maximum),
+        tagged ``i``: an ``[n, 8]`` int64 tensor (64 bytes per entry), built with a fixed
+        number of tensor operations; queue rows with :meth:`prep_rows`."""
+        rows = torch.zeros((addresses.numel(), 8), dtype=torch.int64)
+        rows[:, 0] = (_OP_WRITE if write else _OP_READ) | (fd << 32)
+        rows[:, 1], rows[:, 2], rows[:, 3] = offsets, addresses, sizes
+        torch.arange(addresses.numel(), out=rows[:, 4])
+        return rows
+
+    def set_row(self, table: torch.Tensor, i: int, address: int, length: int, offset: int) -> None:
+        """Point row ``i`` of ``table`` at another range (a remainder to resubmit)."""
+        table[i, 1], table[i, 2], table[i, 3] = offset, address, length
+
+    def prep_rows(self, table: torch.Tensor, start: int, count: int) -> None:
+        """Queue rows ``[start, start + count)`` of ``table`` (at most the free entries): one
+        copy into the ring, two where it wraps."""
+        first, src = self._tail & self._sq_mask, table.data_ptr() + start * _SQE.size
+        k = min(count, self._sq_mask + 1 - first)
+        ctypes.memmove(self._sqe_at + first * _SQE.size, src, k * _SQE.size)
+        if k < count:
+            ctypes.memmove(self._sqe_at, src + k * _SQE.size, (count - k) * _SQE.size)
+        self._tail = (self._tail + count) & 0xFFFFFFFF
+
     def submit_and_wait(self, wait: int, single: bool = False) -> list[tuple[int, int]]:
         """Submit what :meth:`prep` queued and wait for at least ``wait`` completions (0: none);
         returns ``(tag, result)`` pairs, result being bytes moved or ``-errno``.
 
         ``single`` submits one entry per system call (DeepSpeed's ``single_submit``).
         """
+        tags, results = self.submit_wait(wait, single)
+        return list(zip(tags, results))
+
+    def submit_wait(self, wait: int, single: bool = False) -> tuple[list[int], list[int]]:
+        """:meth:`submit_and_wait` with the tags and the results as two lists."""
         if self._issuer is None:
             self._bind()
         elif self._released:
@@ -337,7 +374,7 @@ class UringQueue:
                     raise OSError(err, os.strerror(err))
                 # the kernel is short of resources: take completions and try again
                 done = self._reap()
-                if done:
+                if done[0]:
                     return done
                 continue
             if last:
@@ -350,21 +387,22 @@ class UringQueue:
                     None, ctypes.c_uint(0))
         self._issuer = threading.get_ident()
 
-    def _reap(self) -> list[tuple[int, int]]:
+    def _reap(self) -> tuple[list[int], list[int]]:
         cq, head = self._cq, self._cq[self._cq_head]
         tail = cq[self._cq_tail]
         if head == tail:
-            return []
+            return [], []
         first, n = head & self._cq_mask, (tail - head) & 0xFFFFFFFF
         # the entries [first, first + n) of the ring, in two pieces where they wrap
         end = min(first + n, self._cq_mask + 1)
         tags, res = self._cq_tags, self._cq_res
-        out = list(zip(tags[2 * first:2 * end:2].tolist(), res[4 * first + 2:4 * end:4].tolist()))
+        out_tags, out_res = tags[2 * first:2 * end:2].tolist(), res[4 * first + 2:4 * end:4].tolist()
         if end - first < n:
             rest = n - (end - first)
-            out += zip(tags[0:2 * rest:2].tolist(), res[2:4 * rest:4].tolist())
+            out_tags += tags[0:2 * rest:2].tolist()
+            out_res += res[2:4 * rest:4].tolist()
         cq[self._cq_head] = tail  # the entries are read: the kernel may reuse them
-        return out
+        return out_tags, out_res
 
     def close(self) -> None:
         """Unmap the rings and close the ring's descriptor (pending entries must be reaped first)."""
@@ -377,6 +415,7 @@ class UringQueue:
                 self._fixed = None  # closing the ring drops every registration
         for view in (self._sq, self._cq, self._cq_tags, self._cq_res):
             view.release()
+        del self._sqe_array  # the ctypes view exports the mapping: gone before it is closed
         for m in {id(self._sq_map): self._sq_map, id(self._cq_map): self._cq_map,
                   id(self._sqes): self._sqes}.values():
             m.close()

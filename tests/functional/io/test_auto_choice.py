@@ -17,7 +17,7 @@ from deepnvme.io.posix import Posix
 from deepnvme.memory.views import aligned_empty
 
 from ...conftest import AVAILABLE_ENGINES, open_fds, random_tensor, same_bytes
-from ...fakes import install_faulty_queue
+from ...fake_queues import install_faulty_queue
 
 ENGINE_SPECIFIC = True  # the real auto, never forced to one engine
 pytestmark = pytest.mark.skipif(not {"io_uring", "aio"} <= set(AVAILABLE_ENGINES),

@@ -16,7 +16,7 @@ from deepnvme.errors import DeepNVMeIOError
 from deepnvme.memory.views import aligned_empty
 
 from ...conftest import AVAILABLE_ENGINES, open_fds, random_tensor, same_bytes
-from ...fakes import install_faulty_queue
+from ...fake_queues import install_faulty_queue
 
 KERNEL_ENGINES = [e for e in ("io_uring", "aio") if e in AVAILABLE_ENGINES]
 ENGINE_SPECIFIC = True  # each test names its engine

@@ -19,7 +19,7 @@ from deepnvme.io.posix import Posix
 from deepnvme.memory.views import aligned_empty
 
 from ...conftest import open_fds, random_tensor
-from ...fakes import install_faulty_queue
+from ...fake_queues import install_faulty_queue
 from .test_gathered_faults import COUNT, ITEM, KERNEL_ENGINES, make
 
 ENGINE_SPECIFIC = True  # each test names its engine

@@ -16,7 +16,7 @@ from deepnvme.errors import ConfigError, DeepNVMeIOError, ShortTransferError
 from deepnvme.io import movers
 
 from ...conftest import AVAILABLE_ENGINES, open_fds, random_tensor, same_bytes
-from ...fakes import install_faulty_queue
+from ...fake_queues import install_faulty_queue
 from .test_faults import assert_enospc_surfaces
 
 KERNEL_ENGINES = [e for e in ("io_uring", "aio") if e in AVAILABLE_ENGINES]

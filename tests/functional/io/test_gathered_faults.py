@@ -10,30 +10,17 @@ import errno
 import pytest
 import torch
 
-import deepnvme
-from deepnvme.config import IOConfig
 from deepnvme.errors import DeepNVMeIOError
 from deepnvme.memory.views import aligned_empty
 
-from ...conftest import AVAILABLE_ENGINES, open_fds, random_tensor, same_bytes
+from ...conftest import open_fds, random_tensor, same_bytes
 from ...fake_queues import install_faulty_queue
+from ._kernel_handles import KERNEL_ENGINES, make
 
-KERNEL_ENGINES = [e for e in ("io_uring", "aio") if e in AVAILABLE_ENGINES]
 ENGINE_SPECIFIC = True  # each test names its engine
 pytestmark = pytest.mark.skipif(not KERNEL_ENGINES, reason="no kernel engine on this system")
 ITEM = 8192
 COUNT = 96
-
-
-@pytest.fixture(params=KERNEL_ENGINES)
-def kernel(request):
-    return request.param
-
-
-def make(engine, **cfg):
-    base = dict(block_size=1 << 20, queue_depth=8, intra_op_parallelism=2, engine=engine)
-    base.update(cfg)
-    return deepnvme.AioHandle(config=IOConfig(**base))
 
 
 def shuffled(path):

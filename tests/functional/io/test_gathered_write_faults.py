@@ -26,11 +26,6 @@ ENGINE_SPECIFIC = True  # each test names its engine
 pytestmark = pytest.mark.skipif(not KERNEL_ENGINES, reason="no kernel engine on this system")
 
 
-@pytest.fixture(params=KERNEL_ENGINES)
-def kernel(request):
-    return request.param
-
-
 def items(path):
     """COUNT aligned ITEM-byte buffers to write in shuffled file order over an existing file
     of zeros: (items, the file's expected bytes)."""

@@ -17,16 +17,11 @@ from deepnvme.io import movers
 
 from ...conftest import AVAILABLE_ENGINES, open_fds, random_tensor, same_bytes
 from ...fake_queues import install_faulty_queue
+from ._kernel_handles import KERNEL_ENGINES
 from .test_faults import assert_enospc_surfaces
 
-KERNEL_ENGINES = [e for e in ("io_uring", "aio") if e in AVAILABLE_ENGINES]
 ENGINE_SPECIFIC = True  # not re-run per engine by conftest: each test names its engine
 pytestmark = pytest.mark.skipif(not KERNEL_ENGINES, reason="no kernel engine on this system")
-
-
-@pytest.fixture(params=KERNEL_ENGINES)
-def kernel(request):
-    return request.param
 
 
 def make(engine, **cfg):

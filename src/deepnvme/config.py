@@ -110,7 +110,9 @@ SETTINGS: tuple[Setting, ...] = (
             "(logging once why it fell back); where io_uring and aio both run, it gives each "
             "request the one fast for it (io_uring for buffered transfers and, with one worker, "
             "file-extending writes, where Linux AIO is synchronous; aio for the rest), with "
-            "worker threads per mover in use. `deepnvme report` lists which and why."),
+            "worker threads per mover in use. `deepnvme report` lists which and why. A direct "
+            "write past the file's end grows the file to its end first (fallocate), so it "
+            "queues like an overwrite."),
     Setting("block_size", "DEEPNVME_BLOCK_SIZE", _parse_int, 1 << 20,
             "Bytes per chunk: a request is cut into chunks of this size (rounded down to the "
             "file's O_DIRECT alignment), each one syscall.", minimum=1),

@@ -49,7 +49,8 @@ class Entry:
     """One offloaded tensor: a parameter's data (``grad=False``) or its gradient."""
 
     __slots__ = ("key", "name", "param", "grad", "shape", "dtype", "nbytes", "tensor", "read",
-                 "write", "pins", "tick", "prefetched", "valid", "buf", "resident", "home")
+                 "write", "pins", "tick", "prefetched", "awaited", "valid", "buf", "resident",
+                 "home")
 
     def __init__(self, key: int, name: str, param: torch.nn.Parameter, *, grad: bool,
                  home: Home | None = None) -> None:
@@ -67,6 +68,7 @@ class Entry:
         self.pins = 0
         self.tick = 0
         self.prefetched = False
+        self.awaited = False    # used again soon (an FSDP2 shard, by its update): evicted last
         self.valid = not grad             # a gradient is valid once one was accumulated
         self.buf: Buffer | None = None   # the reusable mapping behind ``tensor``, if any
         self.resident = False   # a small tensor kept in memory: no file I/O, never dropped

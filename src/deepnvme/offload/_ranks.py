@@ -6,7 +6,10 @@ all-gather order are read ahead. The order is learned as FSDP issues its all-gat
 forward and backward prefetches included), one pass being a forward and the backward after it.
 A shard's reduce-scattered gradient reaches the DTensor parameter's post-accumulate-grad hook
 (FSDP2 calls it after the reduce-scatter) and goes to the store as a single-process gradient
-does. :class:`~deepnvme.NVMeOptimizer` updates the plain local parameters (:attr:`Shard.local`).
+does. A shard all-gathered for the backward is needed again by its update (fused into the
+backward, right after the reduce-scatter): until its gradient arrives it is *awaited*, evicted
+last and never to make room for a read ahead, so the update does not read it again.
+:class:`~deepnvme.NVMeOptimizer` updates the plain local parameters (:attr:`Shard.local`).
 
 Memory: the store's budget (shards, gradients, reads ahead). FSDP's all-gather and
 reduce-scatter buffers and its unsharded parameters are FSDP's own, as the activations are the
@@ -108,6 +111,10 @@ class ShardHooks:
 
     def _start(self, module: torch.nn.Module, args: Any) -> None:
         self._order.start()
+        with self._store.lock:   # a backward that gave some shard no gradient
+            for _, unit in self._built.units:
+                for e in unit:
+                    e.awaited = False
 
     def _before(self, index: int, name: str, unit: list[Entry]) -> Any:
         what = f"the all-gather of FSDP module {name or 'root'!r}"
@@ -120,7 +127,15 @@ class ShardHooks:
         return before
 
     def _after(self, unit: list[Entry]) -> Any:
-        return lambda: self._store.unpin(unit)
+        wanted = [e for e in unit if e.param.requires_grad and not e.resident]
+
+        def after() -> None:
+            with self._store.lock:
+                self._store.unpin(unit)
+                if _in_backward():
+                    for e in wanted:
+                        e.awaited = e.tensor is not None
+        return after
 
     def _on_grad(self, p: torch.Tensor) -> None:
         grad, p.grad = p.grad, None
@@ -128,7 +143,11 @@ class ShardHooks:
             return
         with torch.no_grad():
             local = grad.to_local() if hasattr(grad, "to_local") else grad
-        accept_gradient(self._store, self._built.by_dtensor[id(p)][1], local)
+        data, entry = self._built.by_dtensor[id(p)]
+        try:
+            accept_gradient(self._store, entry, local)
+        finally:
+            data.awaited = False
 
     def remove(self) -> None:
         for undo in self._undo:
@@ -137,3 +156,9 @@ class ShardHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (FSDP2's pre-backward all-gathers)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and int(task_id()) >= 0

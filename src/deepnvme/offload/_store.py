@@ -131,12 +131,14 @@ class TensorStore:
         return buf
 
     def _evict_one(self, *, spare_prefetched: bool) -> bool:
+        """Drop the least recently used unpinned entry, an awaited one last; a prefetch
+        (``spare_prefetched``) spares prefetched and awaited entries."""
         victims = [e for e in self._present.values() if e.pins == 0
                    and (e.read is None or e.read.done())
-                   and not (spare_prefetched and e.prefetched)]
+                   and not (spare_prefetched and (e.prefetched or e.awaited))]
         if not victims:
             return False
-        self.drop(min(victims, key=lambda e: e.tick))
+        self.drop(min(victims, key=lambda e: (e.awaited, e.tick)))
         return True
 
     def _wait_prefetch(self) -> bool:
@@ -305,6 +307,7 @@ class TensorStore:
             entry.hide()
         buf, read = entry.buf, entry.read
         entry.tensor, entry.read, entry.prefetched, entry.buf = None, None, False, None
+        entry.awaited = False
         if read is not None and not read.done():   # a prefetch still lands in the buffer
             self._orphans.append((read, entry.nbytes, buf, False))
             return

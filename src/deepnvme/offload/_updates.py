@@ -46,6 +46,8 @@ class UpdateSide(OffloadedParameters):
 
     #: every gradient reaches :meth:`set_gradient_consumer`'s consumer (``fuse_backward`` works)
     fused_gradients = True
+    #: give the heap's free memory back at the end of each step (see :meth:`finish_updates`)
+    trim_each_step = True
 
     _store: TensorStore
     _entries: dict[int, tuple[Entry, Entry]]   # id(param) -> (data, grad)
@@ -136,13 +138,16 @@ class UpdateSide(OffloadedParameters):
 
         Trimming once per step, not per sub-group: autograd's gradients and the optimizer's
         temporaries come from torch's heap, and within a step each sub-group reuses what the
-        previous one freed (trimming after each made every temporary page-fault afresh)."""
+        previous one freed (trimming after each made every temporary page-fault afresh). Not at
+        all where :attr:`trim_each_step` is False (an FSDP2 job: the heap's free memory is then
+        mostly FSDP's all-gather and reduce-scatter buffers, allocated again every step)."""
         slices = self._open_slices()
         for key in list(slices):
             self._let_go(slices.pop(key), write=None)
         writes = self._slice_write_list()
         self._slice_writes = []
-        trim_heap()
+        if self.trim_each_step:
+            trim_heap()
         for fut in writes:
             fut.result()
 

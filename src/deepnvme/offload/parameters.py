@@ -155,6 +155,7 @@ class ParameterOffload(UpdateSide):
             for fp in (fp for group, _ in built.units for fp in group.params):
                 mark_offloaded(fp.sharded_param, self)
             self._modules = ShardHooks(self.model, self._store, built, prefetch)
+            self.trim_each_step = False   # the heap's free memory is FSDP's, back every step
         except BaseException:
             self.close()
             raise

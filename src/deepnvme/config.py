@@ -109,7 +109,8 @@ SETTINGS: tuple[Setting, ...] = (
             "worker. `auto` picks the first of io_uring, aio, threads that this system runs "
             "(logging once why it fell back); where io_uring and aio both run, it gives each "
             "request the one fast for it (io_uring for buffered transfers and, with one worker, "
-            "file-extending writes, where Linux AIO is synchronous; aio for the rest), with "
+            "file-extending writes, where Linux AIO is synchronous, and for large transfers of a "
+            "page-locked buffer from its second use, which it registers once; aio for the rest), with "
             "worker threads per mover in use. `deepnvme report` lists which and why. A direct "
             "write past the file's end grows the file to its end first (fallocate), so it "
             "queues like an overwrite."),

@@ -42,6 +42,18 @@ def test_bench_engines(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_bench_engines_with_a_reused_buffer(tmp_path):
+    out = run("bench_engines.py", "--dir", str(tmp_path), "--size", "4M", "--reps", "1",
+              "--parallelism", "1", "--engines", "auto", "--no-randread", "--no-fio", "--reuse", "2",
+              "--json", str(tmp_path / "r.json"), cwd=tmp_path)
+    assert "buffer reused: 2 timed transfers per process" in out and "deepnvme auto p1" in out
+    samples = json.loads((tmp_path / "r.json").read_text())["samples"]["deepnvme auto p1"]
+    assert {op: [s["bytes"] for s in v] for op, v in samples.items()} == {
+        "write_new": [8 << 20], "write": [8 << 20], "read": [8 << 20]}
+    (tmp_path / "r.json").unlink()
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("DEEPNVME_BENCH_DS_PYTHON"),
                     reason="set DEEPNVME_BENCH_DS_PYTHON to a python with DeepSpeed "

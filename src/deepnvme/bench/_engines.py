@@ -41,7 +41,10 @@ def engine_statuses() -> tuple[EngineStatus, ...]:
 def auto_per_transfer(statuses: tuple[EngineStatus, ...]) -> tuple[Choice, ...]:
     """The mover ``engine="auto"`` gives each class of transfer with the engines that run
     here (:func:`~deepnvme.io.choice.auto_choices`); empty when it uses one for all."""
-    choices = auto_choices(tuple(s.name for s in statuses if s.available))
+    from ..io.movers import registers_buffers
+
+    available = tuple(s.name for s in statuses if s.available)
+    choices = auto_choices(available, "io_uring" in available and registers_buffers())
     return choices if len({c.mover for c in choices}) > 1 else ()
 
 

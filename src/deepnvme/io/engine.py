@@ -37,18 +37,20 @@ from concurrent.futures import Future
 
 from ..config import IOConfig
 from ..errors import ConfigError, DeepNVMeIOError, ShortTransferError
+from ..memory import pinned
 from . import small as _small
 from .batch import Items
 from .batch import submit_many as _submit_batch
 from .choice import Choice, TransferShape, choose
 from .kernel import KernelQueue, kernel_worker
-from .movers import EngineProbe, Mover, probe_engines, queue_factory, select_engine, select_movers
+from .movers import EngineProbe, Mover, probe_engines, queue_factory, registers_buffers, select_engine, select_movers
 from .op import Batch, Op, Transfer
 from .opening import Opener
 from .plan import Kind, plan_transfer
 from .posix import POSIX, Posix
 from .small import SMALL_MAX, SmallReads
 from .threads import Bounces, thread_worker
+from .uring import REFUSED
 from .window import StartWorkers, Window
 from .workers import WorkerGroup
 
@@ -93,6 +95,9 @@ class Engine:
                        for name in self.movers if mover is None
                        for make in (queue_factory(name),) if make is not None}
         self._last_choice: dict[str, Choice] = {}
+        #: large transfers of a reused locked buffer may go to io_uring (registered once)
+        self._reuse_rule = (len(self.movers) > 1 and "io_uring" in self.movers
+                            and registers_buffers())
         self._no_extend: set[int] = set()   # fallocate errnos already logged (see _preallocate)
         _live_engines.add(self)
 
@@ -110,51 +115,69 @@ class Engine:
                               "preadv/pwritev: only engine 'threads' calls them")
         return ("threads",)
 
-    def mover_for(self, op: Op, *, direct: bool, end: int, largest: int) -> Window:
+    def mover_for(self, op: Op, *, direct: bool, end: int, largest: int,
+                  extending: bool | None = None, reused: bool = False) -> Window:
         """The window of the mover for request (or batch) ``op``, opened and planned:
         ``direct`` if every chunk is on its O_DIRECT descriptor, ``end`` the file offset its
-        last byte reaches, ``largest`` its largest chunk in bytes.
-        With one mover, its window; else :func:`~deepnvme.io.choice.choose`'s (one fstat for
-        a write, to see whether it extends the file). The choice is kept per class for
-        :meth:`choices`."""
+        last byte reaches, ``largest`` its largest chunk in bytes, ``extending`` whether a
+        write ends past the file's end (None: one fstat to see), ``reused`` whether its memory
+        is a locked buffer that moved data before (:meth:`_reused`).
+        With one mover, its window; else :func:`~deepnvme.io.choice.choose`'s. The choice is
+        kept per class for :meth:`choices`."""
         if len(self.movers) == 1:
             return self._window
+        return self._windows[self._choice(op, direct, end, largest, extending, reused).mover]
+
+    def _choice(self, op: Op, direct: bool, end: int, largest: int, extending: bool | None,
+                reused: bool) -> Choice:
         t = op.transfer
-        extending = False
-        if t.write:
-            fd = op.fd_direct if op.fd_direct >= 0 else op.fd_buffered
-            extending = end > self.posix.file_size(fd)
+        if extending is None:
+            extending = False
+            if t.write:
+                fd = op.fd_direct if op.fd_direct >= 0 else op.fd_buffered
+                extending = end > self.posix.file_size(fd)
         choice = choose(TransferShape(write=t.write, direct=direct, extending=extending,
-                                      largest=largest,
-                                      workers=self.config.intra_op_parallelism), self.movers)
+                                      largest=largest, workers=self.config.intra_op_parallelism,
+                                      reused=reused), self.movers)
         if self._last_choice.get(choice.transfer) is not choice:
             self._last_choice[choice.transfer] = choice
             log.debug("deepnvme: %s of %s goes to %s (%s)", choice.transfer, t.name,
                       choice.mover, choice.why)
-        return self._windows[choice.mover]
+        return choice
 
-    def _preallocate(self, op: Op) -> None:
+    def _reused(self, t: Transfer) -> bool:
+        """Whether ``t``'s memory is a locked allocation that moved data before (this transfer
+        is counted) and that io_uring has not refused to register; only where io_uring
+        registers buffers and is one of several movers."""
+        if not self._reuse_rule:
+            return False
+        found = pinned.count_transfer(t.address, t.size)
+        return found is not None and found[1] > 0 and found[0] not in REFUSED
+
+    def _preallocate(self, op: Op) -> bool | None:
         """Grow the file to the end of write ``op`` first, where it extends the file and the
         filesystem allocates ahead (:meth:`Posix.extend`), so the write queues like an
         overwrite: measured on a new 512 MiB file, one worker, Linux AIO 1.8 -> 2.3 GB/s on
         the disk and 2.0 -> 3.5 GB/s on the RAM device (LOG.md, issue 28). Only the range the
         write covers past the old end is allocated (a write far past the end leaves the hole).
         Where it cannot (or a stat fails), the write runs as a file-extending one, as before;
-        its own errors then name the file and offset."""
+        its own errors then name the file and offset. Returns whether the write still extends
+        the file (None where the stat failed)."""
         t = op.transfer
         end = t.file_offset + t.size
         try:
             size = self.posix.file_size(op.fd_direct)
         except OSError:
-            return
+            return None
         if end <= size:
-            return
+            return False
         start = max(size, t.file_offset)
         err = self.posix.extend(op.fd_direct, start, end - start)
         if err and err not in self._no_extend:
             self._no_extend.add(err)
             log.debug("deepnvme: writes past the end of %s run as file-extending writes: "
                       "fallocate refused (%s)", t.name, errno.errorcode.get(err, err))
+        return bool(err)
 
     def choices(self) -> dict[str, Choice]:
         """The mover each class of transfer went to so far (with several :attr:`movers`)."""
@@ -185,14 +208,16 @@ class Engine:
             op.finish(self.posix)
             return op.future
         window = self._window
+        extending = None
         if t.write and op.fd_direct >= 0 and self.mover is None:
-            self._preallocate(op)
+            extending = self._preallocate(op)
         if len(self.movers) > 1:
             try:
                 window = self.mover_for(
                     op, direct=op.fd_direct >= 0 and all(c.kind is not Kind.BUFFERED
                                                          for c in op.chunks),
-                    end=t.file_offset + t.size, largest=max(c.length for c in op.chunks))
+                    end=t.file_offset + t.size, largest=max(c.length for c in op.chunks),
+                    extending=extending if t.write else False, reused=self._reused(t))
             except BaseException as exc:  # the fstat failed: the request's error
                 op.close_fds(self.posix)
                 op.future.set_exception(exc)
@@ -219,8 +244,8 @@ class Engine:
         if not _small.ENABLED:
             return False
         end, largest, uniform = shape
-        window = self.mover_for(batch, direct=True, end=end, largest=largest)
-        name = next(n for n, w in self._windows.items() if w is window)
+        name = (self._choice(batch, True, end, largest, None, False).mover
+                if len(self.movers) > 1 else self.name)
         runner = self._small.get(name)
         if runner is None:
             return False

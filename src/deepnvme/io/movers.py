@@ -26,7 +26,7 @@ from .plan import Chunk
 from .uring import UringQueue, probe_io_uring
 
 __all__ = ["EngineProbe", "probe_engines", "select_engine", "select_movers", "queue_factory",
-           "Mover"]
+           "registers_buffers", "Mover"]
 
 log = logging.getLogger(__name__)
 
@@ -127,3 +127,17 @@ def select_movers(requested: str) -> tuple[str, ...]:
 def queue_factory(name: str) -> Callable[[int], KernelQueue] | None:
     """The kernel queue class of engine ``name``, or None for the thread mover."""
     return _FACTORIES.get(name)
+
+
+@functools.cache
+def registers_buffers() -> bool:
+    """Whether io_uring here registers page-locked buffers (a sparse buffer table, Linux
+    5.19+), so that a reused buffer's transfers skip pinning its pages (cached per process)."""
+    try:
+        q = UringQueue(1)
+    except OSError:
+        return False
+    try:
+        return bool(q.registers)
+    finally:
+        q.close()

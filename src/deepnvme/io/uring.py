@@ -27,6 +27,7 @@ import os
 import platform
 import struct
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -54,8 +55,7 @@ _MAX_LEN = 0x7FFFF000  # the kernel's largest single read/write; longer chunks c
 
 # struct io_uring_params: 10 u32 fields, then the SQ and CQ ring offsets (10 u32 each with a u64)
 _PARAMS = struct.Struct("<10I" + "8IQ" + "8IQ")
-# struct io_uring_sqe (64 bytes): opcode, flags, ioprio, fd, off, addr, len, rw_flags, user_data,
-# buf_index
+# struct io_uring_sqe (64 B): opcode, flags, ioprio, fd, off, addr, len, rw_flags, user_data, buf_index
 _SQE = struct.Struct("<BBHiQQIIQH22x")
 _RSRC_REGISTER = struct.Struct("<IIQQQ")  # nr, flags, resv2, data, tags
 _RSRC_UPDATE = struct.Struct("<IIQQII")  # offset, resv, data, tags, nr, resv2
@@ -72,6 +72,8 @@ _enter = syscall_function(ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_
 # may run a release during a registration call).
 _holders_lock = threading.RLock()
 _holders: dict[Any, list[UringQueue]] = {}
+#: the locked allocations a ring could not register (a memlock limit ...): not worth io_uring
+REFUSED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class UringQueue:
@@ -119,6 +121,8 @@ class UringQueue:
         # fixed_slot (see region_released); list.append and pop are atomic
         self._released: list[Any] = []
         self._init_fixed()
+
+    registers = property(lambda self: self._fixed is not None, doc="buffers can be registered")
 
     def _map(self, p: tuple[int, ...]) -> None:
         sq_entries, cq_entries, features = p[0], p[1], p[5]
@@ -204,6 +208,7 @@ class UringQueue:
                 except OSError as exc:  # e.g. a memlock limit: go on without for this region
                     log.debug("deepnvme: io_uring buffer registration refused (%s)", exc)
                     self._free_slots.append(slot)
+                    REFUSED.add(region)
                     return -1
                 _holders.setdefault(region, []).append(self)
             self._fixed[region] = slot
@@ -287,12 +292,10 @@ class UringQueue:
         """Queue one read or write (from registered buffer ``buf_index`` if >= 0); returns the
         length queued (at most the kernel's maximum)."""
         length = min(length, _MAX_LEN)
-        if buf_index < 0:
-            opcode, buf_index = (_OP_WRITE if write else _OP_READ), 0
-        else:
-            opcode = _OP_WRITE_FIXED if write else _OP_READ_FIXED
+        opcode = ((_OP_WRITE if write else _OP_READ) if buf_index < 0
+                  else (_OP_WRITE_FIXED if write else _OP_READ_FIXED))
         _SQE.pack_into(self._sqes, (self._tail & self._sq_mask) * _SQE.size,
-                       opcode, 0, 0, fd, offset, address, length, 0, tag, buf_index)
+                       opcode, 0, 0, fd, offset, address, length, 0, tag, max(buf_index, 0))
         self._tail = (self._tail + 1) & 0xFFFFFFFF
         return length
 

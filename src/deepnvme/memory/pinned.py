@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -34,11 +34,12 @@ _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 class _Region:
-    __slots__ = ("size", "locked")
+    __slots__ = ("size", "locked", "transfers", "__weakref__")
 
     def __init__(self, size: int, locked: bool) -> None:
         self.size = size
         self.locked = locked
+        self.transfers = 0  # transfers started from or into it (count_transfer)
 
 
 # Re-entrant: _forget runs from a weakref finalizer, which the garbage collector may call in
@@ -175,6 +176,20 @@ def locked_region(address: int, length: int) -> tuple[object, int, int] | None:
     if region is None or address + length > base + region.size:
         return None
     return region, base, region.size
+
+
+def count_transfer(address: int, length: int) -> tuple[object, int] | None:
+    """Count a transfer of ``[address, address + length)``: ``(region, transfers before this
+    one)`` of the locked allocation holding it (see :func:`locked_region`), or None. The engine
+    gives a buffer it has seen before to a mover that registers memory once (io_uring)."""
+    found = locked_region(address, length)
+    if found is None:
+        return None
+    region = cast(_Region, found[0])
+    with _lock:
+        before = region.transfers
+        region.transfers = before + 1
+    return region, before
 
 
 def add_release_listener(listener: Any) -> None:

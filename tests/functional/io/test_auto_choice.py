@@ -13,7 +13,10 @@ import torch
 import deepnvme
 from deepnvme.config import IOConfig
 from deepnvme.errors import DeepNVMeIOError
+from deepnvme.io import engine as engine_module
+from deepnvme.io import movers, uring
 from deepnvme.io.posix import Posix
+from deepnvme.memory import pinned
 from deepnvme.memory.views import aligned_empty
 
 from ...conftest import AVAILABLE_ENGINES, open_fds, random_tensor, same_bytes
@@ -198,3 +201,76 @@ def test_close_with_work_on_both_movers_loses_nothing(tmp_path):  # one worker: 
             assert f.read() == s.flip(0).numpy().tobytes()
         assert os.path.getsize(p + "-b") == BIG
     assert open_fds(rings=True) == before
+
+
+needs_registration = pytest.mark.skipif(not movers.registers_buffers(),
+                                        reason="io_uring here cannot register buffers")
+
+
+@needs_registration
+def test_a_reused_locked_buffer_goes_to_io_uring_from_its_second_transfer(tmp_path, counted):
+    """A page-locked buffer's first large transfer stays with Linux AIO (registering would pin
+    all of it for one use); from its second, io_uring, which registers it once. Another
+    buffer starts over; a plain tensor never switches."""
+    path = str(tmp_path / "f")
+    buf = deepnvme.new_cpu_locked_tensor(BIG, torch.uint8)
+    buf.copy_(random_tensor(BIG, torch.uint8))
+    with make() as h:
+        n = preps(counted)
+        h.submit_write(buf, path).result()                     # first use: grown, overwrite
+        n = went(counted, n, "aio")
+        h.submit_write(buf, path).result()                     # second use: registered
+        n = went(counted, n, "io_uring")
+        back = deepnvme.new_cpu_locked_tensor(BIG, torch.uint8)
+        h.submit_read(back, path).result()                     # a new buffer: first use
+        n = went(counted, n, "aio")
+        back.zero_()
+        h.submit_read(back, path).result()
+        n = went(counted, n, "io_uring")
+        assert same_bytes(back, buf)
+        plain = aligned_empty(BIG)
+        for _ in range(2):
+            h.submit_read(plain, path).result()
+            n = went(counted, n, "aio")
+        assert same_bytes(plain, buf)
+        choices = {k: c.mover for k, c in h._engine.choices().items()}
+        for t in (buf, back):  # registered with the ring
+            assert uring._holders.get(pinned.locked_region(t.data_ptr(), BIG)[0])
+    assert choices == {"large direct overwrite": "aio", "large direct read": "aio",
+                       "large direct overwrite, reused locked buffer": "io_uring",
+                       "large direct read, reused locked buffer": "io_uring"}
+
+
+@needs_registration
+def test_a_buffer_io_uring_could_not_register_stays_with_aio(tmp_path, counted, monkeypatch):
+    """A registration refused (a memlock limit) sends that buffer back to Linux AIO: without
+    registration io_uring pins pages per request at more CPU than Linux AIO."""
+    def refuse(self, slot, base, size):
+        raise OSError(errno.ENOMEM, "memlock limit")
+
+    monkeypatch.setattr(uring.UringQueue, "_set_slot", refuse)
+    path = str(tmp_path / "f")
+    buf = deepnvme.new_cpu_locked_tensor(BIG, torch.uint8)
+    buf.copy_(random_tensor(BIG, torch.uint8))
+    with make() as h:
+        h.submit_write(buf, path).result()
+        n = preps(counted)
+        h.submit_write(buf, path).result()                     # io_uring tries, is refused
+        n = went(counted, n, "io_uring")
+        h.submit_write(buf, path).result()
+        went(counted, n, "aio")
+    region, uses = pinned.count_transfer(buf.data_ptr(), BIG)
+    assert region in uring.REFUSED and uses == 3
+    with open(path, "rb") as f:
+        assert f.read() == buf.numpy().tobytes()
+
+
+def test_without_buffer_registration_reused_buffers_stay_with_aio(tmp_path, counted, monkeypatch):
+    monkeypatch.setattr(engine_module, "registers_buffers", lambda: False)
+    path = str(tmp_path / "f")
+    buf = deepnvme.new_cpu_locked_tensor(BIG, torch.uint8)
+    with make() as h:
+        n = preps(counted)
+        for _ in range(3):
+            h.submit_write(buf, path).result()
+        went(counted, n, "aio")

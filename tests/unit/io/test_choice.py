@@ -17,9 +17,9 @@ ENGINE_SPECIFIC = True  # pure: not re-run per engine
 BOTH = ("io_uring", "aio")
 
 
-def shape(*, write=False, direct=True, extending=False, largest=1 << 20, workers=1):
+def shape(*, write=False, direct=True, extending=False, largest=1 << 20, workers=1, reused=False):
     return TransferShape(write=write, direct=direct, extending=extending, largest=largest,
-                         workers=workers)
+                         workers=workers, reused=reused)
 
 
 @pytest.mark.parametrize(("s", "transfer", "mover"), [
@@ -34,6 +34,11 @@ def shape(*, write=False, direct=True, extending=False, largest=1 << 20, workers
     (shape(largest=SMALL_BYTES), "large direct read", "aio"),
     (shape(write=True), "large direct overwrite", "aio"),
     (shape(extending=True), "large direct read", "aio"),  # a read never extends
+    (shape(reused=True), "large direct read, reused locked buffer", "io_uring"),
+    (shape(write=True, reused=True), "large direct overwrite, reused locked buffer", "io_uring"),
+    (shape(reused=True, largest=4096), "small direct reads", "aio"),
+    (shape(write=True, reused=True, extending=True, workers=2), "file-extending write, 2+ workers", "aio"),
+    (shape(reused=True, direct=False), "buffered", "io_uring"),
 ])
 def test_each_class_and_its_mover(s, transfer, mover):
     assert classify(s) == transfer
@@ -46,6 +51,8 @@ def test_an_unavailable_mover_falls_to_the_next_and_says_so():
     assert got.mover == "aio" and "io_uring unavailable" in got.why
     got = choose(shape(), ("io_uring",))
     assert got.mover == "io_uring" and "Linux AIO unavailable" in got.why
+    got = choose(shape(reused=True), ("aio",))
+    assert got.mover == "aio" and "io_uring unavailable" in got.why
     with pytest.raises(ValueError, match="threads"):
         choose(shape(), ("threads",))
 
@@ -56,3 +63,5 @@ def test_auto_choices_cover_every_class_once():
     assert {c.mover for c in table} == set(BOTH)
     assert {c.mover for c in auto_choices(("aio", "threads"))} == {"aio"}
     assert auto_choices(("threads",)) == ()
+    without = auto_choices(BOTH, registers=False)
+    assert [c.transfer for c in without] == [t for t in PREFERENCES if "reused" not in t]

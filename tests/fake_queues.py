@@ -89,8 +89,9 @@ class FaultyQueue:
             self.prep(i, table.write, table.fd, table.addresses[i], table.sizes[i], table.offsets[i],
                       table=table)
 
-    def submit_wait(self, wait, single=False):
-        events = self.submit_and_wait(wait, single)
+    def submit_wait(self, wait, most=0):
+        self.calls["most"] = most
+        events = self.submit_and_wait(wait, most == 1)
         return [t for t, _ in events], [r for _, r in events]
 
     def tidy(self):

@@ -127,11 +127,12 @@ class AioQueue:
         tags, results = self.submit_wait(wait, single)
         return list(zip(tags, results))
 
-    def submit_wait(self, wait: int, single: bool = False) -> tuple[list[int], list[int]]:
-        """:meth:`submit_and_wait` with the tags and the results as two lists."""
+    def submit_wait(self, wait: int, most: int = 0) -> tuple[list[int], list[int]]:
+        """:meth:`submit_and_wait` with the tags and the results as two lists; at most
+        ``most`` entries per system call (0: all at once; 1 or True: ``single_submit``)."""
         queued, ptrs = self._queued, self._ptrs
         while queued:
-            n = 1 if single else len(queued)
+            n = min(len(queued), most) if most else len(queued)
             ptrs[:n] = queued[:n]
             done = _submit_call(self._submit, self._ctx.value, n, ptrs)
             if done < 0:

@@ -357,8 +357,8 @@ class UringQueue:
         tags, results = self.submit_wait(wait, single)
         return list(zip(tags, results))
 
-    def submit_wait(self, wait: int, single: bool = False) -> tuple[list[int], list[int]]:
-        """:meth:`submit_and_wait` with the tags and the results as two lists."""
+    def submit_wait(self, wait: int, most: int = 0) -> tuple[list[int], list[int]]:
+        """:meth:`submit_and_wait` as two lists; at most ``most`` entries per call (0: all)."""
         if self._issuer is None:
             self._bind()
         elif self._released:
@@ -366,7 +366,7 @@ class UringQueue:
         self._sq[self._sq_tail] = self._tail
         while True:
             pending = (self._tail - self._sq[self._sq_head]) & 0xFFFFFFFF
-            batch = min(pending, 1) if single else pending
+            batch = min(pending, most) if most else pending
             last = batch == pending
             if _enter(_SYS_ENTER, self.fd, batch, wait if last else 0,
                       _ENTER_GETEVENTS if last and wait else 0, None, 0) < 0:

@@ -61,6 +61,29 @@ def test_uneven_reads_in_several_parts_land_where_asked(tmp_path, kernel, monkey
     assert any(name.startswith(f"deepnvme-small-{kernel}") for name in names)
 
 
+def test_a_call_submits_at_most_submit_most_reads(tmp_path, kernel, monkeypatch):
+    """At most SUBMIT_MOST reads per system call (a call holds its reads back until it returns),
+    counted at the system call itself; the queue still fills to its depth."""
+    from deepnvme.io import aio, uring
+
+    path = str(tmp_path / "f")
+    data, buf, at, offs, sizes = uneven(path, count=200)
+    counts = []
+    if kernel == "aio":
+        real = aio._submit_call
+        monkeypatch.setattr(aio, "_submit_call",
+                            lambda fn, ctx, n, ptrs: counts.append(n) or real(fn, ctx, n, ptrs))
+    else:
+        real = uring._enter
+        monkeypatch.setattr(uring, "_enter",
+                            lambda nr, fd, n, *rest: counts.append(n) or real(nr, fd, n, *rest))
+    with make(kernel, intra_op_parallelism=1, queue_depth=32) as h:
+        n = h.read_many_into(path, buf, buffer_offsets=at, file_offsets=offs, sizes=sizes).result()
+    assert n == int(sizes.sum()) and same_bytes(buf, expected_of(data, at, offs, sizes, buf.numel()))
+    submitted = [c for c in counts if c]
+    assert sum(submitted) >= 200 and max(submitted) == small.SUBMIT_MOST
+
+
 def test_single_submit_submits_one_entry_per_call(tmp_path, kernel, monkeypatch):
     path = str(tmp_path / "f")
     data, buf, at, offs, sizes = uneven(path, count=80)

@@ -8,7 +8,9 @@ A shard's reduce-scattered gradient reaches the DTensor parameter's post-accumul
 (FSDP2 calls it after the reduce-scatter) and goes to the store as a single-process gradient
 does. A shard all-gathered for the backward is needed again by its update (fused into the
 backward, right after the reduce-scatter): until its gradient arrives it is *awaited*, evicted
-last and never to make room for a read ahead, so the update does not read it again.
+last and never to make room for a read ahead, so the update does not read it again; the
+optimizer is told then (``store.on_awaited``), so it reads the update's state during the group's
+backward rather than at its update.
 :class:`~deepnvme.NVMeOptimizer` updates the plain local parameters (:attr:`Shard.local`).
 
 Memory: the store's budget (shards, gradients, reads ahead). FSDP's all-gather and
@@ -132,9 +134,13 @@ class ShardHooks:
         def after() -> None:
             with self._store.lock:
                 self._store.unpin(unit)
-                if _in_backward():
+                backward = _in_backward()
+                if backward:
                     for e in wanted:
                         e.awaited = e.tensor is not None
+                notice = self._store.on_awaited
+            if backward and notice is not None and wanted:
+                notice([e.param for e in wanted])   # their update's state can be read now
         return after
 
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -78,6 +78,7 @@ class TensorStore:
         # set by an optimizer that updates in the backward: takes (parameter, gradient), True
         # if it consumed the gradient (then nothing is stored)
         self.on_gradient: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
+        self.on_awaited: Callable[[list[torch.Tensor]], None] | None = None   # see set_update_notice
 
     # --- accounting ----------------------------------------------------------------------
 

@@ -156,6 +156,10 @@ class UpdateSide(OffloadedParameters):
         """Hand each new gradient to ``consumer`` first (see the protocol); None: store them."""
         self._store.on_gradient = consumer
 
+    def set_update_notice(self, notice: Callable[[list[torch.Tensor]], None] | None) -> None:
+        """Tell ``notice`` which parameters' gradients come soon (see the protocol); None: off."""
+        self._store.on_awaited = notice
+
     # --- slices of a parameter larger than a sub-group --------------------------------------
 
     def _open_slices(self) -> dict[tuple[int, int], _Slice]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ._ahead import ReadsAhead
 from ._fuse_auto import ConsumedGradient, Options, clear_consumed, forward_guard, mark_consumed, options_of
 from ._protocol import offload_of
 from ._state import Writes
@@ -38,7 +39,7 @@ class FusedBackward:
         self.pending: dict[int, torch.Tensor] = {}   # id(param) -> its gradient, until used
         self.updated: set[int] = set()                # id(param): updated since step()
         self.writes: Writes = []
-        self.prefetched: int | None = None            # the sub-group whose state is read ahead
+        self.reads = ReadsAhead(opt._state, self._kept)
         self.hooks: list[RemovableHandle] = []
         self.subs_of: dict[int, list[int]] = {}
         self.consumed: list[torch.Tensor] = []        # parameters whose .grad is a stand-in
@@ -54,6 +55,7 @@ class FusedBackward:
                 self.subs_of.setdefault(id(p), []).append(i)
         if opt._offload is not None:
             opt._offload.set_gradient_consumer(self.take)
+            opt._offload.set_update_notice(self.coming)
         self.hooks.append(forward_guard(self.updated))
         for _, p in opt._all_params():
             if p.requires_grad and offload_of(p) is None:
@@ -70,6 +72,7 @@ class FusedBackward:
         self.subs_of.clear()
         if self.opt._offload is not None:
             self.opt._offload.set_gradient_consumer(None)
+            self.opt._offload.set_update_notice(None)
 
     def _hook(self, p: torch.Tensor) -> None:
         grad = p.grad
@@ -111,21 +114,19 @@ class FusedBackward:
         opt._current, opt._done = None, -1
         try:
             for k, i in enumerate(subs):
-                if self.prefetched is None and k + 1 < len(subs):
-                    self._prefetch(subs[k + 1])
-                if self.prefetched == i:
-                    self.prefetched = None
+                self.reads.installing(i)
+                if k + 1 < len(subs):
+                    self.reads.start(subs[k + 1], wait=True)
                 fut = opt._run_sub_group(i, lambda i=i: self._apply(i, grads))  # type: ignore[misc]
                 if fut is not None:
                     self.writes.append((i, fut))
-            if subs[0] > 0 and self.prefetched is None:
-                self._prefetch(subs[0] - 1)   # the backward goes on with the previous one
+            self.reads.updated(subs)
         except BaseException as exc:
             for q in params:
                 q.grad = None
             if offload is not None:
                 offload.abort_update(held)
-            self.prefetched = None
+            self.reads.end_step(completed=False)
             writes, self.writes = self.writes, []
             raise opt._stopped(exc, writes) from exc
         for q in params:
@@ -167,9 +168,18 @@ class FusedBackward:
                     "update is fused into the backward, so it would be skipped); assign no "
                     ".grad by hand, or create the NVMeOptimizer with fuse_backward=False")
 
-    def _prefetch(self, i: int) -> None:
-        self.prefetched = i
-        self.opt._state.prefetch(i)
+    def coming(self, params: list[torch.Tensor]) -> None:
+        """The offload's notice: the gradients of ``params`` come soon (their FSDP2 group was
+        all-gathered for the backward), so their state is read during the group's backward
+        rather than when the update waits for it (see :mod:`._ahead`); never blocks."""
+        for p in params:
+            subs = self.subs_of.get(id(p))
+            if subs is not None:
+                self.reads.notice(subs[0])
+
+    def _kept(self) -> int:
+        """Pool buffers kept by this step's failed writes (each the only good copy)."""
+        return sum(1 for _, f in self.writes if f.done() and f.exception() is not None)
 
     def _apply(self, i: int, grads: dict[int, torch.Tensor]) -> None:
         opt = self.opt
@@ -202,8 +212,8 @@ class FusedBackward:
         waiting = sorted({self.subs_of[k][0] for k in self.pending}, reverse=True)
         for first in waiting:
             self.update(self.subs_of[id(opt._subs.params(first)[0])])
+        self.reads.end_step(completed=True)   # settle below releases the buffers
         writes, self.writes = self.writes, []
-        self.prefetched = None
         self.updated.clear()
         clear_consumed(self.consumed)
         self.consumed.clear()

@@ -74,6 +74,12 @@ class OffloadedParameters(Protocol):
         fused into the backward); where it returns True the gradient is not stored. None: off."""
         ...
 
+    def set_update_notice(self, notice: Callable[[list[torch.Tensor]], None] | None) -> None:
+        """Call ``notice(params)`` when the gradients of ``params`` (parameters it holds) will
+        come soon: an FSDP2 group all-gathered for the backward, its reduce-scatter next, so an
+        update fused into the backward can start reading their optimizer state. None: off."""
+        ...
+
     def prefetch_slice(self, param: torch.Tensor, start: int, stop: int) -> None:
         """Start reading elements ``start..stop`` of ``param`` and of its gradient."""
         ...

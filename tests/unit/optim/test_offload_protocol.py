@@ -39,6 +39,9 @@ class Fake:
     def set_gradient_consumer(self, consumer):
         pass
 
+    def set_update_notice(self, notice):
+        pass
+
     def prefetch_slice(self, param, start, stop):
         pass
 

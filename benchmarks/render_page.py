@@ -493,8 +493,8 @@ TABLES: dict[str, Table] = {
         Source(RAM, "2026-11-26-vllm-offload-ramdev-trim2.json", "OpenMP default"),
         Source(RAM, "2026-11-26-vllm-offload-ramdev-passive.json", PASSIVE))),
     # two runs of one session on the same machine: the disk's speed moved between them
-    "offload_ranks": Table(offload_ranks, (Source(DISK, "2026-11-29-offload-ranks-disk-step.json"),
-                                           Source(RAM, "2026-11-29-offload-ranks-ramdev-step.json"))),
+    "offload_ranks": Table(offload_ranks, (Source(DISK, "2026-11-29-offload-ranks-disk-merged.json"),
+                                           Source(RAM, "2026-11-29-offload-ranks-ramdev-merged.json"))),
     "hf_load": Table(hf_load, (Source(DISK, "2026-11-28-hf-load-r28-disk.json"),
                                Source(RAM, "2026-11-28-hf-load-r28-ramdev.json"))),
     "gpu_io": Table(gpu_io, (Source("H200", "2026-11-27-gpu-io-h200-run2.json", "run 2"),

@@ -84,6 +84,7 @@ class BatchPlan:
 
 
 _RUN_CHECK = 4096  # batches up to this size are checked for consecutive samples
+_NEAR_SHARE = 8  # plan_apart plans a row with up to 1 in this many samples close to another
 
 
 def sample_indices(samples: Sequence[int] | torch.Tensor, count: int) -> torch.Tensor:
@@ -170,9 +171,10 @@ def plan_apart(idx: torch.Tensor, geometry: SampleGeometry, *, alignment: int,
     checked by the caller; ``alignment`` a power of two) with a fixed number of tensor operations
     for all rows at once: one read per sample, in the row's order, each in a slot of
     ``align_up(sample_bytes, alignment) + alignment`` buffer bytes (within
-    :func:`batch_buffer_bytes`). A row where two samples may share a read (sorted starts closer
-    than a sample plus ``gap`` plus two alignment units, repeats included) or a read meets the end
-    of the file gets None: :func:`plan_batch` plans it (coalesced reads)."""
+    :func:`batch_buffer_bytes`). Samples that lie close (sorted starts nearer than a sample plus
+    ``gap`` plus two alignment units, repeats included) are read once each, as any other: a row
+    with more than :data:`_NEAR_SHARE` of them (an order with locality, where shared reads save
+    I/O) or whose reads meet the end of the file gets None: :func:`plan_batch` plans it."""
     rows, n = idx.shape
     sb, step = geometry.sample_bytes, geometry.stride * geometry.itemsize
     slot = align_up(sb, alignment) + alignment
@@ -181,15 +183,15 @@ def plan_apart(idx: torch.Tensor, geometry: SampleGeometry, *, alignment: int,
     lo = starts - into
     sizes = (into + (sb + alignment - 1)).bitwise_and_(-alignment)
     columns = [lo.amin(1), (lo + sizes).amax(1), sizes.amin(1), sizes.amax(1), sizes.sum(1)]
-    if n > 1:  # the closest two starts of each row
-        columns.append(starts.sort(dim=1).values.diff(dim=1).amin(1))
+    apart = sb + gap + 2 * alignment
+    if n > 1:  # the neighbours of each row that may share a read
+        columns.append(starts.sort(dim=1).values.diff(dim=1).lt_(apart).sum(1))
     stats = torch.stack(columns, 1).tolist()
     buffer_offsets = torch.arange(0, n * slot, slot, dtype=torch.int64)
     sample_at = into.add_(buffer_offsets)
-    apart = sb + gap + 2 * alignment
     plans: list[BatchPlan | None] = []
     for r, (lowest, end, smallest, largest, nbytes, *near) in enumerate(stats):
-        if end > geometry.file_size or (near and near[0] < apart):
+        if end > geometry.file_size or (near and near[0] * _NEAR_SHARE > n):
             plans.append(None)
             continue
         plans.append(BatchPlan(buffer_offsets=buffer_offsets, file_offsets=lo[r], sizes=sizes[r],

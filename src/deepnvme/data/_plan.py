@@ -174,7 +174,9 @@ def plan_apart(idx: torch.Tensor, geometry: SampleGeometry, *, alignment: int,
     :func:`batch_buffer_bytes`). Samples that lie close (sorted starts nearer than a sample plus
     ``gap`` plus two alignment units, repeats included) are read once each, as any other: a row
     with more than :data:`_NEAR_SHARE` of them (an order with locality, where shared reads save
-    I/O) or whose reads meet the end of the file gets None: :func:`plan_batch` plans it."""
+    I/O) or whose reads meet the end of the file gets None: :func:`plan_batch` plans it. Where
+    samples lie a whole number of alignment units apart in the file, each starts at the same byte
+    of its slot: the plans' ``step`` is the slot (their samples are one strided view)."""
     rows, n = idx.shape
     sb, step = geometry.sample_bytes, geometry.stride * geometry.itemsize
     slot = align_up(sb, alignment) + alignment
@@ -189,13 +191,14 @@ def plan_apart(idx: torch.Tensor, geometry: SampleGeometry, *, alignment: int,
     stats = torch.stack(columns, 1).tolist()
     buffer_offsets = torch.arange(0, n * slot, slot, dtype=torch.int64)
     sample_at = into.add_(buffer_offsets)
+    even = slot if step % alignment == 0 else None  # every `into` is base % alignment then
     plans: list[BatchPlan | None] = []
     for r, (lowest, end, smallest, largest, nbytes, *near) in enumerate(stats):
         if end > geometry.file_size or (near and near[0] * _NEAR_SHARE > n):
             plans.append(None)
             continue
         plans.append(BatchPlan(buffer_offsets=buffer_offsets, file_offsets=lo[r], sizes=sizes[r],
-                               sample_at=sample_at[r], buffer_bytes=n * slot, nbytes=nbytes, step=None,
+                               sample_at=sample_at[r], buffer_bytes=n * slot, nbytes=nbytes, step=even,
                                bounds=(lowest, end, smallest, largest, alignment)))
     return plans
 

@@ -121,3 +121,17 @@ def test_planned_reads_are_checked_like_any_batch(corpus, monkeypatch, engine, s
         far = [i for i in order if i > len(ds) // 2][:4]
         with pytest.raises(DeepNVMeIOError, match=r"c\.bin"):
             list(ds.batches(far, 4))
+
+
+def test_samples_at_uneven_offsets_are_picked_by_index(corpus, monkeypatch):
+    """seq_len 2047: samples start at different bytes of their slots (no strided view): the
+    rows are picked by index, through the same planned reads."""
+    prefix, tokens = corpus
+    calls = _spy(monkeypatch)
+    with TokenDataset(prefix, seq_len=2047) as ds:
+        order = _apart(len(ds), 30, seed=4)
+        plan = ds._reader.plan_rows(torch.tensor([order[:6]]))[0]
+        assert plan is not None and plan.step is None
+        expected = torch.stack([tokens[i * 2047:i * 2047 + 2048] for i in order])
+        assert torch.equal(torch.cat(list(ds.batches(order, 4, prefetch=8))), expected)
+        assert torch.equal(torch.stack(ds.__getitems__(order[:9])), expected[:9]) and calls

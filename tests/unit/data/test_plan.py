@@ -160,7 +160,9 @@ def test_rows_planned_together_read_every_sample_exactly(data, itemsize, seq_len
         assert all(a % alignment == 0 and o % alignment == 0 and size % alignment == 0 for a, o, size in reads)
         assert max(a + size for a, _, size in reads) <= plan.buffer_bytes
         assert plan.buffer_bytes <= batch_buffer_bytes(n, geo, alignment=alignment, gap=gap)
-        assert plan.step is None
+        assert plan.step == (None if seq_len * itemsize % alignment else plan.buffer_bytes // n)
+        if plan.step is not None:
+            assert plan.sample_at.tolist() == [plan.sample_at[0] + k * plan.step for k in range(n)]
 
 
 def test_rows_planned_together_fall_back_where_samples_meet():

@@ -8,7 +8,8 @@ fixed number of tensor calls for up to :data:`_BLOCK` samples). The oldest group
 picked out of its buffer at once into one reused scratch tensor (``batch x group x (seq_len +
 1)`` tokens of the file's dtype), and each batch is converted from it into a fresh ``[batch,
 seq_len + 1]`` tensor as the consumer asks; then the buffer goes back to the pool and the next
-group is submitted. Runs on the consumer's thread; the I/O runs on the handle's.
+group is submitted. The pool outlives the iterator, kept by the reader for the next one
+(:meth:`SampleReader.take_pool`). Runs on the consumer's thread; the I/O runs on the handle's.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def iterate_batches(reader: SampleReader, order: Iterable[int] | torch.Tensor, b
         return
     group = group_size(prefetch)
     slots = prefetch // group
-    pool = BufferPool(reader.buffer_bytes(batch_size * group), slots)
+    pool = reader.take_pool(reader.buffer_bytes(batch_size * group), slots)
     scratch = torch.empty(batch_size * group * reader.geometry.tokens, dtype=reader.dtype)
     pending: collections.deque[_InFlight] = collections.deque()
     try:
@@ -66,6 +67,7 @@ def iterate_batches(reader: SampleReader, order: Iterable[int] | torch.Tensor, b
             yield from _finish(reader, pending.popleft(), pool, batch_size, pin_memory, scratch)
     finally:
         _abandon(pending, pool)
+        reader.give_pool(pool)  # for the next iterator (SampleReader.close frees it)
 
 
 def _to_device(batches: Generator[torch.Tensor, None, None], device: torch.device, batch_size: int,
@@ -151,4 +153,3 @@ def _abandon(pending: collections.deque[_InFlight], pool: BufferPool) -> None:
         if exc is not None:
             log.debug("deepnvme: read of an abandoned batch failed: %s", exc)
         pool.release(buffer)
-    pool.close()

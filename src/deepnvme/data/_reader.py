@@ -24,6 +24,7 @@ from ..errors import DeepNVMeIOError
 from ..handles.aio import AioHandle
 from ..io.plan import PAGE_SIZE
 from ..io.volume import VolumePath
+from ..memory.pinned import BufferPool
 from ..memory.views import aligned_empty
 from ._plan import BatchPlan, SampleGeometry, batch_buffer_bytes, plan_apart, plan_batch
 
@@ -50,6 +51,8 @@ class SampleReader:
         # read buffers of :meth:`samples` kept for the next call (at most _SPARE; list.pop and
         # append are atomic, so concurrent calls each take their own)
         self._spare: list[torch.Tensor] = []
+        # the read-ahead pool the last iterator gave back, with its process id (at most one)
+        self._pools: list[tuple[int, BufferPool]] = []
 
     def _io(self) -> AioHandle:
         """This process's handle (see the module docstring)."""
@@ -180,6 +183,33 @@ class SampleReader:
         picked = scratch.view(same).narrow(0, 0, n * tokens).view(n, tokens)
         return torch.index_select(windows, 0, at, out=picked).view(self.dtype)
 
+    def take_pool(self, buffer_bytes: int, count: int) -> BufferPool:
+        """A pool of ``count`` page-locked read buffers of ``buffer_bytes`` for one iterator: the
+        one the last iterator gave back where it has these sizes (locking memory anew costs
+        milliseconds per call), else a new one."""
+        pid = os.getpid()
+        try:
+            owner, pool = self._pools.pop()
+        except IndexError:
+            return BufferPool(buffer_bytes, count)
+        if owner == pid and pool.buffer_bytes == buffer_bytes and pool.count == count:
+            return pool
+        if owner == pid:  # another process's pool (a forked worker's copy) is left alone
+            pool.close()
+        return BufferPool(buffer_bytes, count)
+
+    def give_pool(self, pool: BufferPool) -> None:
+        """Keep ``pool`` (every buffer back in it) for the next iterator; one pool is kept, until
+        :meth:`close`."""
+        self._pools.append((os.getpid(), pool))
+        while len(self._pools) > 1:
+            try:
+                owner, extra = self._pools.pop(0)
+            except IndexError:
+                break
+            if owner == os.getpid():
+                extra.close()
+
     # --- lifetime ----------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -188,8 +218,15 @@ class SampleReader:
             self._handle.close()
         self._handle = None
         self._spare.clear()
+        while self._pools:
+            try:
+                owner, pool = self._pools.pop()
+            except IndexError:
+                break
+            if owner == os.getpid():
+                pool.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_handle"], state["_pid"], state["_spare"] = None, -1, []
+        state["_handle"], state["_pid"], state["_spare"], state["_pools"] = None, -1, [], []
         return state

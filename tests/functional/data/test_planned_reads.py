@@ -135,3 +135,36 @@ def test_samples_at_uneven_offsets_are_picked_by_index(corpus, monkeypatch):
         expected = torch.stack([tokens[i * 2047:i * 2047 + 2048] for i in order])
         assert torch.equal(torch.cat(list(ds.batches(order, 4, prefetch=8))), expected)
         assert torch.equal(torch.stack(ds.__getitems__(order[:9])), expected[:9]) and calls
+
+
+def test_read_buffers_are_kept_for_the_next_iterator_until_close(corpus):
+    """The page-locked read-ahead pool outlives an iterator (one per dataset, same sizes reused,
+    other sizes replace it) and close() frees it."""
+    from deepnvme.memory.pinned import locked_bytes
+
+    prefix, tokens = corpus
+    before = locked_bytes()
+    ds = TokenDataset(prefix, seq_len=SEQ)
+    order = _apart(len(ds), 20, seed=5)
+    assert torch.equal(torch.cat(list(ds.batches(order, 4, prefetch=4))), _rows(tokens, order))
+    (first,) = ds._reader._pools
+    held = locked_bytes()
+    assert held > before
+    it = ds.batches(order, 4, prefetch=4)
+    next(it)
+    assert ds._reader._pools == []  # taken by the running iterator
+    assert torch.equal(torch.cat(list(ds.batches(order, 4, prefetch=4))), _rows(tokens, order))  # a second pool
+    it.close()
+    assert len(ds._reader._pools) == 1 and locked_bytes() == held  # one kept, the other freed
+    list(ds.batches(order, 8, prefetch=4))  # other sizes: the kept pool is replaced
+    assert ds._reader._pools[0][1] is not first[1] and ds._reader._pools[0][1].buffer_bytes != first[1].buffer_bytes
+    assert pickle_free(ds)
+    ds.close()
+    assert ds._reader._pools == [] and locked_bytes() == before
+
+
+def pickle_free(ds):
+    """A pickled dataset carries no pool."""
+    import pickle
+
+    return pickle.loads(pickle.dumps(ds))._reader._pools == []

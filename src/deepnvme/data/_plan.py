@@ -20,7 +20,7 @@ import torch
 
 from ..io.plan import align_up
 
-__all__ = ["SampleGeometry", "BatchPlan", "plan_batch", "batch_buffer_bytes", "sample_indices"]
+__all__ = ["SampleGeometry", "BatchPlan", "plan_batch", "plan_apart", "batch_buffer_bytes", "sample_indices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,10 @@ class BatchPlan:
     element per read: ``buffer_offsets``, ``file_offsets`` and ``sizes`` (bytes); sample ``k`` of
     the batch starts at byte ``sample_at[k]`` of the buffer; ``nbytes`` is the sum of ``sizes``;
     ``step``: the bytes between consecutive samples in the buffer when they are evenly spaced
-    (sequential order, where they can be copied out with one strided view), else None."""
+    (sequential order, where they can be copied out with one strided view), else None;
+    ``bounds``, where the planner knows them (:func:`plan_apart`): the lowest file offset, the
+    end (largest offset + size), the smallest and largest size, and a power of two dividing
+    every buffer offset, file offset and size, exact, so the reads need no second check."""
 
     buffer_offsets: torch.Tensor
     file_offsets: torch.Tensor
@@ -62,6 +65,7 @@ class BatchPlan:
     buffer_bytes: int
     nbytes: int
     step: int | None = None
+    bounds: tuple[int, int, int, int, int] | None = None
 
     @property
     def reads(self) -> tuple[tuple[int, int, int], ...]:
@@ -80,6 +84,7 @@ class BatchPlan:
 
 
 _RUN_CHECK = 4096  # batches up to this size are checked for consecutive samples
+_NEAR_SHARE = 8  # plan_apart plans a row with up to 1 in this many samples close to another
 
 
 def sample_indices(samples: Sequence[int] | torch.Tensor, count: int) -> torch.Tensor:
@@ -158,6 +163,44 @@ def plan_batch(samples: Sequence[int] | torch.Tensor, geometry: SampleGeometry, 
     return BatchPlan(buffer_offsets=buffer_offsets, file_offsets=file_offsets, sizes=sizes, sample_at=sample_at,
                      buffer_bytes=int(ends[-1]), nbytes=int(sizes.sum()),
                      step=_even_step(sample_at, geometry.itemsize))
+
+
+def plan_apart(idx: torch.Tensor, geometry: SampleGeometry, *, alignment: int,
+               gap: int) -> list[BatchPlan | None]:
+    """Plans of the rows of ``idx`` (a ``[rows, n]`` int64 tensor of indices in ``[0, count)``,
+    checked by the caller; ``alignment`` a power of two) with a fixed number of tensor operations
+    for all rows at once: one read per sample, in the row's order, each in a slot of
+    ``align_up(sample_bytes, alignment) + alignment`` buffer bytes (within
+    :func:`batch_buffer_bytes`). Samples that lie close (sorted starts nearer than a sample plus
+    ``gap`` plus two alignment units, repeats included) are read once each, as any other: a row
+    with more than :data:`_NEAR_SHARE` of them (an order with locality, where shared reads save
+    I/O) or whose reads meet the end of the file gets None: :func:`plan_batch` plans it. Where
+    samples lie a whole number of alignment units apart in the file, each starts at the same byte
+    of its slot: the plans' ``step`` is the slot (their samples are one strided view)."""
+    rows, n = idx.shape
+    sb, step = geometry.sample_bytes, geometry.stride * geometry.itemsize
+    slot = align_up(sb, alignment) + alignment
+    starts = idx.mul(step).add_(geometry.base)
+    into = starts.bitwise_and(alignment - 1)  # each sample's offset in its first aligned block
+    lo = starts - into
+    sizes = (into + (sb + alignment - 1)).bitwise_and_(-alignment)
+    columns = [lo.amin(1), (lo + sizes).amax(1), sizes.amin(1), sizes.amax(1), sizes.sum(1)]
+    apart = sb + gap + 2 * alignment
+    if n > 1:  # the neighbours of each row that may share a read
+        columns.append(starts.sort(dim=1).values.diff(dim=1).lt_(apart).sum(1))
+    stats = torch.stack(columns, 1).tolist()
+    buffer_offsets = torch.arange(0, n * slot, slot, dtype=torch.int64)
+    sample_at = into.add_(buffer_offsets)
+    even = slot if step % alignment == 0 else None  # every `into` is base % alignment then
+    plans: list[BatchPlan | None] = []
+    for r, (lowest, end, smallest, largest, nbytes, *near) in enumerate(stats):
+        if end > geometry.file_size or (near and near[0] * _NEAR_SHARE > n):
+            plans.append(None)
+            continue
+        plans.append(BatchPlan(buffer_offsets=buffer_offsets, file_offsets=lo[r], sizes=sizes[r],
+                               sample_at=sample_at[r], buffer_bytes=n * slot, nbytes=nbytes, step=even,
+                               bounds=(lowest, end, smallest, largest, alignment)))
+    return plans
 
 
 def _plan_run(s0: int, step: int, n: int, geometry: SampleGeometry, *, alignment: int,

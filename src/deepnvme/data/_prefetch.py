@@ -1,11 +1,15 @@
-"""The read-ahead loop behind :meth:`TokenDataset.batches`: plan, submit, wait, gather, in order.
+"""The read-ahead loop behind :meth:`TokenDataset.batches`: plan, submit, wait, pick, in order.
 
 Batches are read in groups of :func:`group_size` (one ``read_many`` call, one buffer each);
 up to ``prefetch // group`` groups are in flight, in buffers from a
-:class:`~deepnvme.memory.pinned.BufferPool` of as many page-locked buffers. The oldest group's
-batches are gathered into fresh ``[batch, seq_len + 1]`` tensors one at a time as the consumer
-asks, then its buffer goes back to the pool and the next group is submitted. Runs on the
-consumer's thread; the I/O runs on the handle's.
+:class:`~deepnvme.memory.pinned.BufferPool` of as many page-locked buffers. The groups of a
+sequence or tensor order are planned a block at a time (:meth:`SampleReader.plan_rows`: a
+fixed number of tensor calls for up to :data:`_BLOCK` samples). The oldest group's samples are
+picked out of its buffer at once into one reused scratch tensor (``batch x group x (seq_len +
+1)`` tokens of the file's dtype), and each batch is converted from it into a fresh ``[batch,
+seq_len + 1]`` tensor as the consumer asks; then the buffer goes back to the pool and the next
+group is submitted. The pool outlives the iterator, kept by the reader for the next one
+(:meth:`SampleReader.take_pool`). Runs on the consumer's thread; the I/O runs on the handle's.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = ["iterate_batches"]
 log = logging.getLogger(__name__)
 
 _InFlight = tuple[BatchPlan, torch.Tensor, "Future[int]"]
+_BLOCK = 4096  # samples of a sequence or tensor order planned together (rows of whole groups)
 
 
 def iterate_batches(reader: SampleReader, order: Iterable[int] | torch.Tensor, batch_size: int, *, prefetch: int,
@@ -44,17 +49,14 @@ def iterate_batches(reader: SampleReader, order: Iterable[int] | torch.Tensor, b
         return
     group = group_size(prefetch)
     slots = prefetch // group
-    pool = BufferPool(reader.buffer_bytes(batch_size * group), slots)
+    pool = reader.take_pool(reader.buffer_bytes(batch_size * group), slots)
+    scratch = torch.empty(batch_size * group * reader.geometry.tokens, dtype=reader.dtype)
     pending: collections.deque[_InFlight] = collections.deque()
     try:
-        for chunk in _groups(order, batch_size * group):
-            if drop_last:
-                chunk = chunk[:chunk.numel() - chunk.numel() % batch_size]
-            if not chunk.numel():
-                break
-            plan = reader.plan(chunk)  # IndexError here, before anything of this group is read
+        # IndexError from the plans comes when its group's turn comes, before it is read
+        for plan in _planned(reader, order, batch_size * group, batch_size, drop_last):
             if len(pending) == slots:
-                yield from _finish(reader, pending.popleft(), pool, batch_size, pin_memory)
+                yield from _finish(reader, pending.popleft(), pool, batch_size, pin_memory, scratch)
             buffer = pool.acquire()
             try:
                 pending.append((plan, buffer, reader.submit(plan, buffer)))
@@ -62,9 +64,10 @@ def iterate_batches(reader: SampleReader, order: Iterable[int] | torch.Tensor, b
                 pool.release(buffer)
                 raise
         while pending:
-            yield from _finish(reader, pending.popleft(), pool, batch_size, pin_memory)
+            yield from _finish(reader, pending.popleft(), pool, batch_size, pin_memory, scratch)
     finally:
         _abandon(pending, pool)
+        reader.give_pool(pool)  # for the next iterator (SampleReader.close frees it)
 
 
 def _to_device(batches: Generator[torch.Tensor, None, None], device: torch.device, batch_size: int,
@@ -83,17 +86,37 @@ def _to_device(batches: Generator[torch.Tensor, None, None], device: torch.devic
         batches.close()  # waits for its reads in flight
 
 
-def _groups(order: Iterable[int] | torch.Tensor, size: int) -> Iterator[torch.Tensor]:
-    """``order`` in 1-D int64 tensors of ``size`` indices (the last may be shorter): slices of
-    one tensor for a tensor or a sequence, else read lazily from the iterator."""
+def _planned(reader: SampleReader, order: Iterable[int] | torch.Tensor, size: int, batch_size: int,
+             drop_last: bool) -> Iterator[BatchPlan]:
+    """The plans of the groups of ``size`` samples of ``order`` (the last one cut to whole
+    batches with ``drop_last``), those of a block planned together where they can be
+    (:meth:`SampleReader.plan_rows`); a group that cannot is planned alone when its turn comes."""
+    for block in _blocks(order, size):
+        n = block.shape[1]
+        if drop_last and n < size:
+            block = block.narrow(1, 0, n - n % batch_size)
+            if not block.numel():
+                return
+        for r, plan in enumerate(reader.plan_rows(block)):
+            yield plan if plan is not None else reader.plan(block[r])
+
+
+def _blocks(order: Iterable[int] | torch.Tensor, size: int) -> Iterator[torch.Tensor]:
+    """``order`` as ``[groups, size]`` int64 tensors of whole groups, up to :data:`_BLOCK`
+    samples each, and a last ``[1, k]`` one of the rest: slices of one tensor for a tensor or a
+    sequence, else read lazily from the iterator a group at a time."""
     if isinstance(order, (torch.Tensor, collections.abc.Sequence)):
         whole = torch.as_tensor(order, dtype=torch.int64).reshape(-1)
-        for first in range(0, whole.numel(), size):
-            yield whole[first:first + size]
+        full = whole.numel() - whole.numel() % size
+        step = max(1, _BLOCK // size) * size
+        for first in range(0, full, step):
+            yield whole[first:min(first + step, full)].reshape(-1, size)
+        if full < whole.numel():
+            yield whole[full:].reshape(1, -1)
         return
     samples = iter(order)
     while chunk := list(itertools.islice(samples, size)):
-        yield torch.tensor(chunk, dtype=torch.int64)
+        yield torch.tensor(chunk, dtype=torch.int64).reshape(1, -1)
 
 
 def group_size(prefetch: int) -> int:
@@ -102,22 +125,22 @@ def group_size(prefetch: int) -> int:
     return max(1, prefetch // 4)
 
 
-def _finish(reader: SampleReader, item: _InFlight, pool: BufferPool, batch_size: int,
-            pin_memory: bool) -> Iterator[torch.Tensor]:
-    """Wait for one group's reads and yield its batches; then its buffer returns to the pool."""
+def _finish(reader: SampleReader, item: _InFlight, pool: BufferPool, batch_size: int, pin_memory: bool,
+            scratch: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Wait for one group's reads and yield its batches, each converted from one pick of the
+    whole group (:meth:`SampleReader.pick`, into ``scratch``); then its buffer returns to the pool."""
     plan, buffer, future = item
     try:
         reader.check(plan, future.result())
-        tokens = reader.geometry.tokens
-        dtype = reader.out_dtype
-        for first in range(0, plan.sample_at.numel(), batch_size):
-            rows = plan.sample_at[first:first + batch_size]
+        picked = reader.pick(plan, buffer, scratch)
+        n, dtype = picked.shape[0], reader.out_dtype
+        for first in range(0, n, batch_size):
+            rows = picked.narrow(0, first, min(batch_size, n - first))
             if pin_memory:
-                out = new_cpu_locked_tensor(rows.numel() * tokens, dtype).view(rows.numel(), tokens)
+                out = new_cpu_locked_tensor(rows.numel(), dtype).view(rows.shape)
+                yield out.copy_(rows)
             else:
-                out = torch.empty((rows.numel(), tokens), dtype=dtype)
-            reader.gather(rows, buffer, out, step=plan.step)
-            yield out
+                yield rows.to(dtype, copy=True)
     finally:
         pool.release(buffer)
 
@@ -130,4 +153,3 @@ def _abandon(pending: collections.deque[_InFlight], pool: BufferPool) -> None:
         if exc is not None:
             log.debug("deepnvme: read of an abandoned batch failed: %s", exc)
         pool.release(buffer)
-    pool.close()

@@ -24,8 +24,9 @@ from ..errors import DeepNVMeIOError
 from ..handles.aio import AioHandle
 from ..io.plan import PAGE_SIZE
 from ..io.volume import VolumePath
+from ..memory.pinned import BufferPool
 from ..memory.views import aligned_empty
-from ._plan import BatchPlan, SampleGeometry, batch_buffer_bytes, plan_batch
+from ._plan import BatchPlan, SampleGeometry, batch_buffer_bytes, plan_apart, plan_batch
 
 __all__ = ["SampleReader"]
 
@@ -50,6 +51,8 @@ class SampleReader:
         # read buffers of :meth:`samples` kept for the next call (at most _SPARE; list.pop and
         # append are atomic, so concurrent calls each take their own)
         self._spare: list[torch.Tensor] = []
+        # the read-ahead pool the last iterator gave back, with its process id (at most one)
+        self._pools: list[tuple[int, BufferPool]] = []
 
     def _io(self) -> AioHandle:
         """This process's handle (see the module docstring)."""
@@ -75,6 +78,19 @@ class SampleReader:
         return plan_batch(samples, self.geometry, alignment=align, max_read=cfg.block_size,
                           gap=align if gap is None else gap)
 
+    def plan_rows(self, idx: torch.Tensor) -> list[BatchPlan | None]:
+        """Plans of the rows of ``idx`` (a ``[rows, n]`` int64 tensor) made together, where every
+        index is in range and the samples of a row lie apart (:func:`~deepnvme.data._plan.plan_apart`);
+        None for a row to plan with :meth:`plan` (all of them when an index is out of range or
+        negative: :meth:`plan` raises or maps it when its row is reached)."""
+        align = self.alignment
+        if not idx.numel() or align & (align - 1):
+            return [None] * idx.shape[0]
+        low, high = (int(v) for v in torch.aminmax(idx))
+        if low < 0 or high >= self.geometry.count:
+            return [None] * idx.shape[0]
+        return plan_apart(idx, self.geometry, alignment=align, gap=align)
+
     def buffer_bytes(self, batch_size: int) -> int:
         """Bytes of the read buffer one batch of ``batch_size`` samples needs at most."""
         align = self.alignment
@@ -85,7 +101,11 @@ class SampleReader:
     def submit(self, plan: BatchPlan, buffer: torch.Tensor) -> Future[int]:
         """Start ``plan``'s reads into ``buffer`` (uint8, at least ``plan.buffer_bytes``), all
         in one call, on the .bin kept open by this process's handle; a future of the byte count.
-        ``buffer`` must stay alive until the future completes."""
+        ``buffer`` must stay alive until the future completes. A plan with known ``bounds`` is
+        handed over without a second check of its ranges (every completion is still checked)."""
+        if plan.bounds is not None and isinstance(self.bin_path, str):
+            return self._io()._read_planned(self.bin_path, buffer, (plan.buffer_offsets, plan.file_offsets, plan.sizes),
+                                            plan.bounds, plan.buffer_bytes, keep_open=True)
         future: Future[int] = self._io().read_many_into(
             self.bin_path, buffer, buffer_offsets=plan.buffer_offsets, file_offsets=plan.file_offsets,
             sizes=plan.sizes, keep_open=True)
@@ -107,10 +127,10 @@ class SampleReader:
         """Samples ``samples`` as the rows of a fresh ``[len, tokens]`` tensor of ``out_dtype``:
         one plan, one read call and one gather for all of them; blocks. Keeps up to two read
         buffers (each ``buffer_bytes(len(samples))`` at most) for the next call until :meth:`close`."""
-        plan = self.plan(samples)
-        out = torch.empty((plan.sample_at.numel(), self.geometry.tokens), dtype=self.out_dtype)
+        idx = torch.as_tensor(samples, dtype=torch.int64).reshape(-1)
+        plan = self.plan_rows(idx.view(1, -1))[0] or self.plan(idx)
         if not plan.nbytes:
-            return out
+            return torch.empty((plan.sample_at.numel(), self.geometry.tokens), dtype=self.out_dtype)
         try:
             buffer = self._spare.pop()
         except IndexError:
@@ -118,7 +138,7 @@ class SampleReader:
         if buffer is None or buffer.numel() < plan.buffer_bytes:
             buffer = aligned_empty(plan.buffer_bytes, alignment=self.alignment, min_bytes=0)
         self.read(plan, buffer)
-        self.gather(plan.sample_at, buffer, out, step=plan.step)
+        out = self.pick(plan, buffer).to(self.out_dtype, copy=plan.step is not None)
         if len(self._spare) < _SPARE:
             self._spare.append(buffer)
         return out
@@ -140,26 +160,55 @@ class SampleReader:
         tokens = buffer[start - lo:start - lo + nbytes].view(self.dtype)
         return tokens.to(self.out_dtype, copy=True)
 
-    def gather(self, at: torch.Tensor, buffer: torch.Tensor, out: torch.Tensor, *, step: int | None) -> None:
-        """Copy the samples starting at bytes ``at`` (a 1-D int64 tensor) of the read ``buffer``
-        (whose length is a multiple of 8) into the rows of ``out``: one strided copy when they lie
-        ``step`` bytes apart (sequential order; see :attr:`BatchPlan.step`), else one
-        ``index_select`` of every row at once."""
+    def pick(self, plan: BatchPlan, buffer: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """Every sample of ``plan`` from its read ``buffer`` (whose length is a multiple of 8) as
+        the rows of a ``[n, tokens]`` tensor of the file's dtype: a strided view of ``buffer`` when
+        they lie ``plan.step`` bytes apart (sequential order), else one ``index_select`` of every
+        row at once, into ``scratch`` (a 1-D tensor of at least ``n x tokens`` elements of the
+        file's dtype, reused by the caller) where given, else into a fresh tensor."""
         tokens, itemsize = self.geometry.tokens, self.geometry.itemsize
+        n = plan.sample_at.numel()
         elements = buffer.view(self.dtype)
-        rows = at.numel()
-        if not rows:
-            return
-        if step is not None:
-            out.copy_(elements.as_strided((rows, tokens), (step // itemsize, 1),
-                                          elements.storage_offset() + int(at[0]) // itemsize))
-            return
+        if plan.step is not None:
+            return elements.as_strided((n, tokens), (plan.step // itemsize, 1),
+                                       elements.storage_offset() + int(plan.sample_at[0]) // itemsize)
         # one index_select over a view of every window of `tokens` elements (faster than a copy
         # per row); as same-size integers, since not every dtype has the kernel (uint16)
-        raw = elements.view(_SAME_SIZE_INT[itemsize])
+        same = _SAME_SIZE_INT[itemsize]
+        raw = elements.view(same)
         windows = raw.as_strided((raw.numel() - tokens + 1, tokens), (1, 1), raw.storage_offset())
-        picked = torch.index_select(windows, 0, at.div(itemsize, rounding_mode="floor"))
-        out.copy_(picked.view(self.dtype))
+        at = plan.sample_at.div(itemsize, rounding_mode="floor")
+        if scratch is None:
+            return torch.index_select(windows, 0, at).view(self.dtype)
+        picked = scratch.view(same).narrow(0, 0, n * tokens).view(n, tokens)
+        return torch.index_select(windows, 0, at, out=picked).view(self.dtype)
+
+    def take_pool(self, buffer_bytes: int, count: int) -> BufferPool:
+        """A pool of ``count`` page-locked read buffers of ``buffer_bytes`` for one iterator: the
+        one the last iterator gave back where it has these sizes (locking memory anew costs
+        milliseconds per call), else a new one."""
+        pid = os.getpid()
+        try:
+            owner, pool = self._pools.pop()
+        except IndexError:
+            return BufferPool(buffer_bytes, count)
+        if owner == pid and pool.buffer_bytes == buffer_bytes and pool.count == count:
+            return pool
+        if owner == pid:  # another process's pool (a forked worker's copy) is left alone
+            pool.close()
+        return BufferPool(buffer_bytes, count)
+
+    def give_pool(self, pool: BufferPool) -> None:
+        """Keep ``pool`` (every buffer back in it) for the next iterator; one pool is kept, until
+        :meth:`close`."""
+        self._pools.append((os.getpid(), pool))
+        while len(self._pools) > 1:
+            try:
+                owner, extra = self._pools.pop(0)
+            except IndexError:
+                break
+            if owner == os.getpid():
+                extra.close()
 
     # --- lifetime ----------------------------------------------------------------------------
 
@@ -169,8 +218,15 @@ class SampleReader:
             self._handle.close()
         self._handle = None
         self._spare.clear()
+        while self._pools:
+            try:
+                owner, pool = self._pools.pop()
+            except IndexError:
+                break
+            if owner == os.getpid():
+                pool.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_handle"], state["_pid"], state["_spare"] = None, -1, []
+        state["_handle"], state["_pid"], state["_spare"], state["_pools"] = None, -1, [], []
         return state

@@ -178,7 +178,8 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
         worker processes. Memory: ``prefetch x batch_size x (align_up(sample_bytes, A) + 2 A)``
         bytes of pooled page-locked read buffers (A = :attr:`alignment`, sample_bytes =
         ``(seq_len + 1) x itemsize``; ``prefetch`` rounded down to a multiple of the group),
-        freed when the iterator ends, plus the yielded batches, which the caller owns.
+        kept when the iterator ends for the next call with the same sizes until :meth:`close`,
+        plus the yielded batches, which the caller owns.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")

@@ -21,7 +21,7 @@ import torch
 
 from ..config import IOConfig, resolve_config
 from ..errors import DeepNVMeIOError, UnsupportedBufferError
-from ..io.batch import Items, summarize
+from ..io.batch import Items, Summary, summarize
 from ..io.engine import Engine, Transfer
 from ..io.posix import Posix, current
 from ..io.staging import CudaCopier, DeviceCopier, StagingPipeline
@@ -185,6 +185,24 @@ class AioHandle(DeepSpeedMethods):
             return self._striped.submit_many(False, target, items, keep_open=keep_open)
         return self._engine.submit_many(False, target, items, validate=False, fsync=None,
                                         keep_open=keep_open)
+
+    def _read_planned(self, path: str, buffer: torch.Tensor, ranges: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      bounds: tuple[int, int, int, int, int], reach: int, *, keep_open: bool) -> Future[int]:
+        """:meth:`read_many_into` of ranges planned by deepnvme itself (the token reader), whose
+        bounds need no second pass: ``ranges`` = buffer offsets (not negative), file offsets and
+        sizes (1-D int64 tensors of one length, not empty); ``bounds`` = their lowest file offset,
+        end, smallest and largest size, and a power of two dividing every offset and size, exact;
+        none reaches past buffer byte ``reach``, checked here against ``buffer``. The engine still
+        checks the file's size and every completion, as for any batch."""
+        if self._check_buffer(buffer) or reach > buffer.nbytes:
+            raise ValueError(f"_read_planned({path!r}): the ranges need a CPU buffer of {reach} bytes")
+        at, off, size = ranges
+        base = buffer.data_ptr()
+        absolute = at + base
+        lowest, end, smallest, largest, align = bounds
+        summary = Summary(lowest, end, smallest, largest, align, min(align, base & -base))
+        items = Items(absolute.tolist(), size.tolist(), off.tolist(), buffer, summary, (absolute, off, size))
+        return self._engine.submit_many(False, path, items, validate=False, fsync=None, keep_open=keep_open)
 
     def close_files(self, paths: Iterable[str | os.PathLike[str] | VolumePath] = (), *,
                     under: str | os.PathLike[str] | None = None) -> None:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deepnvme.data._plan import SampleGeometry, batch_buffer_bytes, plan_batch
+from deepnvme.data._plan import SampleGeometry, batch_buffer_bytes, plan_apart, plan_batch
 
 
 def _geometry(base=0, itemsize=2, seq_len=8, tokens_total=1000):
@@ -123,3 +123,59 @@ def test_out_of_range_samples():
         plan_batch(torch.tensor([-geo.count - 1, geo.count]), geo, alignment=4096, max_read=1 << 20, gap=0)
     with pytest.raises(IndexError, match="out of range"):
         geo.byte_range(-geo.count - 1)
+
+
+@given(st.data(), st.sampled_from([1, 2, 4]), st.integers(1, 3000), st.integers(2, 200000),
+       st.sampled_from([512, 4096]), st.sampled_from([0, 4096]), st.integers(1, 5), st.integers(1, 12))
+def test_rows_planned_together_read_every_sample_exactly(data, itemsize, seq_len, tokens_total, alignment, gap,
+                                                         rows, n):
+    """plan_apart: each row's plan (or None) meets plan_batch's contract, its bounds are the exact
+    bounds of its reads, and a row is None only when over an eighth of its samples are near
+    another or a read meets the end of the file."""
+    base = data.draw(st.integers(0, 3)) * itemsize * 5
+    geo = _geometry(base, itemsize, seq_len, tokens_total)
+    if geo.count == 0:
+        return
+    idx = torch.tensor(data.draw(st.lists(st.integers(0, geo.count - 1), min_size=rows * n, max_size=rows * n)),
+                       dtype=torch.int64).view(rows, n)
+    plans = plan_apart(idx, geo, alignment=alignment, gap=gap)
+    file = bytes(i * 7 % 251 for i in range(geo.file_size))
+    assert len(plans) == rows
+    for r, plan in enumerate(plans):
+        starts = sorted(base + i * seq_len * itemsize for i in idx[r].tolist())
+        near = sum(b - a < geo.sample_bytes + gap + 2 * alignment for a, b in zip(starts, starts[1:]))
+        end = max(-(-(s + geo.sample_bytes) // alignment) * alignment for s in starts)
+        assert (plan is None) == (near * 8 > n or end > geo.file_size)
+        if plan is None:
+            continue
+        buf = _execute(plan, file)
+        for k, i in enumerate(idx[r].tolist()):
+            start = base + i * seq_len * itemsize
+            got = buf[plan.sample_at[k]:plan.sample_at[k] + geo.sample_bytes]
+            assert got == file[start:start + geo.sample_bytes]
+        reads = plan.reads
+        assert len(reads) == n and plan.nbytes == sum(size for _, _, size in reads)
+        assert plan.bounds == (min(o for _, o, _ in reads), max(o + size for _, o, size in reads),
+                               min(size for _, _, size in reads), max(size for _, _, size in reads), alignment)
+        assert all(a % alignment == 0 and o % alignment == 0 and size % alignment == 0 for a, o, size in reads)
+        assert max(a + size for a, _, size in reads) <= plan.buffer_bytes
+        assert plan.buffer_bytes <= batch_buffer_bytes(n, geo, alignment=alignment, gap=gap)
+        assert plan.step == (None if seq_len * itemsize % alignment else plan.buffer_bytes // n)
+        if plan.step is not None:
+            assert plan.sample_at.tolist() == [plan.sample_at[0] + k * plan.step for k in range(n)]
+
+
+def test_rows_planned_together_fall_back_where_samples_meet():
+    geo = _geometry(seq_len=2048, itemsize=2, tokens_total=2048 * 100 + 1)
+    idx = torch.tensor([[3, 50, 90], [7, 8, 60], [40, 9, 40], [0, 10, geo.count - 1]], dtype=torch.int64)
+    far, near, repeat, last = plan_apart(idx, geo, alignment=4096, gap=4096)
+    assert near is None and repeat is None
+    assert far is not None and [off for _, off, _ in far.reads] == [3 * 4096, 50 * 4096, 90 * 4096]
+    assert [at for at, _, _ in far.reads] == [0, 12288, 24576]  # the row's order, a slot each
+    assert far.bounds == (3 * 4096, 90 * 4096 + 8192, 8192, 8192, 4096) and far.buffer_bytes == 3 * 12288
+    assert last is None  # its last read would pass the end of the file (2 bytes past a page)
+    few = torch.tensor([[5 * k for k in range(15)] + [20]], dtype=torch.int64)  # one repeat in 16
+    (plan,) = plan_apart(few, geo, alignment=4096, gap=4096)
+    assert plan is not None and len(plan.reads) == 16 and plan.reads[4][1:] == plan.reads[15][1:]
+    odd = _geometry(seq_len=100, itemsize=2, tokens_total=1001)  # the last read stops at the file's end
+    assert plan_apart(torch.tensor([[odd.count - 1]]), odd, alignment=4096, gap=0) == [None]

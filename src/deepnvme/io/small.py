@@ -8,8 +8,8 @@ dispatch window. It is cut into at most ``intra_op_parallelism`` parts, each run
 many threads on its own kernel queue (a single-issuer ring: that thread is its one issuer).
 A part's entries are built in bulk (:meth:`KernelQueue.table
 <deepnvme.io.kernel.KernelQueue.table>`: one 64-byte row per read, tagged by its row) and
-copied into the queue up to ``queue_depth`` in flight, submitted :data:`SUBMIT_MOST` per
-system call; each round's completions come back as
+copied into the queue up to ``queue_depth`` in flight (all free slots per system call, or
+:data:`SUBMIT_MOST`); each round's completions come back as
 two lists and are checked with one C-level comparison while every read is whole.
 
 The guarantees are the kernel mover's (:mod:`deepnvme.io.kernel`): every completion is checked;
@@ -54,11 +54,12 @@ SMALL_MAX = 64 << 10
 ENABLED = True
 _MIN_PART = 64  # reads per part at least: a smaller split costs more hand-offs than it saves
 _RETRY = (errno.EINTR, errno.EAGAIN)
-#: reads submitted per system call at most: a call holds back the reads it carries until it
-#: returns (the block layer plugs them), so 32 at once left the device short of work; 8 gave
-#: 1.15x the IOPS on the disk and 1.09x on the RAM device with Linux AIO, and with io_uring
-#: 1.00x and 1.18x, at 0.95-1.07x the CPU per read (LOG.md, issue 28)
-SUBMIT_MOST = 8
+#: reads submitted per system call at most (0: every free slot in one call). A call holds its
+#: reads back until it returns (the block layer plugs them); on this VM's virtual disk a cap of
+#: 8 gave Linux AIO 1.10-1.19x the random-read IOPS, but cost the token reader 12-15 % more CPU
+#: per sample on the RAM device, where the batching saves system calls: not the default
+#: (LOG.md, issue 28)
+SUBMIT_MOST = 0
 
 
 class _Job:

@@ -50,7 +50,7 @@ from .plan import Kind, plan_transfer
 from .posix import POSIX, Posix
 from .small import SMALL_MAX, SmallReads
 from .threads import Bounces, thread_worker
-from .uring import REFUSED
+from .uring_share import REFUSED
 from .window import StartWorkers, Window
 from .workers import WorkerGroup
 

@@ -27,12 +27,12 @@ import os
 import platform
 import struct
 import threading
-import weakref
 from typing import Any
 
 import torch
 
 from ..memory import pinned
+from . import uring_share as share
 from .posix import syscall, syscall_function
 
 log = logging.getLogger(__name__)
@@ -65,15 +65,8 @@ _CQE = struct.Struct("<QiI")
 _enter = syscall_function(ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                           ctypes.c_void_p, ctypes.c_size_t)
 
-# Which rings of this process hold each registered allocation, so that another ring can
-# clone the registration (sharing the pinned pages) instead of pinning the whole allocation
-# again: with one ring per worker, registering per ring cost parallelism x the allocation's
-# pinning. Lock order: a queue's own lock, then this one (re-entrant, as the queue's: the GC
-# may run a release during a registration call).
-_holders_lock = threading.RLock()
-_holders: dict[Any, list[UringQueue]] = {}
-#: the locked allocations a ring could not register (a memlock limit ...): not worth io_uring
-REFUSED: weakref.WeakSet[Any] = weakref.WeakSet()
+# the rings holding each registered allocation, and the lock over them: see .uring_share
+_holders_lock, _holders, REFUSED = share.LOCK, share.HOLDERS, share.REFUSED
 
 
 class UringQueue:
@@ -96,9 +89,12 @@ class UringQueue:
     #: 4 KiB random reads at depth 32, +25 % IOPS on the disk at 0.7x the CPU per read vs one)
     wait_share = 4
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, *, plain: bool = False) -> None:
         params = bytearray(_PARAMS.size)
-        fd = _setup(max(1, depth), params, _SETUP_R_DISABLED | _SETUP_SINGLE_ISSUER | _SETUP_DEFER_TASKRUN)
+        #: ``plain``: the source of shared registrations (.uring_share), never a worker's ring
+        self.plain = plain
+        fd = -1 if plain else _setup(max(1, depth), params, _SETUP_R_DISABLED | _SETUP_SINGLE_ISSUER
+                                     | _SETUP_DEFER_TASKRUN)
         #: single issuer: system calls from the thread that first submits only (its id, in
         #: ``_issuer`` from then on)
         self.single_issuer = fd >= 0
@@ -114,13 +110,15 @@ class UringQueue:
         self.depth = min(depth, self.sq_entries)
         # re-entrant: a registration syscall allocates, the GC may free a locked allocation
         # then, and its finalizer calls region_released on this thread
-        self._fixed_lock = threading.RLock()
+        self._fixed_lock = share.LOCK if plain else threading.RLock()
         self._fixed: dict[Any, int] | None = None
         self._free_slots: list[int] = []
         # regions freed while another thread held this ring's lock: dropped at the next
         # fixed_slot (see region_released); list.append and pop are atomic
         self._released: list[Any] = []
         self._init_fixed()
+        if not plain:
+            share.ring_opened()
 
     registers = property(lambda self: self._fixed is not None, doc="buffers can be registered")
 
@@ -201,43 +199,40 @@ class UringQueue:
             if slot is not None or not self._free_slots:
                 return -1 if slot is None else slot
             slot = self._free_slots.pop()
-            with _holders_lock:
+            with share.LOCK:
                 try:
-                    if not self._clone_slot(region, slot):
-                        self._set_slot(slot, base, size)
+                    share.register(self, region, base, size, slot)
                 except OSError as exc:  # e.g. a memlock limit: go on without for this region
                     log.debug("deepnvme: io_uring buffer registration refused (%s)", exc)
                     self._free_slots.append(slot)
-                    REFUSED.add(region)
+                    share.REFUSED.add(region)
                     return -1
-                _holders.setdefault(region, []).append(self)
             self._fixed[region] = slot
             return slot
 
-    def _clone_slot(self, region: object, slot: int) -> bool:
-        """Share ``region``'s registration from another ring of this process into ``slot``
-        (no new pinning); False where none holds it or the kernel cannot clone one slot.
-        Caller holds ``_holders_lock``, which keeps the source ring open."""
-        for src in list(_holders.get(region, ())):
-            src_slot = src._fixed.get(region) if src._fixed is not None else None
-            if src_slot is None or src.fd < 0:
-                continue
-            arg = bytearray(_CLONE.pack(src.fd, _CLONE_DST_REPLACE, src_slot, slot, 1))
-            try:
-                self._register(_REGISTER_CLONE_BUFFERS, arg, 1)
-            except OSError as exc:  # older kernel (EINVAL, EBUSY): register it here instead
-                log.debug("deepnvme: io_uring buffer clone refused (%s)", exc)
-                return False
-            return True
-        return False
+    def fixed_slot_at(self, region: object, base: int, size: int) -> int:
+        """(The source ring) register ``region`` in a free slot, or -1; may raise ``OSError``."""
+        self._drop_released()
+        if self._fixed is None or not self._free_slots:
+            return -1
+        slot = self._free_slots.pop()
+        try:
+            self._set_slot(slot, base, size)
+        except OSError:
+            self._free_slots.append(slot)
+            raise
+        self._fixed[region] = slot
+        share.HOLDERS.setdefault(region, []).append(self)
+        return slot
 
-    def _forget(self, region: object) -> None:
-        """This ring no longer holds ``region`` (caller holds ``_holders_lock``)."""
-        rings = _holders.get(region)
-        if rings is not None and self in rings:
-            rings.remove(self)
-            if not rings:
-                del _holders[region]
+    def slot_of(self, region: object) -> int:
+        """The slot holding ``region``'s registration, or -1."""
+        return -1 if self._fixed is None else self._fixed.get(region, -1)
+
+    def clone_slot(self, src_fd: int, src_slot: int, slot: int) -> None:
+        """Clone slot ``src_slot`` of ring ``src_fd`` into this ring's ``slot`` (no new pinning)."""
+        self._register(_REGISTER_CLONE_BUFFERS, bytearray(_CLONE.pack(src_fd, _CLONE_DST_REPLACE,
+                                                                      src_slot, slot, 1)), 1)
 
     def region_released(self, region: object) -> None:
         """A locked allocation was freed: drop its registration (any thread). Never waits for
@@ -276,14 +271,16 @@ class UringQueue:
             slot = self._fixed.pop(region, None)
             if slot is None:
                 continue
-            with _holders_lock:
-                self._forget(region)
+            with share.LOCK:
+                share.forget(self, region)
             try:
                 self._set_slot(slot, 0, 0)
             except OSError as exc:
                 log.error("deepnvme: io_uring could not drop a registered buffer: %s", exc)
                 continue
             self._free_slots.append(slot)
+            if not self.plain:
+                share.tidy_source()
 
     # --- submission ------------------------------------------------------------------------
 
@@ -412,9 +409,9 @@ class UringQueue:
         with self._fixed_lock:
             if self.fd < 0:
                 return
-            with _holders_lock:
+            with share.LOCK:
                 for region in self._fixed or ():
-                    self._forget(region)
+                    share.forget(self, region)
                 self._fixed = None  # closing the ring drops every registration
         for view in (self._sq, self._cq, self._cq_tags, self._cq_res):
             view.release()
@@ -424,6 +421,8 @@ class UringQueue:
             m.close()
         os.close(self.fd)
         self.fd = -1
+        if not self.plain:
+            share.ring_closed()
 
 
 def _setup(entries: int, params: bytearray, flags: int) -> int:

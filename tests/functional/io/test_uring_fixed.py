@@ -11,6 +11,7 @@ import torch
 
 import deepnvme
 from deepnvme.io import uring
+from deepnvme.io import uring_share as share
 from deepnvme.memory import pinned
 
 from ...conftest import AVAILABLE_ENGINES, random_tensor, same_bytes
@@ -138,9 +139,14 @@ def test_a_release_during_a_registration_on_the_same_thread_does_not_deadlock(tm
 
 
 def test_a_second_ring_clones_the_registration_instead_of_pinning_again(tmp_path, monkeypatch):
-    """One ring per worker: the allocation is pinned by the first ring only, the others share
-    its registration (where the kernel clones one slot, Linux 6.13+), and read through it."""
+    """One ring per worker, each used by a thread of its own (as workers are): the allocation is
+    pinned once, by the source ring of .uring_share, and every ring clones its registration
+    (where the kernel clones one slot, Linux 6.13+) and reads through it. Regression: cloned from
+    another worker's single-issuer ring, enabled by another thread, the kernel refused (EEXIST)
+    and each ring pinned the allocation itself."""
     import os
+
+    from ...concurrency import call_in_thread
 
     pinned_here, cloned = [], []
     real_set, real_register = uring.UringQueue._set_slot, uring.UringQueue._register
@@ -165,19 +171,22 @@ def test_a_second_ring_clones_the_registration_instead_of_pinning_again(tmp_path
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     try:
         for i, q in enumerate(rings):
-            slot = q.fixed_slot(buf.data_ptr() + (i << 20), 1 << 20)
-            assert slot >= 0
-            q.prep(7, False, fd, buf.data_ptr() + (i << 20), 1 << 20, i << 20, slot)
-            assert q.submit_and_wait(1) == [(7, 1 << 20)]
-        if not cloned:
+            def first_use(i=i, q=q):
+                slot = q.fixed_slot(buf.data_ptr() + (i << 20), 1 << 20)
+                assert slot >= 0
+                q.prep(7, False, fd, buf.data_ptr() + (i << 20), 1 << 20, i << 20, slot)
+                return q.submit_and_wait(1)
+            assert call_in_thread(first_use, 30, "a ring's first read hung") == [(7, 1 << 20)]
+        if not share._clones[0]:
             pytest.skip("this kernel cannot clone one registered slot: each ring pins")
-        assert pinned_here == [buf.nbytes] and len(cloned) == 2
+        assert pinned_here == [buf.nbytes] and cloned == rings
         assert same_bytes(buf[: 3 << 20], data[: 3 << 20])
     finally:
         os.close(fd)
         for q in rings:
             q.close()
     assert not uring._holders.get(pinned.locked_region(buf.data_ptr(), 1)[0])
+    assert not share._source  # closed with the last worker ring
 
 
 def test_a_release_never_waits_for_a_ring_lock_held_elsewhere(tmp_path):
@@ -198,7 +207,8 @@ def test_a_release_never_waits_for_a_ring_lock_held_elsewhere(tmp_path):
     found = pinned.locked_region(old.data_ptr(), 1)
     assert found is not None
     region = found[0]
-    rings = [r for r in pinned._release_listeners if isinstance(r, uring.UringQueue) and region in (r._fixed or {})]
+    rings = [r for r in pinned._release_listeners
+             if isinstance(r, uring.UringQueue) and not r.plain and region in (r._fixed or {})]
     assert len(rings) == 1, "the handle's one ring registered the locked buffer"
     ring = rings[0]
     holding, done = threading.Event(), threading.Event()
@@ -238,7 +248,7 @@ def test_a_free_on_another_thread_is_dropped_by_the_idle_worker(tmp_path):
         h.sync_pread(buf, path)  # registers `buf` in the worker's ring
         region = pinned.locked_region(buf.data_ptr(), 1)[0]
         rings = [r for r in pinned._release_listeners
-                 if isinstance(r, uring.UringQueue) and region in (r._fixed or {})]
+                 if isinstance(r, uring.UringQueue) and not r.plain and region in (r._fixed or {})]
         assert len(rings) == 1
         if not rings[0].single_issuer:
             pytest.skip("this kernel's io_uring has no single-issuer rings")
@@ -248,6 +258,7 @@ def test_a_free_on_another_thread_is_dropped_by_the_idle_worker(tmp_path):
         while region in rings[0]._fixed and time.monotonic() < deadline:
             time.sleep(0.05)
         assert region not in rings[0]._fixed, "the idle worker must drop the freed allocation"
+        assert region not in uring._holders  # the source ring dropped it too
         again = deepnvme.new_cpu_locked_tensor(1 << 20, torch.uint8)
         h.sync_pread(again, path)
         assert same_bytes(again, data)

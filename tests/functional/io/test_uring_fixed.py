@@ -170,11 +170,12 @@ def test_a_second_ring_clones_the_registration_instead_of_pinning_again(tmp_path
     rings = [uring.UringQueue(4) for _ in range(3)]
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     try:
+        base = buf.data_ptr()  # the closures hold the address only: buf is freed below
         for i, q in enumerate(rings):
-            def first_use(i=i, q=q, buf=buf):
-                slot = q.fixed_slot(buf.data_ptr() + (i << 20), 1 << 20)
+            def first_use(i=i, q=q, base=base):
+                slot = q.fixed_slot(base + (i << 20), 1 << 20)
                 assert slot >= 0
-                q.prep(7, False, fd, buf.data_ptr() + (i << 20), 1 << 20, i << 20, slot)
+                q.prep(7, False, fd, base + (i << 20), 1 << 20, i << 20, slot)
                 return q.submit_and_wait(1)
             assert call_in_thread(first_use, 30, "a ring's first read hung") == [(7, 1 << 20)]
         if not share._clones[0]:
@@ -191,6 +192,7 @@ def test_a_second_ring_clones_the_registration_instead_of_pinning_again(tmp_path
         assert not share._source  # closed with the last worker ring (others may be open in a suite)
     del buf
     gc.collect()
+    share.tidy_source()  # a release that found the lock taken is dropped here (or by an idle worker)
     assert region not in uring._holders  # the source, if still open, dropped the freed allocation
 
 

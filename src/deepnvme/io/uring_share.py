@@ -52,7 +52,7 @@ def register(ring: Any, region: object, base: int, size: int, slot: int) -> None
         else:
             HOLDERS[region].append(ring)
             return
-    ring.set_slot(slot, base, size)
+    ring._set_slot(slot, base, size)
     HOLDERS.setdefault(region, []).append(ring)
 
 

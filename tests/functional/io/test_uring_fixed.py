@@ -269,3 +269,23 @@ def test_a_free_on_another_thread_is_dropped_by_the_idle_worker(tmp_path):
         again = deepnvme.new_cpu_locked_tensor(1 << 20, torch.uint8)
         h.sync_pread(again, path)
         assert same_bytes(again, data)
+
+
+@pytest.mark.parametrize("why", ["no clones", "no source slot"])
+def test_without_a_shared_registration_each_ring_registers_the_buffer_itself(tmp_path, monkeypatch, why):
+    """Where the kernel cannot clone (before Linux 6.13) or the source ring has no free slot,
+    a ring registers the allocation on its own and reads through it (regression: that path
+    called a method the ring does not have, failing the read)."""
+    path = str(tmp_path / "f")
+    data = random_tensor(1 << 20, torch.uint8)
+    if why == "no clones":
+        monkeypatch.setattr(share, "_clones", [False])
+    else:
+        monkeypatch.setattr(uring.UringQueue, "fixed_slot_at", lambda self, region, base, size: -1)
+    with deepnvme.AioHandle(block_size=1 << 20, engine="io_uring") as h:
+        h.sync_pwrite(data, path)
+        buf = deepnvme.new_cpu_locked_tensor(1 << 20, torch.uint8)
+        h.sync_pread(buf, path)
+        assert same_bytes(buf, data)
+        region = pinned.locked_region(buf.data_ptr(), 1)[0]
+        assert [r.plain for r in uring._holders[region]] == [False]

@@ -28,7 +28,7 @@ class FaultyQueue:
     def __init__(self, inner, *, max_len=None, eintr_every=0, eagain_every=0, fail_write_at=None,
                  fail_read_at=None, errno_=errno.ENOSPC, zero_read=False, zero_write=False):
         self.inner, self.name, self.depth = inner, inner.name, inner.depth
-        self.wait_share = inner.wait_share
+        self.wait_share, self.small_wait_share = inner.wait_share, inner.small_wait_share
         self.max_len, self.eintr_every, self.eagain_every = max_len, eintr_every, eagain_every
         self.fail_write_at, self.fail_read_at, self.errno_ = fail_write_at, fail_read_at, errno_
         self.zero_read, self.zero_write = zero_read, zero_write

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "BENCHMARKS.md"
 LOG = ROOT / "benchmarks" / "LOG.md"
-TABLE_NAMES = ["engines", "manager", "restore", "load", "load_into", "dcp", "offload", "vllm_load",
+TABLE_NAMES = ["engines_auto", "manager", "restore", "load", "load_into", "dcp", "offload", "vllm_load",
                "vllm_stream", "data", "manager_ranks_shared", "offload_ranks", "hf_load", "gpu_io", "gpu_load",
                "gpu_offload", "volume", "stream_quant"]
 

@@ -223,7 +223,25 @@ def _memlock_checks() -> list[Check]:
                         "works" if locked else "refused for a 64 KiB buffer",
                         "" if locked else "raise RLIMIT_MEMLOCK (see above)",
                         data={"mlock": locked}))
+    checks.append(_huge_page_check())
     return checks
+
+
+def _huge_page_check() -> Check:
+    """Transparent huge pages for locked buffers (:mod:`deepnvme.memory.pinned`): a direct
+    transfer from huge pages has 512x fewer pages for the kernel to pin."""
+    from ..memory.pinned import huge_page_mode, huge_page_size
+
+    mode, size = huge_page_mode(), huge_page_size()
+    granted = mode in ("always", "madvise") and size > 0
+    value = (f"{mode} ({fmt_size(size)} pages): locked buffers of {fmt_size(size)} and more use them"
+             if granted else f"{mode}: locked buffers use {fmt_size(mmap.PAGESIZE)} pages")
+    hint = "" if granted else (
+        "direct transfers cost more CPU per byte (the kernel pins every small page): "
+        "'echo madvise > /sys/kernel/mm/transparent_hugepage/enabled' (root)"
+        if mode == "never" else "this kernel offers no transparent huge pages (CONFIG_TRANSPARENT_HUGEPAGE)")
+    return Check("huge pages", OK if granted else WARN, value, hint,
+                 data={"huge_pages": granted, "huge_page_bytes": size or None})
 
 
 def _memlock_data(soft: int, hard: int) -> dict[str, Any]:

@@ -55,6 +55,8 @@ class KernelQueue(Protocol):
     #: a worker waits for ``1 / wait_share`` of its chunks in flight (at least one) to complete
     #: per system call (fio's iodepth_batch_complete_min)
     wait_share: int
+    #: the same for a batch of small reads (:mod:`deepnvme.io.small`)
+    small_wait_share: int
 
     def prep(self, tag: int, write: bool, fd: int, address: int, length: int,
              offset: int, buf_index: int = -1) -> int: ...

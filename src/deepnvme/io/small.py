@@ -192,7 +192,7 @@ def _run(kq: KernelQueue, part: _Part, single: bool = False) -> int:
     system call); returns its bytes (all of them, or 0 once the batch has an error)."""
     job, n = part.job, part.sizes.numel()
     table = kq.table(False, job.fd, part.addresses, part.offsets, part.sizes)
-    depth, share, uniform, size_list = kq.depth, kq.wait_share, part.uniform, part.size_list
+    depth, share, uniform, size_list = kq.depth, kq.small_wait_share, part.uniform, part.size_list
     partial: dict[int, int] = {}  # row -> bytes read so far, for reads that came back short
     nxt = inflight = 0
     batch = job.batch

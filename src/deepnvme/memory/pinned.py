@@ -5,6 +5,13 @@ returned tensor owns the mapping, which is unmapped (and so unlocked) when the l
 viewing it is garbage-collected. With CUDA, torch's pinned allocator is used so CUDA recognises
 the memory for asynchronous copies. Where ``mlock`` is refused (``RLIMIT_MEMLOCK``), the memory
 is still aligned but not locked: one warning says so and :func:`is_pinned` returns False.
+
+Allocations of at least one huge page (2 MiB on x86_64) ask for transparent huge pages
+(``MADV_HUGEPAGE``, before ``mlock`` faults the memory in): a direct transfer then has one page
+per 2 MiB for the kernel to pin and to describe, not 512, which cuts the CPU per byte of
+every direct transfer from or into it (BENCHMARKS.md). The system's setting decides
+(``/sys/kernel/mm/transparent_hugepage/enabled``: ``always`` or ``madvise`` grant it, ``never``
+refuses); where huge pages are not granted, the memory is ordinary pages, as before.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ import bisect
 import ctypes
 import ctypes.util
 import errno
+import logging
 import mmap
+import re
 import threading
 import warnings
 import weakref
@@ -23,10 +32,11 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["PAGE_SIZE", "BufferPool", "free_cpu_locked_tensor", "free_locked_address", "is_pinned",
-           "locked_bytes", "new_cpu_locked_tensor"]
+__all__ = ["PAGE_SIZE", "BufferPool", "free_cpu_locked_tensor", "free_locked_address", "huge_page_mode",
+           "huge_page_size", "is_pinned", "locked_bytes", "new_cpu_locked_tensor"]
 
 PAGE_SIZE = mmap.PAGESIZE
+log = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -34,11 +44,12 @@ _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 class _Region:
-    __slots__ = ("size", "locked", "transfers", "__weakref__")
+    __slots__ = ("size", "locked", "huge", "transfers", "__weakref__")
 
-    def __init__(self, size: int, locked: bool) -> None:
+    def __init__(self, size: int, locked: bool, huge: bool = False) -> None:
         self.size = size
         self.locked = locked
+        self.huge = huge  # asked for transparent huge pages (MADV_HUGEPAGE accepted)
         self.transfers = 0  # transfers started from or into it (count_transfer)
 
 
@@ -49,6 +60,48 @@ _regions: dict[int, _Region] = {}  # storage base address -> region
 _bases: list[int] = []  # the keys of _regions, sorted (to find the region holding an address)
 _release_listeners: weakref.WeakSet[Any] = weakref.WeakSet()
 _warned_mlock = False
+
+
+_THP = "/sys/kernel/mm/transparent_hugepage"
+_huge_page_size: int | None = None  # read on first allocation (nothing is read at import)
+
+
+def huge_page_size() -> int:
+    """Bytes per transparent huge page (``hpage_pmd_size``), 0 where the kernel has none."""
+    global _huge_page_size
+    if _huge_page_size is None:
+        try:
+            with open(f"{_THP}/hpage_pmd_size") as f:
+                _huge_page_size = int(f.read())
+        except (OSError, ValueError):
+            _huge_page_size = 0
+    return _huge_page_size
+
+
+def huge_page_mode() -> str:
+    """The system's transparent huge page mode: ``always``, ``madvise``, ``never``, or
+    ``unavailable`` (no such kernel support, or unreadable)."""
+    try:
+        with open(f"{_THP}/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "unavailable"
+    found = re.search(r"\[(\w+)\]", text)
+    return found.group(1) if found else "unavailable"
+
+
+def _advise_huge(mm: mmap.mmap, size: int) -> bool:
+    """Ask for huge pages over an allocation of at least one huge page; False where refused
+    (EINVAL: no THP in this kernel) or too small."""
+    page = huge_page_size()
+    if not page or size < page or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as exc:
+        log.debug("deepnvme: MADV_HUGEPAGE refused for %d bytes: %s", size, exc)
+        return False
+    return True
 
 
 def _mlock(address: int, size: int) -> int:
@@ -94,12 +147,15 @@ def _dtype_of(dtype_or_example: torch.dtype | torch.Tensor) -> torch.dtype:
     raise TypeError(f"expected a torch.dtype or an example tensor, got {type(dtype_or_example).__name__}")
 
 
-def new_cpu_locked_tensor(numel: int, dtype_or_example: torch.dtype | torch.Tensor = torch.uint8
-                          ) -> torch.Tensor:
+def new_cpu_locked_tensor(numel: int, dtype_or_example: torch.dtype | torch.Tensor = torch.uint8,
+                          *, huge_pages: bool = True) -> torch.Tensor:
     """A 1-D CPU tensor of ``numel`` elements in page-aligned, page-locked memory.
 
     The tensor owns its memory (freed when garbage-collected, or at once by
     :func:`free_cpu_locked_tensor`). Contents are zero without CUDA, undefined with it.
+    ``huge_pages``: ask for transparent huge pages where the allocation holds one (see the
+    module docstring); False keeps ordinary pages. Blocking: the kernel zeroes and locks every
+    page before this returns (with huge pages it may first compact memory to find them).
     """
     dtype = _dtype_of(dtype_or_example)
     if numel < 0:
@@ -111,10 +167,11 @@ def new_cpu_locked_tensor(numel: int, dtype_or_example: torch.dtype | torch.Tens
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = torch.frombuffer(mm, dtype=torch.uint8)
     address = base.data_ptr()
+    huge = huge_pages and _advise_huge(mm, size)
     err = _mlock(address, size)
     if err:
         _warn_unlocked(err, size)
-    region = _Region(size, locked=not err)
+    region = _Region(size, locked=not err, huge=huge)
     with _lock:
         _regions[address] = region
         bisect.insort(_bases, address)

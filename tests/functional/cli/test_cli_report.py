@@ -24,7 +24,7 @@ def test_report_json_on_a_writable_dir(run_cli, leftovers, tmp_path) -> None:
     assert code == 0 and data["ok"] is True
     checks = {c["name"]: c for c in data["checks"]}
     for name in ("python", "torch", "deepnvme", "cuda", "gpudirect storage", "RLIMIT_MEMLOCK",
-                 "mlock", "directory", "filesystem", "O_DIRECT", "dio alignment", "free space"):
+                 "mlock", "huge pages", "directory", "filesystem", "O_DIRECT", "dio alignment", "free space"):
         assert name in checks, name
     assert all(c["status"] in ("OK", "WARN", "FAIL") for c in data["checks"])
     assert all(c["hint"] for c in data["checks"] if c["status"] != "OK")
@@ -151,7 +151,8 @@ def test_report_json_gives_numbers_and_booleans_as_json_types(run_cli, tmp_path)
     assert facts["memlock_hard_bytes"] == (None if hard == inf else hard)
     assert facts["cpus"] == os.cpu_count() and facts["writable"] is True
     assert facts["cuda_devices"] == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    for key in ("mlock", "o_direct", "gds", "fio"):
+    assert facts["huge_page_bytes"] is None or type(facts["huge_page_bytes"]) is int
+    for key in ("mlock", "huge_pages", "o_direct", "gds", "fio"):
         assert type(facts[key]) is bool, key
     for key in ("dio_alignment_memory_bytes", "dio_alignment_offset_bytes"):
         assert facts[key] is None or (type(facts[key]) is int and facts[key] > 0), key

@@ -136,3 +136,42 @@ def test_concurrent_alloc_free_keeps_the_registry_right():
     for th in threads:
         th.join()
     assert not errors, errors[:3]
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not pinned.huge_page_size(), reason="no transparent huge pages in this kernel")
+def test_large_allocations_ask_for_huge_pages_and_small_ones_do_not():
+    page = pinned.huge_page_size()
+    big = deepnvme.new_cpu_locked_tensor(4 * page, torch.uint8)
+    plain = deepnvme.new_cpu_locked_tensor(4 * page, torch.uint8, huge_pages=False)
+    small = deepnvme.new_cpu_locked_tensor(page // 2, torch.uint8)
+    try:
+        assert "hg" in _vm_flags(big.data_ptr())  # MADV_HUGEPAGE accepted
+        assert "lo" in _vm_flags(big.data_ptr())  # and still locked
+        assert "hg" not in _vm_flags(plain.data_ptr()) and "hg" not in _vm_flags(small.data_ptr())
+        big.fill_(3)
+        assert int(big.sum()) == 3 * big.numel()
+    finally:
+        for t in (big, plain, small):
+            deepnvme.free_cpu_locked_tensor(t)
+
+
+def test_huge_page_mode_reads_the_system_setting(monkeypatch, tmp_path):
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    monkeypatch.setattr(pinned, "_THP", str(tmp_path))
+    assert pinned.huge_page_mode() == "madvise"
+    (tmp_path / "enabled").unlink()
+    assert pinned.huge_page_mode() == "unavailable"

@@ -11,7 +11,8 @@ fails the chunk's request with its file, offset and errno. Coordination (the win
 error, completing futures) stays in :mod:`deepnvme.io.window` and :mod:`deepnvme.io.op`.
 
 Memory: each worker lends at most ``min(queue_depth, 4)`` aligned bounce buffers of one chunk
-each, allocated on first need, for chunks whose memory address O_DIRECT cannot use.
+each, allocated together (one locked slab) on first need, for chunks whose memory address
+O_DIRECT cannot use.
 """
 
 from __future__ import annotations
@@ -208,6 +209,13 @@ class _Worker:
                      self.length[tag] - done, self.offset[tag] + done, self.slot[tag])
 
     def _bounce(self, length: int) -> torch.Tensor | None:
+        """A free bounce buffer of at least ``length`` bytes, or None while all are lent. The
+        first need allocates all of them as one locked slab (large enough for huge pages:
+        the kernel then pins a few large pages per chunk, not one page per 4 KiB)."""
+        if not self.bounces_made and length <= self.bounce_size:
+            slab = new_cpu_locked_tensor(self.bounce_limit * self.bounce_size, torch.uint8)
+            self.spare = list(slab.split(self.bounce_size))
+            self.bounces_made = self.bounce_limit
         if self.spare:
             buf = self.spare.pop()
             if buf.numel() >= length:

@@ -19,6 +19,8 @@ usual reverse order), beside the optimizer's buffers and the offload's budget.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 from torch.utils.hooks import RemovableHandle
 
@@ -39,7 +41,7 @@ class FusedBackward:
         self.pending: dict[int, torch.Tensor] = {}   # id(param) -> its gradient, until used
         self.updated: set[int] = set()                # id(param): updated since step()
         self.writes: Writes = []
-        self.reads = ReadsAhead(opt._state, self._kept)
+        self.reads = ReadsAhead(opt._state, self._kept, self._writing)
         self.hooks: list[RemovableHandle] = []
         self.subs_of: dict[int, list[int]] = {}
         self.consumed: list[torch.Tensor] = []        # parameters whose .grad is a stand-in
@@ -114,9 +116,9 @@ class FusedBackward:
         opt._current, opt._done = None, -1
         try:
             for k, i in enumerate(subs):
-                self.reads.installing(i)
-                if k + 1 < len(subs):
-                    self.reads.start(subs[k + 1], wait=True)
+                read_ahead = self.reads.installing(i)
+                if k + 1 < len(subs):   # the next slice's read must leave i's install a buffer
+                    self.reads.start(subs[k + 1], wait=True, reserve=0 if read_ahead else 1)
                 fut = opt._run_sub_group(i, lambda i=i: self._apply(i, grads))  # type: ignore[misc]
                 if fut is not None:
                     self.writes.append((i, fut))
@@ -176,6 +178,10 @@ class FusedBackward:
             subs = self.subs_of.get(id(p))
             if subs is not None:
                 self.reads.notice(subs[0])
+
+    def _writing(self) -> list[Future[None]]:
+        """This step's writes still in flight."""
+        return [f for _, f in self.writes if not f.done()]
 
     def _kept(self) -> int:
         """Pool buffers kept by this step's failed writes (each the only good copy)."""

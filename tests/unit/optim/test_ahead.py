@@ -85,3 +85,40 @@ def test_state_kept_in_memory_is_not_read():
     state.subs.layouts = [None] * 8
     r.notice(3)
     assert state.read == [] and r.ahead == set()
+
+
+def test_the_next_slices_read_leaves_the_install_a_buffer():
+    """A parameter in slices (subs 3, 4): the read of slice 4 starts before slice 3's install
+    takes its buffer. With one read ahead and a write in flight (which may fail and keep its
+    buffer), reading 4 would leave the install none."""
+    r, state = reads(count=3)
+    r.notice(5)
+    state.swapper.others = 1               # sub-group 6's write in flight
+    assert r.installing(3) is False        # 3 was not read ahead
+    assert r.start(4, wait=True, reserve=1) is False and state.read == [5]
+    assert r.installing(5) is True         # read ahead: its buffer is held already
+    assert r.start(4, wait=True, reserve=0) is True and state.read == [5, 4]
+
+
+def test_an_install_waits_for_a_write_in_flight_before_counting_again():
+    """Every buffer held (two reads ahead, a write in flight): the install would wait for the
+    write's buffer, which a failing write keeps; so it waits for the write first, then counts
+    again and lets a read ahead go."""
+    import threading
+    from concurrent.futures import Future
+
+    failed = []
+    state = FakeState(8, 3)
+    write = Future()
+    r = ReadsAhead(state, lambda: len(failed), lambda: [] if write.done() else [write])
+    r.notice(5)
+    r.notice(4)
+    state.swapper.others = 1               # the write, then its kept buffer
+
+    def fail_write():
+        failed.append(1)
+        write.set_exception(OSError(28, "No space left on device"))
+
+    threading.Timer(0.05, fail_write).start()
+    assert r.installing(2) is False
+    assert write.done() and len(r.ahead) == 1 and state.swapper.buffers_in_use() == 2

@@ -44,12 +44,11 @@ _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 class _Region:
-    __slots__ = ("size", "locked", "huge", "transfers", "__weakref__")
+    __slots__ = ("size", "locked", "transfers", "__weakref__")
 
-    def __init__(self, size: int, locked: bool, huge: bool = False) -> None:
+    def __init__(self, size: int, locked: bool) -> None:
         self.size = size
         self.locked = locked
-        self.huge = huge  # asked for transparent huge pages (MADV_HUGEPAGE accepted)
         self.transfers = 0  # transfers started from or into it (count_transfer)
 
 
@@ -154,8 +153,9 @@ def new_cpu_locked_tensor(numel: int, dtype_or_example: torch.dtype | torch.Tens
     The tensor owns its memory (freed when garbage-collected, or at once by
     :func:`free_cpu_locked_tensor`). Contents are zero without CUDA, undefined with it.
     ``huge_pages``: ask for transparent huge pages where the allocation holds one (see the
-    module docstring); False keeps ordinary pages. Blocking: the kernel zeroes and locks every
-    page before this returns (with huge pages it may first compact memory to find them).
+    module docstring); False keeps ordinary pages; with CUDA, torch's pinned allocator decides.
+    Blocking: the kernel zeroes and locks every page before this returns (with huge pages it
+    may first compact memory to find them).
     """
     dtype = _dtype_of(dtype_or_example)
     if numel < 0:
@@ -167,11 +167,12 @@ def new_cpu_locked_tensor(numel: int, dtype_or_example: torch.dtype | torch.Tens
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = torch.frombuffer(mm, dtype=torch.uint8)
     address = base.data_ptr()
-    huge = huge_pages and _advise_huge(mm, size)
+    if huge_pages:
+        _advise_huge(mm, size)
     err = _mlock(address, size)
     if err:
         _warn_unlocked(err, size)
-    region = _Region(size, locked=not err, huge=huge)
+    region = _Region(size, locked=not err)
     with _lock:
         _regions[address] = region
         bisect.insort(_bases, address)

@@ -101,16 +101,17 @@ class FaultyQueue:
         self.inner.close()
 
 
-def install_faulty_queue(monkeypatch, engine: str, **faults) -> list:
-    """Make every new handle on ``engine`` use a :class:`FaultyQueue`; returns the list the
-    queues are appended to as workers start."""
+def install_faulty_queue(monkeypatch, engine: str, queue_class=None, **faults) -> list:
+    """Make every new handle on ``engine`` use a :class:`FaultyQueue` (or ``queue_class``, a
+    subclass); returns the list the queues are appended to as workers start."""
     from deepnvme.io import movers
 
     real = movers._FACTORIES[engine]
     made: list[FaultyQueue] = []
+    cls = queue_class or FaultyQueue
 
     def factory(depth):
-        q = FaultyQueue(real(depth), **faults)
+        q = cls(real(depth), **faults)
         made.append(q)
         return q
 

@@ -89,18 +89,16 @@ def huge_page_mode() -> str:
     return found.group(1) if found else "unavailable"
 
 
-def _advise_huge(mm: mmap.mmap, size: int) -> bool:
-    """Ask for huge pages over an allocation of at least one huge page; False where refused
-    (EINVAL: no THP in this kernel) or too small."""
+def _advise_huge(mm: mmap.mmap, size: int) -> None:
+    """Ask for huge pages over an allocation of at least one huge page (smaller ones, or a
+    kernel without THP that refuses with EINVAL, keep ordinary pages)."""
     page = huge_page_size()
     if not page or size < page or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
+        return
     try:
         mm.madvise(mmap.MADV_HUGEPAGE)
     except OSError as exc:
         log.debug("deepnvme: MADV_HUGEPAGE refused for %d bytes: %s", size, exc)
-        return False
-    return True
 
 
 def _mlock(address: int, size: int) -> int:

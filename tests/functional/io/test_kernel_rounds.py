@@ -9,7 +9,7 @@ import torch
 import deepnvme
 
 from ...conftest import random_tensor, same_bytes
-from ...fake_queues import FaultyQueue
+from ...fake_queues import FaultyQueue, install_faulty_queue
 from ._kernel_handles import KERNEL_ENGINES, make
 
 ENGINE_SPECIFIC = True  # each test names its engine (the ``kernel`` fixture)
@@ -20,8 +20,8 @@ class RecordingQueue(FaultyQueue):
     """A real queue that records the completions each call waits for: the chunk worker's
     (``submit_and_wait``) and small reads' (``submit_wait``) apart."""
 
-    def __init__(self, inner):
-        super().__init__(inner)
+    def __init__(self, inner, **faults):
+        super().__init__(inner, **faults)
         self.waits: list[int] = []
         self.small_waits: list[int] = []
 
@@ -35,22 +35,8 @@ class RecordingQueue(FaultyQueue):
         return [t for t, _ in events], [r for _, r in events]
 
 
-def recording(monkeypatch, engine: str) -> list[RecordingQueue]:
-    from deepnvme.io import movers
-
-    real = movers._FACTORIES[engine]
-    made: list[RecordingQueue] = []
-
-    def factory(depth):
-        made.append(RecordingQueue(real(depth)))
-        return made[-1]
-
-    monkeypatch.setitem(movers._FACTORIES, engine, factory)
-    return made
-
-
 def test_large_transfers_wait_for_a_share_of_the_queue(tmp_path, monkeypatch, kernel):
-    queues = recording(monkeypatch, kernel)
+    queues = install_faulty_queue(monkeypatch, kernel, RecordingQueue)
     depth = 32
     with make(kernel, block_size=64 << 10, queue_depth=depth, intra_op_parallelism=1) as h:
         t = deepnvme.new_cpu_locked_tensor(8 << 20, torch.uint8)  # 128 chunks
@@ -68,7 +54,7 @@ def test_large_transfers_wait_for_a_share_of_the_queue(tmp_path, monkeypatch, ke
 
 
 def test_small_reads_wait_as_their_queue_says(tmp_path, monkeypatch, kernel):
-    queues = recording(monkeypatch, kernel)
+    queues = install_faulty_queue(monkeypatch, kernel, RecordingQueue)
     data = random_tensor(1 << 20, torch.uint8)
     path = tmp_path / "f"
     path.write_bytes(data.numpy().tobytes())

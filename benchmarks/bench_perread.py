@@ -9,8 +9,11 @@ time of the reads only. The buffer is touched first, as a loader's reused buffer
 reads: randread, O_DIRECT, one job, the same depth, ``--fio-engine``) as a reference, its CPU
 from its own usr/sys figures. ``--write``: the same ranges written over the existing file with
 ``AioHandle.write_many`` (one (tensor, offset) item each, as callers give them), fio randwrite
-beside. Prints medians and the ratio of each tree to the first; writes
-JSON.
+beside. ``--fio-batch N`` also runs fio submitting N reads per system call
+(``iodepth_batch_submit=N``, every completion reaped as it comes), the way deepnvme's small
+reads submit every free slot at once: a control that tells a device which prefers one
+submission per read (a virtual disk whose host works while the guest submits) from a cost of
+deepnvme's own. Prints medians and the ratio of each tree to the first; writes JSON.
 
   python benchmarks/bench_perread.py FILE --src A=/work/main/src --src B=src --out r.json
 """
@@ -57,8 +60,10 @@ print(json.dumps({"seconds": t1 - t0, "cpu_seconds": c1 - c0, "reads": count}))
 """
 
 
-def _fio(a: argparse.Namespace, rep: int) -> dict[str, float]:
-    out = subprocess.run(["fio", "--name=perread", f"--filename={a.file}",
+def _fio(a: argparse.Namespace, rep: int, batch: int = 0) -> dict[str, float]:
+    extra = [f"--iodepth_batch_submit={batch}", "--iodepth_batch_complete_min=1",
+             f"--iodepth_batch_complete_max={a.depth}"] if batch else []
+    out = subprocess.run(["fio", "--name=perread", f"--filename={a.file}", *extra,
                           f"--rw={'randwrite' if a.write else 'randread'}",
                           f"--bs={a.size}", f"--iodepth={a.depth}", f"--ioengine={a.fio_engine}",
                           "--direct=1", f"--number_ios={a.count}", f"--randseed={rep + 1}",
@@ -84,15 +89,21 @@ def main() -> None:
     p.add_argument("--fio", action="store_true")
     p.add_argument("--write", action="store_true", help="small writes over the file instead")
     p.add_argument("--fio-engine", default="io_uring")
+    p.add_argument("--fio-batch", type=int, default=0,
+                   help="also run fio submitting this many reads per system call")
     p.add_argument("--out")
     a = p.parse_args()
     trees = [s.split("=", 1) for s in a.src]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
     if a.fio:
         runs["fio"] = []
+    if a.fio_batch:
+        runs[f"fio-batch{a.fio_batch}"] = []
     for rep in range(a.reps):
         if a.fio:
             runs["fio"].append(_fio(a, rep))
+        if a.fio_batch:
+            runs[f"fio-batch{a.fio_batch}"].append(_fio(a, rep, a.fio_batch))
         for name, src in trees:
             env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
             out = subprocess.run([sys.executable, "-c", _CHILD, a.file, str(a.size), str(a.count),

@@ -204,11 +204,14 @@ def load_medians(data: Any, case: str) -> dict[str, tuple[float, float]]:
     return out
 
 
+SECOND_READER = {"deepnvme_mmap": "deepnvme `mmap=True` GB/s", "deepnvme_buffered": "deepnvme `o_direct=False` GB/s",
+                 "deepnvme_direct": "deepnvme O_DIRECT path GB/s"}
+
+
 def load_rows(runs: Sequence[Run], cases: Sequence[str], second: str, rss: bool) -> Rows:
     """One row per (device, input): deepnvme, its ``second`` reader, then each peer as
     'GB/s (deepnvme / peer)', in the order the run measured them."""
-    cols = ["device", "input", "deepnvme GB/s", "deepnvme `mmap=True` GB/s" if second == "deepnvme_mmap"
-            else "deepnvme `o_direct=False` GB/s", "peers, GB/s (deepnvme / peer)"]
+    cols = ["device", "input", "deepnvme GB/s", SECOND_READER[second], "peers, GB/s (deepnvme / peer)"]
     out = header(*cols, *(["peak RSS growth MiB: deepnvme / peers"] if rss else []))
     sizes = []
     for src, data in runs:
@@ -220,7 +223,8 @@ def load_rows(runs: Sequence[Run], cases: Sequence[str], second: str, rss: bool)
                 continue
             ours = m["deepnvme"][0]
             peers = [(LOAD_PEERS[r], s, g) for r, (s, g) in m.items() if not r.startswith("deepnvme")]
-            cells = [src.device, LOAD_INPUTS[case], f"{nbytes / ours / 1e9:.2f}",
+            device = f"{src.device} ({src.variant})" if src.variant else src.device
+            cells = [device, LOAD_INPUTS[case], f"{nbytes / ours / 1e9:.2f}",
                      f"{nbytes / m[second][0] / 1e9:.2f}" if second in m else "-",
                      ", ".join(f"{name} {nbytes / s / 1e9:.2f} ({ratio(s / ours)})" for name, s, _ in peers)]
             if rss:
@@ -230,7 +234,7 @@ def load_rows(runs: Sequence[Run], cases: Sequence[str], second: str, rss: bool)
 
 
 def load(runs: Sequence[Run]) -> Rows:
-    return load_rows(runs, ("st", "pt", "st_dir", "pt_dir"), "deepnvme_mmap", rss=False)
+    return load_rows(runs, ("st", "pt", "st_dir", "pt_dir"), "deepnvme_direct", rss=False)
 
 
 def load_into(runs: Sequence[Run]) -> Rows:
@@ -476,8 +480,10 @@ TABLES: dict[str, Table] = {
     # the same after the shared restore reads and cached plans, on a heavily loaded machine
     "manager_ranks_shared": Table(manager_ranks, (Source(DISK, "2026-11-27-manager-ranks-shared-disk.json"),
                                                   Source(RAM, "2026-11-27-manager-ranks-shared-ramdev.json"))),
-    "load": Table(load, (Source(DISK, "2026-11-26-load-fresh-disk.json"),
-                         Source(RAM, "2026-11-26-load-fresh-ramdev.json"))),
+    # deepnvme = the default call; its path is the device's cached choice (the variant says which)
+    "load": Table(load, (Source(DISK, "2026-12-07-load-fresh-disk-tuned.json", "after `tune --load`: direct"),
+                         Source(RAM, "2026-12-07-load-fresh-ramdev-firstuse.json", "first-use probe: direct"),
+                         Source(RAM, "2026-12-07-load-fresh-ramdev-tuned.json", "after `tune --load`: mapped"))),
     # files and folders in the same repetitions on each device
     "load_into": Table(load_into, (Source(DISK, "2026-11-26-load-into-dirs-side-disk.json"),
                                    Source(RAM, "2026-11-26-load-into-dirs-ramdev.json"))),

@@ -86,9 +86,13 @@ class LoadPaths:
                 "measured_at": self.measured_at}
 
 
-def choose(rates: Mapping[str, float], *, margin: float = MARGIN) -> tuple[Path, Path, str]:
+def choose(rates: Mapping[str, float], *, margin: float = MARGIN,
+           slices: bool = False) -> tuple[Path, Path, str]:
     """The fresh and into paths from measured GB/s (keys ``fresh_direct``, ``fresh_mapped``,
-    ``into_direct``, ``into_mapped``) and the reason in words. Pure."""
+    ``into_direct``, ``into_mapped``) and the reason in words. ``slices``: the rates come from
+    :func:`measure`'s slices, so a mapped path ahead but inside the margin is named as
+    undecided, with the command that times whole loads (the slices have misjudged whole loads
+    by 2x either way: benchmarks/LOG.md 2026-11-28, 2026-12-07). Pure."""
     picks: list[Path] = []
     words = []
     for kind in ("fresh", "into"):
@@ -96,6 +100,9 @@ def choose(rates: Mapping[str, float], *, margin: float = MARGIN) -> tuple[Path,
         pick: Path = "mapped" if mapped >= direct * margin else "direct"
         picks.append(pick)
         words.append(f"{kind}: mapped {mapped:.2f} GB/s vs O_DIRECT {direct:.2f} GB/s -> {pick}")
+        if slices and pick == "direct" and mapped > direct:
+            words[-1] += (f" (mapped ahead by less than the probe's {margin:.1f}x margin: "
+                          "`deepnvme tune --load` times whole loads)")
     return picks[0], picks[1], "; ".join(words)
 
 
@@ -200,10 +207,11 @@ def load_paths(path: str, cfg: IOConfig, *,
         if rates is None:
             return LoadPaths(name, "direct", "direct", f"{path!r} is too small to measure on; "
                              "direct until a larger file or `deepnvme tune --load` measures", "default")
-        fresh, into, why = choose(rates)
+        fresh, into, why = choose(rates, slices=True)
         choice = LoadPaths(name, fresh, into, why, "measured", dict(rates), time.time())
-        log.info("deepnvme: loads on %s (%s) take fresh=%s, into=%s: %s (measured on %s)",
-                 name, key, fresh, into, why, path)
+        log.log(logging.WARNING if "tune --load" in why else logging.INFO,
+                "deepnvme: loads on %s (%s) take fresh=%s, into=%s: %s (measured on %s)",
+                name, key, fresh, into, why, path)
         _memo[entry] = choice
         _store(entry, choice)
         return choice
@@ -218,7 +226,7 @@ def remeasure(path: str, cfg: IOConfig, *, rates: Mapping[str, float] | None = N
     rates = rates if rates is not None else measure(path, cfg)
     if rates is None:
         raise DeepNVMeError(f"{path!r}: need at least {4 * PROBE_SLICE} bytes to measure load paths")
-    fresh, into, why = choose(rates, margin=WHOLE_MARGIN if whole else MARGIN)
+    fresh, into, why = choose(rates, margin=WHOLE_MARGIN if whole else MARGIN, slices=not whole)
     if whole:
         why = f"whole {os.path.getsize(path) / 1e9:.2f} GB loads in fresh processes: {why}"
     choice = LoadPaths(name, fresh, into, why, "measured", dict(rates), time.time())

@@ -51,6 +51,8 @@ REUSED_READ = "large direct read, reused locked buffer"
 REUSED_WRITE = "large direct overwrite, reused locked buffer"
 
 _MEASURED = "measured faster for it (benchmarks/bench_engines.py; LOG.md, issue 28)"
+_SMALL_READS = ("measured: 0.75x Linux AIO's CPU per read at 1.02-1.15x its IOPS (4 KiB random reads, "
+                "depth 32; benchmarks/bench_perread.py, LOG.md 2026-12-07)")
 _REGISTERED = ("the buffer is registered with the ring once, no page pinning per request: the "
                "same rate as Linux AIO at about half its CPU per byte (measured, --reuse)")
 
@@ -65,7 +67,7 @@ PREFERENCES: dict[str, tuple[tuple[str, str], ...]] = {
                              "chunk per worker keeps up with io_uring at half its CPU "
                              "(measured)"),
                      ("io_uring", "Linux AIO unavailable")),
-    SMALL_READ: (("aio", _MEASURED), ("io_uring", "Linux AIO unavailable")),
+    SMALL_READ: (("io_uring", _SMALL_READS), ("aio", "io_uring unavailable")),
     SMALL_WRITE: (("aio", _MEASURED), ("io_uring", "Linux AIO unavailable")),
     LARGE_READ: (("aio", _MEASURED), ("io_uring", "Linux AIO unavailable")),
     LARGE_WRITE: (("aio", _MEASURED), ("io_uring", "Linux AIO unavailable")),

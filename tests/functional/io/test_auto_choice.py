@@ -78,7 +78,7 @@ def test_each_class_goes_to_its_mover(tmp_path, counted, no_fallocate):
         n = went(counted, n, "aio")
         got = [(aligned_empty(4096), off) for _, off in small]
         h.read_many(path, got).result()
-        n = went(counted, n, "aio")
+        n = went(counted, n, "io_uring")
         assert all(same_bytes(g, s) for (g, _), (s, _) in zip(got, small))
         h.write_many(path, [(t, BIG + off) for t, off in small]).result()  # extends the file
         n = went(counted, n, "io_uring")
@@ -87,7 +87,7 @@ def test_each_class_goes_to_its_mover(tmp_path, counted, no_fallocate):
         choices = {k: c.mover for k, c in h._engine.choices().items()}
     assert choices == {"file-extending write, 1 worker": "io_uring", "large direct overwrite": "aio",
                        "large direct read": "aio", "small direct writes": "aio",
-                       "small direct reads": "aio", "buffered": "io_uring"}
+                       "small direct reads": "io_uring", "buffered": "io_uring"}
     with open(path, "rb") as f:
         whole = f.read()
     assert len(whole) == BIG + 64 * 4096

@@ -30,6 +30,18 @@ def test_direct_wins_ties_and_losses():
     assert choose(_rates(0.5, 2.0, 0.5, 2.0))[:2] == ("mapped", "mapped")
 
 
+def test_slice_probe_names_an_undecided_result_and_the_whole_load_probe():
+    # mapped ahead inside the margin: direct, and the reason says so and what to run
+    fresh, _, why = choose(_rates(1.0, 1.3, 2.0, 1.0), slices=True)
+    assert fresh == "direct"
+    assert f"mapped ahead by less than the probe's {MARGIN:.1f}x margin: `deepnvme tune --load`" in why
+    assert why.count("tune --load") == 1  # into: direct ahead, nothing undecided
+    # whole-load timings, a clear result, or direct ahead: no hint
+    assert "tune --load" not in choose(_rates(1.0, 1.3, 2.0, 1.0), margin=1.1)[2]
+    assert "tune --load" not in choose(_rates(1.0, 2.0, 2.0, 1.0), slices=True)[2]
+    assert "tune --load" not in choose(_rates(1.0, 0.9, 2.0, 1.0), slices=True)[2]
+
+
 def test_load_path_setting_is_validated():
     assert resolve_config({"load_path": "Mapped"}).load_path == "mapped"
     assert resolve_config(env={"DEEPNVME_LOAD_PATH": "direct"}).load_path == "direct"

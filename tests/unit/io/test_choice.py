@@ -29,14 +29,14 @@ def shape(*, write=False, direct=True, extending=False, largest=1 << 20, workers
     (shape(write=True, extending=True, largest=4096), "file-extending write, 1 worker", "io_uring"),
     (shape(write=True, extending=True, workers=2), "file-extending write, 2+ workers", "aio"),
     (shape(write=True, direct=False, extending=True, workers=4), "buffered", "io_uring"),
-    (shape(largest=4096), "small direct reads", "aio"),
+    (shape(largest=4096), "small direct reads", "io_uring"),
     (shape(write=True, largest=SMALL_BYTES - 1), "small direct writes", "aio"),
     (shape(largest=SMALL_BYTES), "large direct read", "aio"),
     (shape(write=True), "large direct overwrite", "aio"),
     (shape(extending=True), "large direct read", "aio"),  # a read never extends
     (shape(reused=True), "large direct read, reused locked buffer", "io_uring"),
     (shape(write=True, reused=True), "large direct overwrite, reused locked buffer", "io_uring"),
-    (shape(reused=True, largest=4096), "small direct reads", "aio"),
+    (shape(reused=True, largest=4096), "small direct reads", "io_uring"),
     (shape(write=True, reused=True, extending=True, workers=2), "file-extending write, 2+ workers", "aio"),
     (shape(reused=True, direct=False), "buffered", "io_uring"),
 ])

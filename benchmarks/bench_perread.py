@@ -9,11 +9,13 @@ time of the reads only. The buffer is touched first, as a loader's reused buffer
 reads: randread, O_DIRECT, one job, the same depth, ``--fio-engine``) as a reference, its CPU
 from its own usr/sys figures. ``--write``: the same ranges written over the existing file with
 ``AioHandle.write_many`` (one (tensor, offset) item each, as callers give them), fio randwrite
-beside. ``--fio-batch N`` also runs fio submitting N reads per system call
-(``iodepth_batch_submit=N``, every completion reaped as it comes), the way deepnvme's small
-reads submit every free slot at once: a control that tells a device which prefers one
-submission per read (a virtual disk whose host works while the guest submits) from a cost of
-deepnvme's own. Prints medians and the ratio of each tree to the first; writes JSON.
+beside. fio's defaults take one completion per ``io_getevents`` and resubmit it at once (its
+``iodepth_batch_complete_max`` defaults to the minimum, 1). ``--fio-batch N`` also runs fio
+reaping every completion that is ready (``iodepth_batch_complete_max=--depth``) and submitting
+N reads per system call (``iodepth_batch_submit=N``; 32 is what deepnvme's small reads do: every
+free slot at once); N = 1 reaps all but submits one per call. Repeat it for several variants:
+controls that tell a device which rewards one-in-one-out from a cost of deepnvme's own.
+Prints medians and the ratio of each tree to the first; writes JSON.
 
   python benchmarks/bench_perread.py FILE --src A=/work/main/src --src B=src --out r.json
 """
@@ -89,21 +91,22 @@ def main() -> None:
     p.add_argument("--fio", action="store_true")
     p.add_argument("--write", action="store_true", help="small writes over the file instead")
     p.add_argument("--fio-engine", default="io_uring")
-    p.add_argument("--fio-batch", type=int, default=0,
-                   help="also run fio submitting this many reads per system call")
+    p.add_argument("--fio-batch", type=int, action="append", default=[],
+                   help="also run fio reaping every ready completion and submitting this many "
+                        "reads per system call (repeatable)")
     p.add_argument("--out")
     a = p.parse_args()
     trees = [s.split("=", 1) for s in a.src]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
     if a.fio:
         runs["fio"] = []
-    if a.fio_batch:
-        runs[f"fio-batch{a.fio_batch}"] = []
+    for batch in a.fio_batch:
+        runs[f"fio-batch{batch}"] = []
     for rep in range(a.reps):
         if a.fio:
             runs["fio"].append(_fio(a, rep))
-        if a.fio_batch:
-            runs[f"fio-batch{a.fio_batch}"].append(_fio(a, rep, a.fio_batch))
+        for batch in a.fio_batch:
+            runs[f"fio-batch{batch}"].append(_fio(a, rep, batch))
         for name, src in trees:
             env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
             out = subprocess.run([sys.executable, "-c", _CHILD, a.file, str(a.size), str(a.count),

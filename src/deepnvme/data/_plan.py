@@ -209,14 +209,15 @@ def plan_runs(idx: torch.Tensor, geometry: SampleGeometry, *, alignment: int,
     """Plans of the rows of ``idx`` (a ``[rows, n]`` int64 tensor of indices in ``[0, count)``,
     checked by the caller; ``alignment`` a power of two) that are runs of consecutive samples
     (``i, i + 1, ...``, each overlapping or touching the next: sequential order), with a fixed
-    number of tensor operations for all rows at once: one aligned read of the row's whole span
-    into the start of the buffer, the samples ``stride x itemsize`` bytes apart there (``step``:
-    one strided view), the exact ``bounds`` known. None for every other row, and for a run whose
-    read would be over ``max_read`` bytes or meet the end of the file (:func:`plan_batch` plans
-    those)."""
+    number of tensor operations for all rows at once: the row's whole aligned span read into
+    the start of the buffer, in reads of ``max_read`` bytes rounded down to the alignment (the
+    last one shorter), the samples ``stride x itemsize`` bytes apart there (``step``: one
+    strided view), the exact ``bounds`` known. None for every other row, and for a run whose
+    reads would meet the end of the file (:func:`plan_batch` plans those)."""
     rows, n = idx.shape
     step = geometry.stride * geometry.itemsize
-    if n < 2 or step > geometry.sample_bytes:
+    most = max_read - max_read % alignment
+    if n < 2 or step > geometry.sample_bytes or most <= 0:
         return [None] * rows
     starts = idx.select(1, 0).mul(step).add_(geometry.base)
     into = starts.bitwise_and(alignment - 1)  # the first sample's offset in its aligned block
@@ -228,15 +229,23 @@ def plan_runs(idx: torch.Tensor, geometry: SampleGeometry, *, alignment: int,
     ramps: dict[int, torch.Tensor] = {}  # sample_at by the first sample's offset in its block
     plans: list[BatchPlan | None] = []
     for r, (is_run, low, size, at) in enumerate(stats):
-        if not is_run or low + size > geometry.file_size or size > max_read:
+        if not is_run or low + size > geometry.file_size:
             plans.append(None)
             continue
         sample_at = ramps.get(at)
         if sample_at is None:
             sample_at = ramps[at] = torch.arange(at, at + n * step, step, dtype=torch.int64)
-        plans.append(BatchPlan(buffer_offsets=zero, file_offsets=lo.narrow(0, r, 1), sizes=sizes.narrow(0, r, 1),
+        if size <= most:  # one read: views of the block's columns
+            at_buffer, file_offsets, read_sizes, smallest = zero, lo.narrow(0, r, 1), sizes.narrow(0, r, 1), size
+        else:
+            at_buffer = torch.arange(0, size, most, dtype=torch.int64)
+            file_offsets = at_buffer + low
+            smallest = size - (at_buffer.numel() - 1) * most
+            read_sizes = torch.full_like(at_buffer, most)
+            read_sizes[-1] = smallest
+        plans.append(BatchPlan(buffer_offsets=at_buffer, file_offsets=file_offsets, sizes=read_sizes,
                                sample_at=sample_at, buffer_bytes=size, nbytes=size, step=step,
-                               bounds=(low, low + size, size, size, alignment)))
+                               bounds=(low, low + size, smallest, min(size, most), alignment)))
     return plans
 
 

@@ -84,7 +84,7 @@ def test_consecutive_samples_are_one_planned_read_per_group(corpus, monkeypatch)
                         or real(self, path, buf, ranges, *a, **k))
     with TokenDataset(prefix, seq_len=SEQ) as ds:
         order = list(range(7, 7 + 48))
-        got = list(ds.batches(order, 4, prefetch=8))  # groups of 2 batches: 8 samples, one read each
+        got = list(ds.batches(order, 4, prefetch=4))  # groups of 2 batches: 8 samples, one read each
         assert torch.equal(torch.cat(got), _rows(tokens, order))
         assert len(sizes) == 6 and all(len(s) == 1 and s[0] == 8 * SEQ * 2 + 4096 for s in sizes)
         tail = list(range(len(ds) - 10, len(ds)))
@@ -112,6 +112,18 @@ def test_consecutive_samples_are_checked_like_any_batch(corpus, monkeypatch, eng
             with pytest.raises(DeepNVMeIOError, match=r"c\.bin") as info:
                 list(ds.batches(order, 8, prefetch=8))
             assert info.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize("prefetch, calls", [(1, 10), (2, 10), (3, 10), (8, 3), (16, 2)])
+def test_batches_are_read_in_groups_of_half_the_prefetch(corpus, monkeypatch, prefetch, calls):
+    """One read call per group of ``prefetch // 2`` batches (at least one): two calls in flight,
+    each call's cost shared by as many batches as that allows."""
+    prefix, tokens = corpus
+    made = _spy(monkeypatch)
+    with TokenDataset(prefix, seq_len=SEQ) as ds:
+        order = _apart(len(ds), 40, seed=6)
+        assert torch.equal(torch.cat(list(ds.batches(order, 4, prefetch=prefetch))), _rows(tokens, order))
+        assert len(made) == calls
 
 
 def test_batches_are_fresh_tensors(corpus):

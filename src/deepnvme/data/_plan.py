@@ -20,7 +20,8 @@ import torch
 
 from ..io.plan import align_up
 
-__all__ = ["SampleGeometry", "BatchPlan", "plan_batch", "plan_apart", "batch_buffer_bytes", "sample_indices"]
+__all__ = ["SampleGeometry", "BatchPlan", "plan_batch", "plan_apart", "plan_runs", "batch_buffer_bytes",
+           "sample_indices"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +201,51 @@ def plan_apart(idx: torch.Tensor, geometry: SampleGeometry, *, alignment: int,
         plans.append(BatchPlan(buffer_offsets=buffer_offsets, file_offsets=lo[r], sizes=sizes[r],
                                sample_at=sample_at[r], buffer_bytes=n * slot, nbytes=nbytes, step=even,
                                bounds=(lowest, end, smallest, largest, alignment)))
+    return plans
+
+
+def plan_runs(idx: torch.Tensor, geometry: SampleGeometry, *, alignment: int,
+              max_read: int) -> list[BatchPlan | None]:
+    """Plans of the rows of ``idx`` (a ``[rows, n]`` int64 tensor of indices in ``[0, count)``,
+    checked by the caller; ``alignment`` a power of two) that are runs of consecutive samples
+    (``i, i + 1, ...``, each overlapping or touching the next: sequential order), with a fixed
+    number of tensor operations for all rows at once: the row's whole aligned span read into
+    the start of the buffer, in reads of ``max_read`` bytes rounded down to the alignment (the
+    last one shorter), the samples ``stride x itemsize`` bytes apart there (``step``: one
+    strided view), the exact ``bounds`` known. None for every other row, and for a run whose
+    reads would meet the end of the file (:func:`plan_batch` plans those)."""
+    rows, n = idx.shape
+    step = geometry.stride * geometry.itemsize
+    most = max_read - max_read % alignment
+    if n < 2 or step > geometry.sample_bytes or most <= 0:
+        return [None] * rows
+    starts = idx.select(1, 0).mul(step).add_(geometry.base)
+    into = starts.bitwise_and(alignment - 1)  # the first sample's offset in its aligned block
+    lo = starts - into
+    sizes = (into + ((n - 1) * step + geometry.sample_bytes + alignment - 1)).bitwise_and_(-alignment)
+    run = idx.sub(idx.narrow(1, 0, 1)).eq_(torch.arange(n, dtype=torch.int64)).all(1)
+    stats = torch.stack([run.to(torch.int64), lo, sizes, into], 1).tolist()
+    zero = torch.zeros(1, dtype=torch.int64)
+    ramps: dict[int, torch.Tensor] = {}  # sample_at by the first sample's offset in its block
+    plans: list[BatchPlan | None] = []
+    for r, (is_run, low, size, at) in enumerate(stats):
+        if not is_run or low + size > geometry.file_size:
+            plans.append(None)
+            continue
+        sample_at = ramps.get(at)
+        if sample_at is None:
+            sample_at = ramps[at] = torch.arange(at, at + n * step, step, dtype=torch.int64)
+        if size <= most:  # one read: views of the block's columns
+            at_buffer, file_offsets, read_sizes, smallest = zero, lo.narrow(0, r, 1), sizes.narrow(0, r, 1), size
+        else:
+            at_buffer = torch.arange(0, size, most, dtype=torch.int64)
+            file_offsets = at_buffer + low
+            smallest = size - (at_buffer.numel() - 1) * most
+            read_sizes = torch.full_like(at_buffer, most)
+            read_sizes[-1] = smallest
+        plans.append(BatchPlan(buffer_offsets=at_buffer, file_offsets=file_offsets, sizes=read_sizes,
+                               sample_at=sample_at, buffer_bytes=size, nbytes=size, step=step,
+                               bounds=(low, low + size, smallest, min(size, most), alignment)))
     return plans
 
 

@@ -120,9 +120,10 @@ def _blocks(order: Iterable[int] | torch.Tensor, size: int) -> Iterator[torch.Te
 
 
 def group_size(prefetch: int) -> int:
-    """Batches read with one ``read_many`` call: a quarter of ``prefetch`` (at least 1), so the
-    cost of a call is shared by several batches while four calls stay in flight."""
-    return max(1, prefetch // 4)
+    """Batches read with one ``read_many`` call: half of ``prefetch`` (at least 1), so the cost
+    of a call (its hand-offs between threads, each a sleep and a wake-up) is shared by as many
+    batches as can be while two calls stay in flight: one read while the other is consumed."""
+    return max(1, prefetch // 2)
 
 
 def _finish(reader: SampleReader, item: _InFlight, pool: BufferPool, batch_size: int, pin_memory: bool,

@@ -26,7 +26,7 @@ from ..io.plan import PAGE_SIZE
 from ..io.volume import VolumePath
 from ..memory.pinned import BufferPool
 from ..memory.views import aligned_empty
-from ._plan import BatchPlan, SampleGeometry, batch_buffer_bytes, plan_apart, plan_batch
+from ._plan import BatchPlan, SampleGeometry, batch_buffer_bytes, plan_apart, plan_batch, plan_runs
 
 __all__ = ["SampleReader"]
 
@@ -80,16 +80,23 @@ class SampleReader:
 
     def plan_rows(self, idx: torch.Tensor) -> list[BatchPlan | None]:
         """Plans of the rows of ``idx`` (a ``[rows, n]`` int64 tensor) made together, where every
-        index is in range and the samples of a row lie apart (:func:`~deepnvme.data._plan.plan_apart`);
-        None for a row to plan with :meth:`plan` (all of them when an index is out of range or
-        negative: :meth:`plan` raises or maps it when its row is reached)."""
-        align = self.alignment
+        index is in range and a row is a run of consecutive samples (one read of its span:
+        :func:`~deepnvme.data._plan.plan_runs`) or its samples lie apart
+        (:func:`~deepnvme.data._plan.plan_apart`); None for a row to plan with :meth:`plan` (all
+        of them when an index is out of range or negative: :meth:`plan` raises or maps it when
+        its row is reached)."""
+        cfg = self._io().config
+        align = max(cfg.alignment, PAGE_SIZE)
         if not idx.numel() or align & (align - 1):
             return [None] * idx.shape[0]
         low, high = (int(v) for v in torch.aminmax(idx))
         if low < 0 or high >= self.geometry.count:
             return [None] * idx.shape[0]
-        return plan_apart(idx, self.geometry, alignment=align, gap=align)
+        runs = plan_runs(idx, self.geometry, alignment=align, max_read=cfg.block_size)
+        if all(plan is not None for plan in runs):
+            return runs
+        apart = plan_apart(idx, self.geometry, alignment=align, gap=align)
+        return [run or other for run, other in zip(runs, apart)]
 
     def buffer_bytes(self, batch_size: int) -> int:
         """Bytes of the read buffer one batch of ``batch_size`` samples needs at most."""

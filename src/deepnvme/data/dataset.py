@@ -164,7 +164,7 @@ class TokenDataset(torch.utils.data.Dataset[torch.Tensor]):
                 iterable or a 1-D tensor.
             batch_size: samples per batch; a positive int.
             prefetch: batches read ahead of the consumer (read in groups of
-                ``max(1, prefetch // 4)`` batches per ``read_many`` call).
+                ``max(1, prefetch // 2)`` batches per ``read_many`` call).
             pin_memory: allocate the yielded batches page-locked.
             drop_last: drop the last batch when it is short.
             device: yield batches there (e.g. ``"cuda"``), each copied through one reused

@@ -173,8 +173,12 @@ def _serve(work: queue.SimpleQueue[_Part | None], make_queue: Callable[[int], Ke
                     _close(kq)
                     kq = None
             finally:
-                part.job.part_done(nbytes)
-            part = None
+                # the part's tensors go before its batch completes: a daemon thread that frees a
+                # tensor after the caller was told the batch is done can meet the interpreter's
+                # exit there (torch's deallocator takes the GIL back inside a noexcept frame:
+                # std::terminate, SIGABRT at exit)
+                job, part = part.job, None
+                job.part_done(nbytes)
     finally:
         if kq is not None:
             _close(kq)

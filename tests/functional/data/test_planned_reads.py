@@ -72,6 +72,60 @@ def test_apart_samples_take_the_planned_path(corpus, monkeypatch, small_reads):
         assert one[0].dtype == torch.uint16 and torch.equal(torch.stack(one).to(torch.int64), _rows(tokens, order[:5]))
 
 
+def test_consecutive_samples_are_one_planned_read_per_group(corpus, monkeypatch):
+    """A sequential order is read one span per group (a read of the group's samples, through the
+    planned path), the tokens exact; the run that meets the end of the file is planned apart."""
+    prefix, tokens = corpus
+    calls = _spy(monkeypatch)
+    sizes = []
+    real = AioHandle._read_planned
+    monkeypatch.setattr(AioHandle, "_read_planned",
+                        lambda self, path, buf, ranges, *a, **k: sizes.append(ranges[2].tolist())
+                        or real(self, path, buf, ranges, *a, **k))
+    with TokenDataset(prefix, seq_len=SEQ) as ds:
+        order = list(range(7, 7 + 48))
+        got = list(ds.batches(order, 4, prefetch=4))  # groups of 2 batches: 8 samples, one read each
+        assert torch.equal(torch.cat(got), _rows(tokens, order))
+        assert len(sizes) == 6 and all(len(s) == 1 and s[0] == 8 * SEQ * 2 + 4096 for s in sizes)
+        tail = list(range(len(ds) - 10, len(ds)))
+        calls.clear()
+        assert torch.equal(torch.cat(list(ds.batches(tail, 5, prefetch=4))), _rows(tokens, tail))
+
+
+@pytest.mark.skipif(not KERNEL_ENGINES, reason="no kernel engine on this system")
+@pytest.mark.parametrize("engine", KERNEL_ENGINES)
+def test_consecutive_samples_are_checked_like_any_batch(corpus, monkeypatch, engine):
+    """A group's one read of consecutive samples still has every completion checked: short and
+    interrupted ones resubmitted, a failure naming the file."""
+    prefix, tokens = corpus
+    config = IOConfig(engine=engine, queue_depth=8)
+    calls = _spy(monkeypatch)
+    order = list(range(100, 164))
+    with pytest.MonkeyPatch.context() as mp:
+        queues = install_faulty_queue(mp, engine, max_len=8192, eintr_every=3)
+        with TokenDataset(prefix, seq_len=SEQ, config=config) as ds:
+            assert torch.equal(torch.cat(list(ds.batches(order, 8, prefetch=8))), _rows(tokens, order))
+        assert calls and sum(q.calls["short"] for q in queues) and sum(q.calls["eintr"] for q in queues)
+    with pytest.MonkeyPatch.context() as mp:
+        install_faulty_queue(mp, engine, fail_read_at=0, errno_=errno.EIO)
+        with TokenDataset(prefix, seq_len=SEQ, config=config) as ds:
+            with pytest.raises(DeepNVMeIOError, match=r"c\.bin") as info:
+                list(ds.batches(order, 8, prefetch=8))
+            assert info.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize("prefetch, calls", [(1, 10), (2, 10), (3, 10), (8, 3), (16, 2)])
+def test_batches_are_read_in_groups_of_half_the_prefetch(corpus, monkeypatch, prefetch, calls):
+    """One read call per group of ``prefetch // 2`` batches (at least one): two calls in flight,
+    each call's cost shared by as many batches as that allows."""
+    prefix, tokens = corpus
+    made = _spy(monkeypatch)
+    with TokenDataset(prefix, seq_len=SEQ) as ds:
+        order = _apart(len(ds), 40, seed=6)
+        assert torch.equal(torch.cat(list(ds.batches(order, 4, prefetch=prefetch))), _rows(tokens, order))
+        assert len(made) == calls
+
+
 def test_batches_are_fresh_tensors(corpus):
     """Batches picked through one reused scratch are not views of it: a later batch never
     changes an earlier one."""

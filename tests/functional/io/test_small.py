@@ -15,6 +15,7 @@ import deepnvme
 from deepnvme.config import IOConfig
 from deepnvme.errors import DeepNVMeIOError, ShortTransferError
 from deepnvme.io import small
+from deepnvme.io.batch import Items
 from deepnvme.memory.views import aligned_empty
 
 from ...conftest import open_fds, random_tensor, same_bytes
@@ -200,3 +201,30 @@ def test_a_failing_size_check_after_a_short_read_fails_the_batch(tmp_path, kerne
             h.read_many_into(path, buf, buffer_offsets=at, file_offsets=offs, sizes=sizes).result(timeout=30)
         assert info.value.errno == errno.EIO
     assert open_fds() == before
+
+
+def test_a_part_frees_its_tensors_before_its_batch_completes(tmp_path, kernel, monkeypatch):
+    """The small-read thread holds no tensor of a batch once its future is done (a daemon thread
+    freeing a tensor while the interpreter exits aborts the process); the completion is delayed on
+    the worker after the future is set, so a reference kept until then would still be alive."""
+    import time
+    import weakref
+
+    path = str(tmp_path / "f")
+    _data, buf, at, offs, sizes = uneven(path, count=100)
+    real = small._Job.part_done
+
+    def late(self, nbytes):
+        real(self, nbytes)
+        time.sleep(0.2)  # the worker lingers after completing the batch
+
+    monkeypatch.setattr(small._Job, "part_done", late)
+    with make(kernel, intra_op_parallelism=1) as h:
+        absolute = at + buf.data_ptr()
+        alive = [weakref.ref(t) for t in (absolute, offs, sizes)]
+        items = Items(absolute.tolist(), sizes.tolist(), offs.tolist(), buf, None, (absolute, offs, sizes))
+        future = h._engine.submit_many(False, path, items, validate=False, fsync=None)
+        total = int(sizes.sum())
+        del absolute, offs, sizes, items
+        assert future.result() == total
+        assert [r() for r in alive] == [None, None, None]

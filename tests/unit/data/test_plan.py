@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deepnvme.data._plan import SampleGeometry, batch_buffer_bytes, plan_apart, plan_batch
+from deepnvme.data._plan import SampleGeometry, batch_buffer_bytes, plan_apart, plan_batch, plan_runs
 
 
 def _geometry(base=0, itemsize=2, seq_len=8, tokens_total=1000):
@@ -179,3 +179,62 @@ def test_rows_planned_together_fall_back_where_samples_meet():
     assert plan is not None and len(plan.reads) == 16 and plan.reads[4][1:] == plan.reads[15][1:]
     odd = _geometry(seq_len=100, itemsize=2, tokens_total=1001)  # the last read stops at the file's end
     assert plan_apart(torch.tensor([[odd.count - 1]]), odd, alignment=4096, gap=0) == [None]
+
+
+@given(st.data(), st.sampled_from([1, 2, 4]), st.integers(1, 3000), st.integers(2, 200000),
+       st.sampled_from([512, 4096]), st.sampled_from([4096, 65536, 1 << 20, 5000]), st.integers(1, 5),
+       st.integers(2, 40))
+def test_runs_planned_together_read_every_sample_exactly(data, itemsize, seq_len, tokens_total, alignment, max_read,
+                                                         rows, n):
+    """plan_runs: a row of consecutive samples is its aligned span read back to back in reads of
+    at most max_read bytes (None where the span passes the end of the file), its samples ``step``
+    bytes apart in the buffer, its bounds exact; every other row is None."""
+    geo = _geometry(data.draw(st.integers(0, 3)) * itemsize * 5, itemsize, seq_len, tokens_total)
+    if geo.count < n:
+        return
+    firsts = data.draw(st.lists(st.integers(0, geo.count - n), min_size=rows, max_size=rows))
+    broken = data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows))
+    table = []
+    for first, brk in zip(firsts, broken):
+        row = list(range(first, first + n))
+        if brk:  # one sample moved out of the run (or repeated)
+            k = data.draw(st.integers(1, n - 1))
+            row[k] = data.draw(st.integers(0, geo.count - 1).filter(lambda i, want=row[k]: i != want))
+        table.append(row)
+    idx = torch.tensor(table, dtype=torch.int64)
+    plans = plan_runs(idx, geo, alignment=alignment, max_read=max_read)
+    file = bytes(i * 7 % 251 for i in range(geo.file_size))
+    step, most = seq_len * itemsize, max_read - max_read % alignment
+    assert len(plans) == rows
+    for row, brk, plan in zip(table, broken, plans):
+        start = geo.base + row[0] * step
+        lo = start - start % alignment
+        hi = -(-(start + (n - 1) * step + geo.sample_bytes) // alignment) * alignment
+        whole = step <= geo.sample_bytes and not brk
+        assert (plan is None) == (not whole or hi > geo.file_size)
+        if plan is None:
+            continue
+        reads = plan.reads
+        assert [(at, off) for at, off, _ in reads] == [(at, lo + at) for at in range(0, hi - lo, most)]
+        assert all(size == most for _, _, size in reads[:-1]) and 0 < reads[-1][2] <= most
+        assert plan.nbytes == plan.buffer_bytes == sum(size for _, _, size in reads) == hi - lo
+        assert plan.bounds == (lo, hi, min(size for _, _, size in reads), max(size for _, _, size in reads),
+                               alignment)
+        assert plan.step == step and plan.buffer_bytes <= batch_buffer_bytes(n, geo, alignment=alignment, gap=0)
+        buf = _execute(plan, file)
+        for k, i in enumerate(row):
+            at = int(plan.sample_at[k])
+            assert at == int(plan.sample_at[0]) + k * step
+            assert buf[at:at + geo.sample_bytes] == file[geo.base + i * step:geo.base + i * step + geo.sample_bytes]
+
+
+def test_runs_are_planned_alone_where_they_cannot_be_one_span():
+    geo = _geometry(seq_len=2048, itemsize=2, tokens_total=2048 * 100 + 1)
+    runs = torch.tensor([[3, 4, 5], [7, 8, 60], [5, 5, 5], [geo.count - 3, geo.count - 2, geo.count - 1]])
+    ok, apart, repeat, last = plan_runs(runs, geo, alignment=4096, max_read=1 << 20)
+    assert ok is not None and ok.reads == ((0, 3 * 4096, 4 * 4096),) and ok.sample_at.tolist() == [0, 4096, 8192]
+    assert apart is None and repeat is None
+    assert last is None  # its read would pass the end of the file (2 bytes past a page)
+    (cut,) = plan_runs(runs[:1], geo, alignment=4096, max_read=3 * 4096 + 100)  # over max_read: two reads
+    assert cut is not None and cut.reads == ((0, 3 * 4096, 3 * 4096), (3 * 4096, 6 * 4096, 4096))
+    assert plan_runs(runs[:1, :1], geo, alignment=4096, max_read=1 << 20) == [None]  # one sample: not a run

@@ -512,8 +512,8 @@ TABLES: dict[str, Table] = {
                              Source("2 RAM devices, uncapped", "2026-11-27-volume-uncapped.json"))),
     "stream_quant": Table(stream_quant, (Source(DISK, "2026-11-27-stream-quant-disk.json"),
                                          Source(DISK, "2026-11-27-stream-quant-disk-g64.json", "group 64"))),
-    "data": Table(data_table, (Source(DISK, "2026-11-29-tokens-disk-cpu.json"),
-                               Source(RAM, "2026-11-29-tokens-ramdev-cpu.json"))),
+    "data": Table(data_table, (Source(DISK, "2026-12-07-tokens-disk.json"),
+                               Source(RAM, "2026-12-07-tokens-ramdev.json"))),
 }
 
 

@@ -513,7 +513,7 @@ TABLES: dict[str, Table] = {
     "stream_quant": Table(stream_quant, (Source(DISK, "2026-11-27-stream-quant-disk.json"),
                                          Source(DISK, "2026-11-27-stream-quant-disk-g64.json", "group 64"))),
     "data": Table(data_table, (Source(DISK, "2026-12-07-tokens-disk.json"),
-                               Source(RAM, "2026-12-07-tokens-ramdev.json"))),
+                               Source(RAM, "2026-12-07-tokens-ramdev-merged.json"))),
 }
 
 

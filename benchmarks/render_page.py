@@ -210,9 +210,12 @@ SECOND_READER = {"deepnvme_mmap": "deepnvme `mmap=True` GB/s", "deepnvme_buffere
 
 def load_rows(runs: Sequence[Run], cases: Sequence[str], second: str, rss: bool) -> Rows:
     """One row per (device, input): deepnvme, its ``second`` reader, then each peer as
-    'GB/s (deepnvme / peer)', in the order the run measured them."""
-    cols = ["device", "input", "deepnvme GB/s", SECOND_READER[second], "peers, GB/s (deepnvme / peer)"]
-    out = header(*cols, *(["peak RSS growth MiB: deepnvme / peers"] if rss else []))
+    'GB/s (deepnvme / peer)', in the order the run measured them; where a source has a variant,
+    a column with it (the path the default call took, and what chose it)."""
+    variants = any(src.variant for src, _ in runs)
+    cols = ["device", "input", *(["deepnvme's path (chosen by)"] if variants else []), "deepnvme GB/s",
+            SECOND_READER[second], "peers, GB/s (deepnvme / peer)"]
+    out = header(*cols, *(["peak RSS growth MiB: deepnvme / peers"] if rss else []), left=3 if variants else 2)
     sizes = []
     for src, data in runs:
         nbytes = data["bytes"]
@@ -223,8 +226,7 @@ def load_rows(runs: Sequence[Run], cases: Sequence[str], second: str, rss: bool)
                 continue
             ours = m["deepnvme"][0]
             peers = [(LOAD_PEERS[r], s, g) for r, (s, g) in m.items() if not r.startswith("deepnvme")]
-            device = f"{src.device} ({src.variant})" if src.variant else src.device
-            cells = [device, LOAD_INPUTS[case], f"{nbytes / ours / 1e9:.2f}",
+            cells = [src.device, LOAD_INPUTS[case], *([src.variant] if variants else []), f"{nbytes / ours / 1e9:.2f}",
                      f"{nbytes / m[second][0] / 1e9:.2f}" if second in m else "-",
                      ", ".join(f"{name} {nbytes / s / 1e9:.2f} ({ratio(s / ours)})" for name, s, _ in peers)]
             if rss:
@@ -481,9 +483,9 @@ TABLES: dict[str, Table] = {
     "manager_ranks_shared": Table(manager_ranks, (Source(DISK, "2026-11-27-manager-ranks-shared-disk.json"),
                                                   Source(RAM, "2026-11-27-manager-ranks-shared-ramdev.json"))),
     # deepnvme = the default call; its path is the device's cached choice (the variant says which)
-    "load": Table(load, (Source(DISK, "2026-12-07-load-fresh-disk-tuned.json", "after `tune --load`: direct"),
-                         Source(RAM, "2026-12-07-load-fresh-ramdev-firstuse.json", "first-use probe: direct"),
-                         Source(RAM, "2026-12-07-load-fresh-ramdev-tuned.json", "after `tune --load`: mapped"))),
+    "load": Table(load, (Source(DISK, "2026-12-07-load-fresh-disk-tuned.json", "direct (`tune --load`)"),
+                         Source(RAM, "2026-12-07-load-fresh-ramdev-firstuse.json", "direct (first-use probe)"),
+                         Source(RAM, "2026-12-07-load-fresh-ramdev-tuned.json", "mapped (`tune --load`)"))),
     # files and folders in the same repetitions on each device
     "load_into": Table(load_into, (Source(DISK, "2026-11-26-load-into-dirs-side-disk.json"),
                                    Source(RAM, "2026-11-26-load-into-dirs-ramdev.json"))),

@@ -40,7 +40,7 @@ from ..memory.views import aligned_empty, storage_bytes
 
 __all__ = ["LoadPaths", "Path", "PROBE_SLICE", "MARGIN", "choose", "measure", "load_paths",
            "cache_file", "cached_paths", "forget", "device_of", "lookup", "remeasure",
-           "WHOLE_MARGIN", "WHOLE_BYTES", "KINDS"]
+           "WHOLE_MARGIN", "WHOLE_BYTES", "KINDS", "undecided"]
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +100,20 @@ def choose(rates: Mapping[str, float], *, margin: float = MARGIN,
         pick: Path = "mapped" if mapped >= direct * margin else "direct"
         picks.append(pick)
         words.append(f"{kind}: mapped {mapped:.2f} GB/s vs O_DIRECT {direct:.2f} GB/s -> {pick}")
-        if slices and pick == "direct" and mapped > direct:
+        if slices and _inside_margin(direct, mapped, margin):
             words[-1] += (f" (mapped ahead by less than the probe's {margin:.1f}x margin: "
                           "`deepnvme tune --load` times whole loads)")
     return picks[0], picks[1], "; ".join(words)
+
+
+def _inside_margin(direct: float, mapped: float, margin: float) -> bool:
+    """Mapped ahead of direct, but by less than ``margin``: direct is kept, undecided."""
+    return direct < mapped < direct * margin
+
+
+def undecided(rates: Mapping[str, float], *, margin: float = MARGIN) -> bool:
+    """Whether :func:`choose` kept ``direct`` for a kind where mapped was ahead inside the margin."""
+    return any(_inside_margin(rates[f"{k}_direct"], rates[f"{k}_mapped"], margin) for k in ("fresh", "into"))
 
 
 def device_of(path: str) -> tuple[str, str]:
@@ -209,7 +219,7 @@ def load_paths(path: str, cfg: IOConfig, *,
                              "direct until a larger file or `deepnvme tune --load` measures", "default")
         fresh, into, why = choose(rates, slices=True)
         choice = LoadPaths(name, fresh, into, why, "measured", dict(rates), time.time())
-        log.log(logging.WARNING if "tune --load" in why else logging.INFO,
+        log.log(logging.WARNING if undecided(rates) else logging.INFO,
                 "deepnvme: loads on %s (%s) take fresh=%s, into=%s: %s (measured on %s)",
                 name, key, fresh, into, why, path)
         _memo[entry] = choice

@@ -85,14 +85,13 @@ class SampleReader:
         (:func:`~deepnvme.data._plan.plan_apart`); None for a row to plan with :meth:`plan` (all
         of them when an index is out of range or negative: :meth:`plan` raises or maps it when
         its row is reached)."""
-        cfg = self._io().config
-        align = max(cfg.alignment, PAGE_SIZE)
+        align = self.alignment
         if not idx.numel() or align & (align - 1):
             return [None] * idx.shape[0]
         low, high = (int(v) for v in torch.aminmax(idx))
         if low < 0 or high >= self.geometry.count:
             return [None] * idx.shape[0]
-        runs = plan_runs(idx, self.geometry, alignment=align, max_read=cfg.block_size)
+        runs = plan_runs(idx, self.geometry, alignment=align, max_read=self._io().config.block_size)
         if all(plan is not None for plan in runs):
             return runs
         apart = plan_apart(idx, self.geometry, alignment=align, gap=align)

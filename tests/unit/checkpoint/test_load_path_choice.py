@@ -7,7 +7,7 @@ import torch
 
 from deepnvme.checkpoint._fill_plan import Fill
 from deepnvme.checkpoint._fresh import MAX_GAP_FRACTION, regions
-from deepnvme.checkpoint._load_path import MARGIN, choose
+from deepnvme.checkpoint._load_path import MARGIN, choose, undecided
 from deepnvme.checkpoint._mapped_fill import windows
 from deepnvme.config import IOConfig, resolve_config
 from deepnvme.errors import ConfigError
@@ -40,6 +40,9 @@ def test_slice_probe_names_an_undecided_result_and_the_whole_load_probe():
     assert "tune --load" not in choose(_rates(1.0, 1.3, 2.0, 1.0), margin=1.1)[2]
     assert "tune --load" not in choose(_rates(1.0, 2.0, 2.0, 1.0), slices=True)[2]
     assert "tune --load" not in choose(_rates(1.0, 0.9, 2.0, 1.0), slices=True)[2]
+    # the log level of the first use follows the same rule
+    assert undecided(_rates(1.0, 1.3, 2.0, 1.0))
+    assert not undecided(_rates(1.0, 2.0, 2.0, 1.0)) and not undecided(_rates(1.0, 0.9, 2.0, 1.0))
 
 
 def test_load_path_setting_is_validated():
